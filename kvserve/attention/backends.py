@@ -1,0 +1,94 @@
+"""Attention backends, chosen by name. Each writes the new K/V into the paged cache and attends
+every new query token to its sequence's cached K/V (causally).
+
+`torch_ref` is the plain, clearly correct reference: it gathers each sequence's blocks and calls
+SDPA. Fast backends must match it (tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class TorchReferenceBackend:
+    """One SDPA call per sequence over its gathered blocks; slow and obviously right."""
+
+    name = "torch_ref"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_host
+        block_size = metadata.block_size
+        for i, seq_len in enumerate(metadata.seq_lens_host):
+            start, end = starts[i], starts[i + 1]
+            query_len = end - start
+            num_blocks = (seq_len + block_size - 1) // block_size
+            block_ids = metadata.block_tables[i, :num_blocks].long()
+            keys = kv_cache[0, block_ids].flatten(0, 1)[:seq_len]
+            values = kv_cache[1, block_ids].flatten(0, 1)[:seq_len]
+            mask = _causal_mask(query_len, seq_len, query.device)
+            attended = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            output[start:end] = attended.transpose(0, 1)
+        return output
+
+
+def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:
+    """Query r (absolute position seq_len - query_len + r) sees keys 0..that position."""
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
+    key_positions = torch.arange(seq_len, device=device)
+    return key_positions[None, :] <= query_positions[:, None]
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    TorchReferenceBackend.name: TorchReferenceBackend,
+}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"Unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def available_backends() -> list[str]:
+    return list(_BACKENDS)

@@ -1,0 +1,19 @@
+"""Allocation of the paged KV cache tensors (one per layer), the only KV memory kvserve owns."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.kv_size * element
+
+
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

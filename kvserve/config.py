@@ -1,0 +1,121 @@
+"""Model configuration shared by the weight loaders and the model code.
+
+One frozen dataclass describes the architecture whatever the checkpoint format, so the model
+never needs to know whether its weights came from a GGUF file or an HF directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from an HF `config.json` dict."""
+        model_type = hf.get("model_type", "")
+        hidden = hf["hidden_size"]
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            architecture=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_hf_rope_theta(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=_hf_rope_scaling(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF `config.json` fields that describe this model (used by tests and exports)."""
+        hf: dict[str, Any] = {
+            "model_type": self.architecture,
+            "architectures": [_HF_CLASS_NAMES.get(self.architecture, "LlamaForCausalLM")],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.rope_scaling:
+            hf["rope_scaling"] = dict(self.rope_scaling)
+        return hf
+
+
+_HF_CLASS_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _hf_rope_theta(hf: dict[str, Any]) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _hf_rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)

@@ -1,0 +1,41 @@
+"""Typed errors raised by kvserve.
+
+Every error a user can cause or fix carries a message that says what went wrong and what to do.
+The HTTP layer maps these to OpenAI-style error bodies; library users catch them by type.
+"""
+
+
+class KVServeError(Exception):
+    """Base class of every error kvserve raises on purpose."""
+
+
+class ModelNotFoundError(KVServeError):
+    """The model reference resolved to nothing usable."""
+
+
+class UnsupportedArchitectureError(KVServeError):
+    """The checkpoint is a model family kvserve does not implement."""
+
+
+class UnsupportedQuantizationError(KVServeError):
+    """A tensor is stored in a quantized format kvserve cannot read."""
+
+
+class UnsupportedTokenizerError(KVServeError):
+    """The checkpoint describes a tokenizer kvserve cannot build."""
+
+
+class CorruptModelFileError(KVServeError):
+    """A model file exists but cannot be parsed or is missing required parts."""
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request's parameters are invalid; nothing was scheduled."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt plus the requested output does not fit the model's context."""

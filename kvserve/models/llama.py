@@ -1,0 +1,194 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) over one flattened ragged batch.
+
+`forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H]`: no padding, no notion of
+requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
+HF-named checkpoint tensors into them. Each attention layer reads and writes its own slice of the
+paged KV cache, bound once by the runner with `bind_kv_cache`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.config import ModelConfig
+from kvserve.models.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = [rotary]  # shared table; a list keeps it out of this module's children
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, positions, hidden, metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        query, key = self.rotary[0](positions, query, key)
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
+        attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+        return self.o_proj(attended.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden, metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, backend)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, metadata):
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, metadata)
+        return self.norm(hidden)
+
+
+# HF checkpoint name fragment -> (our fused parameter fragment, shard index)
+_FUSED_SHARDS = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) for just the rows given: callers pass only sampled positions."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give layer i the tensor kv_caches[i] of shape [2, blocks, block_size, kv_heads, dim]."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"need {len(self.model.layers)} KV tensors, got {len(kv_caches)}")
+        for layer, cache in zip(self.model.layers, kv_caches):
+            layer.self_attn.kv_cache = cache
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters, casting to their dtype."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "rope_freqs.weight":
+                self.model.rotary_emb.freq_factors.copy_(tensor)
+                self.model.rotary_emb.reset_tables()
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if "rotary_emb.inv_freq" in name:
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            _shard_view(param, shard, self.config, target).copy_(tensor)
+            loaded.add(name)
+        self._check_complete(loaded)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected = set(hf_parameter_names(self.config))
+        missing = sorted(expected - loaded)
+        if missing:
+            from kvserve.errors import CorruptModelFileError
+
+            raise CorruptModelFileError(
+                f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}"
+            )
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in _FUSED_SHARDS.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard
+    return name, None
+
+
+def _shard_view(param: torch.Tensor, shard: int | None, config: ModelConfig, name: str):
+    if shard is None:
+        return param.data
+    if "qkv_proj" in name:
+        sizes = [config.q_size, config.kv_size, config.kv_size]
+    else:
+        sizes = [config.intermediate_size] * 2
+    return param.data.split(sizes, dim=0)[shard]
+
+
+def hf_parameter_names(config: ModelConfig) -> list[str]:
+    """Every HF checkpoint tensor name a complete checkpoint of this config holds."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    if config.attention_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    for i in range(config.num_hidden_layers):
+        names += [f"model.layers.{i}.{suffix}" for suffix in per_layer]
+    return names

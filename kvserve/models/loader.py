@@ -1,0 +1,108 @@
+"""Build a model for a config and fill it with weights from a ModelSource (or at random).
+
+A GGUF model, once converted, is cached as its own float32 state dict (fused layout): a later load
+memory-maps that file and assigns the tensors to the parameters without copying them (float32) or
+with one cast (other dtypes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvserve.attention import get_attention_backend
+from kvserve.config import ModelConfig
+from kvserve.errors import UnsupportedArchitectureError
+from kvserve.model_source import ModelSource
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.weights import cache, load_config, load_hf_named_tensors
+
+logger = logging.getLogger(__name__)
+
+_MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _construct_on_meta(config: ModelConfig, attention_backend: str):
+    if config.architecture not in _MODEL_CLASSES:
+        raise UnsupportedArchitectureError(f"No model class for {config.architecture!r}")
+    backend = get_attention_backend(attention_backend)
+    with torch.device("meta"):
+        return _MODEL_CLASSES[config.architecture](config, backend)
+
+
+def _finish(model, dtype: torch.dtype):
+    """Cast to dtype (RoPE stays float32, as in HF) and rebuild the RoPE table."""
+    model = model.to(dtype)
+    model.model.rotary_emb.float().reset_tables()
+    return model.eval().requires_grad_(False)
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
+                      attention_backend: str = "torch_ref"):
+    """Allocate without initialising (weights come next), on the target device and dtype."""
+    model = _construct_on_meta(config, attention_backend).to_empty(device=device)
+    model.model.rotary_emb.freq_factors.fill_(1.0)
+    return _finish(model, dtype)
+
+
+def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: str, attention_backend: str):
+    model = _construct_on_meta(config, attention_backend)
+    state = {name: tensor.to(device) for name, tensor in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return _finish(model, dtype)
+
+
+def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               attention_backend: str = "torch_ref", use_cache: bool = True):
+    """Return (model, config) with the source's weights loaded."""
+    torch_dtype = resolve_dtype(dtype)
+    start = time.perf_counter()
+    config = load_config(source, use_cache)
+    cached = cache.artifact_path(source.path, "weights.safetensors") \
+        if source.format == "gguf" and use_cache else None
+    if cached is not None and cached.is_file():
+        from safetensors.torch import load_file
+
+        model = _model_from_state(config, load_file(str(cached)), torch_dtype, device,
+                                  attention_backend)
+        how = f"from cache {cached}"
+    else:
+        model = build_empty_model(config, torch.float32, device, attention_backend)
+        model.load_weights(load_hf_named_tensors(source, config).items())
+        if cached is not None:
+            cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
+        model = _finish(model, torch_dtype)
+        how = f"from {source.path}"
+    logger.info("model %s (%s) loaded %s in %.2fs", source.name, torch_dtype, how,
+                time.perf_counter() - start)
+    return model, config
+
+
+def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,
+                 device: str = "cpu", attention_backend: str = "torch_ref"):
+    """A model with small random weights (deterministic for a seed), for fast tests."""
+    model = build_empty_model(config, torch.float32, device, attention_backend)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return _finish(model, resolve_dtype(dtype))

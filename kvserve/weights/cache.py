@@ -1,0 +1,78 @@
+"""On-disk cache of what a GGUF file costs seconds to decode: weights, config and tokenizer.
+
+Opening a GGUF in Python (metadata parsing) takes ~3 s and dequantizing it several more; the cache
+turns a second load into memory-mapping one safetensors file. Entries are keyed by the GGUF's
+absolute path, size and mtime plus a format version, so an edited file is reconverted. The
+directory is `$KVSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvserve`, else `~/.cache/kvserve`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 2
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KVSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvserve"
+
+
+def artifact_path(gguf_path: Path, suffix: str) -> Path:
+    """Where an artifact derived from this exact GGUF file lives (may not exist yet)."""
+    stat = gguf_path.stat()
+    key_text = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}.{suffix}"
+
+
+def _atomic_write(destination: Path, write: Callable[[str], None]) -> None:
+    """Write to a temp file then rename, so a crash never leaves a half-written entry."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=destination.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp_name)
+        os.replace(tmp_name, destination)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def save_tensors(tensors: dict, destination: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        _atomic_write(destination, lambda name: save_file(tensors, name))
+    except OSError as exc:  # a read-only cache dir must not stop the model from loading
+        logger.warning("could not write cache entry %s: %s", destination, exc)
+
+
+def cached_json(gguf_path: Path, suffix: str, compute: Callable[[], Any],
+                use_cache: bool = True) -> Any:
+    """Return the cached JSON artifact, computing and storing it on a miss."""
+    path = artifact_path(gguf_path, suffix)
+    if use_cache and path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            logger.warning("ignoring unreadable cache entry %s", path)
+    value = compute()
+    if use_cache:
+        try:
+            _atomic_write(path, lambda name: Path(name).write_text(json.dumps(value)))
+        except OSError as exc:
+            logger.warning("could not write cache entry %s: %s", path, exc)
+    return value

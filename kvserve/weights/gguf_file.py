@@ -1,0 +1,195 @@
+"""Read GGUF files: metadata -> ModelConfig, tensors -> HF-named float32 arrays.
+
+We map llama.cpp tensor names to HF names so one `load_weights` serves both formats, and undo the
+Q/K row permutation llama.cpp's converter applies to Llama-style models (it turns HF's rotate-half
+RoPE layout into the interleaved one llama.cpp computes with).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.errors import (
+    CorruptModelFileError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+)
+
+# GGUF arrays we never need as Python lists when reading the model config.
+_BULKY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def open_gguf(path: Path):
+    """Open a GGUF file, turning parse failures into CorruptModelFileError."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ...
+        raise CorruptModelFileError(
+            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
+            "Re-download or re-convert it."
+        ) from exc
+
+
+def read_metadata(reader, include_bulky: bool = False) -> dict[str, Any]:
+    """All key/value metadata as Python values (tokenizer arrays only when asked)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if not include_bulky and key in _BULKY_KEYS:
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as exc:
+            raise CorruptModelFileError(f"GGUF metadata key {key!r} is unreadable: {exc}") from exc
+    return meta
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """Translate llama.cpp's `<arch>.*` keys into our ModelConfig."""
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise CorruptModelFileError("GGUF file has no general.architecture key")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"Architecture {arch!r} is not supported yet; kvserve implements "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise CorruptModelFileError(f"GGUF file lacks required key {full!r}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        raise CorruptModelFileError(f"GGUF file lacks {arch}.vocab_size")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=_rope_scaling(meta, arch),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    raise UnsupportedArchitectureError(f"RoPE scaling {kind!r} in GGUF files is not supported")
+
+
+def load_gguf_config(path: Path) -> ModelConfig:
+    reader = open_gguf(path)
+    return config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """llama.cpp name -> HF name, or None for tensors we do not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array in HF layout) for every tensor the model uses."""
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        array = dequantize_tensor(tensor)
+        if config.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                array = unpermute_rope_rows(array, config.num_attention_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                array = unpermute_rope_rows(array, config.num_key_value_heads)
+        yield name, array
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """Dequantize one GGUF tensor to float32 in numpy (row-major, HF orientation)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost-first
+    try:
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(tensor.data)
+        else:
+            array = quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as exc:
+        raise UnsupportedQuantizationError(
+            f"Tensor {tensor.name!r} uses quantization {qtype.name}, which the gguf package "
+            "cannot dequantize. Re-quantize the model to one of F32, F16, BF16, Q8_0, Q4_0, "
+            "Q4_1, Q5_0, Q5_1, Q2_K..Q6_K or an IQ type."
+        ) from exc
+    except Exception as exc:
+        raise CorruptModelFileError(
+            f"Tensor {tensor.name!r} ({qtype.name}) could not be decoded: {exc}"
+        ) from exc
+    try:
+        return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+    except ValueError as exc:
+        raise CorruptModelFileError(
+            f"Tensor {tensor.name!r} has {array.size} values, expected shape {shape}"
+        ) from exc
+
+
+def unpermute_rope_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's per-head row interleave of Q/K projections (rows 0,2,4,..,1,3,5..)."""
+    rows = array.shape[0]
+    rest = array.shape[1:]
+    half = rows // num_heads // 2
+    return array.reshape(num_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)

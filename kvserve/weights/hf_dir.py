@@ -1,0 +1,52 @@
+"""Read HF model directories: config.json and *.safetensors shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
+
+
+def load_hf_config(directory: Path) -> ModelConfig:
+    config_path = directory / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CorruptModelFileError(f"Cannot read {config_path}: {exc}") from exc
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{config_path} declares model_type {model_type!r}; kvserve implements "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as exc:
+        raise CorruptModelFileError(f"{config_path} lacks required field {exc}") from exc
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CorruptModelFileError(
+            f"{directory} has no *.safetensors files (PyTorch .bin checkpoints are not read: "
+            "convert them with save_pretrained(safe_serialization=True))."
+        )
+    return files
+
+
+def iter_hf_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (OSError, ValueError) as exc:
+            raise CorruptModelFileError(f"Cannot read {file}: {exc}") from exc

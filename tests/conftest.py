@@ -1,0 +1,87 @@
+"""Shared fixtures: the bundled real model (ours and HF's reference) and a tiny random model."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from kvserve.model_source import resolve_model
+from kvserve.testing.tiny import tiny_config
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm_source():
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm_source):
+    from kvserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm_source)
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32(smollm_source):
+    from kvserve.models import load_model
+
+    model, _ = load_model(smollm_source, "float32")
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_source):
+    """HF transformers loading the same GGUF in float32: the reference."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_source.path.parent), gguf_file=smollm_source.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm_source):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm_source.path.parent), gguf_file=smollm_source.path.name
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from kvserve.models import random_model
+
+    return random_model(tiny_config(), "float32", seed=0)
+
+
+def long_text() -> str:
+    """Real prose and code (the standard library's textwrap module) for prompts > 1,000 tokens."""
+    return inspect.getsource(textwrap)
+
+
+def chat_prompts(tokenizer) -> list[str]:
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You are a terse assistant."},
+         {"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "Explain what a hash table is."},
+         {"role": "assistant", "content": "A map from keys to values using a hash function."},
+         {"role": "user", "content": "And what is a collision?"}],
+        [{"role": "user", "content": "List three prime numbers greater than 100."}],
+    ]
+    return [tokenizer.apply_chat_template(c) for c in conversations]
+
+
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the river,",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "Les chats sont des animaux",
+    "1, 2, 3, 5, 8, 13,",
+]
