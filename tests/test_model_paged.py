@@ -1,0 +1,69 @@
+"""The model over the paged cache on the tiny random model: chunking, block sizes, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import build_attention_metadata
+from kvserve.models import random_model
+from kvserve.testing.paged_loop import PagedLoop
+from kvserve.testing.tiny import tiny_config
+
+PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(45)]
+
+
+def _full_prefill(model, ids, block_size=16):
+    return PagedLoop(model, 1, 64, block_size).step([ids], [len(ids)], [0], all_logits=True)[0]
+
+
+def test_chunked_prefill_equals_one_shot(tiny_model):
+    reference = _full_prefill(tiny_model, PROMPT)
+    loop = PagedLoop(tiny_model, 1, 64)
+    pieces, done = [], 0
+    for size in (7, 1, 16, 21):
+        chunk = PROMPT[done: done + size]
+        done += len(chunk)
+        pieces.append(loop.step([chunk], [done], [0], all_logits=True)[0])
+    assert torch.allclose(torch.cat(pieces), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_size_does_not_change_results(tiny_model, block_size):
+    reference = _full_prefill(tiny_model, PROMPT)
+    assert torch.allclose(_full_prefill(tiny_model, PROMPT, block_size), reference, atol=1e-5)
+
+
+def test_mixed_prefill_and_decode_batch(tiny_model):
+    """One batch holding a decode of sequence 0 and a prefill chunk of sequence 1."""
+    loop = PagedLoop(tiny_model, 2, 64)
+    first = loop.step([PROMPT[:10]], [10], [0])[0]
+    token = int(first.argmax())
+    mixed = loop.step([[token], PROMPT[:20]], [11, 20], [0, 1])
+    alone_0 = PagedLoop(tiny_model, 1, 64).step([PROMPT[:10] + [token]], [11], [0])[0]
+    alone_1 = PagedLoop(tiny_model, 1, 64).step([PROMPT[:20]], [20], [0])[0]
+    assert torch.allclose(mixed[0], alone_0, atol=1e-5)
+    assert torch.allclose(mixed[1], alone_1, atol=1e-5)
+
+
+def test_bfloat16_close_to_float32():
+    fp32 = random_model(tiny_config(), "float32", seed=1)
+    bf16 = random_model(tiny_config(), "bfloat16", seed=1)
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    a, b = _full_prefill(fp32, PROMPT), _full_prefill(bf16, PROMPT)
+    assert b.dtype == torch.float32  # logits are always float32
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def test_slot_mapping_and_positions():
+    metadata, positions = build_attention_metadata(
+        query_lens=[3, 1], seq_lens=[3, 6], block_tables=[[5], [2, 9]], block_size=4)
+    assert positions.tolist() == [0, 1, 2, 5]
+    assert metadata.slot_mapping.tolist() == [20, 21, 22, 9 * 4 + 1]
+    assert metadata.query_start_loc_host == [0, 3, 4]
+    assert metadata.max_query_len == 3 and metadata.max_seq_len == 6
+
+
+def test_unknown_attention_backend():
+    with pytest.raises(ValueError, match="torch_ref"):
+        random_model(tiny_config(), attention_backend="nope")

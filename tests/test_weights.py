@@ -1,0 +1,195 @@
+"""GGUF and HF weight loading: config, name mapping, Q/K un-permutation, cache, typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.errors import (
+    CorruptModelFileError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+)
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model, random_model
+from kvserve.models.llama import hf_parameter_names
+from kvserve.testing.tiny import tiny_config
+from kvserve.weights import gguf_file, load_config
+
+gguf = pytest.importorskip("gguf")
+
+
+def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF Q/K rows (the inverse of our un-permute)."""
+    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{_TO_GGUF[rest]}"
+
+
+def write_gguf(path, config, tensors: dict[str, np.ndarray], arch="llama", qtype=None,
+               raw_override: dict | None = None):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_vocab_size(config.vocab_size)
+    for name, array in tensors.items():
+        gguf_name = _gguf_name(name)
+        if "q_proj" in name:
+            array = _llama_cpp_permute(array, config.num_attention_heads)
+        elif "k_proj" in name:
+            array = _llama_cpp_permute(array, config.num_key_value_heads)
+        if raw_override and gguf_name in raw_override:
+            data, raw_type = raw_override[gguf_name]
+            writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
+        elif qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _hf_tensors(config, seed=0) -> dict[str, np.ndarray]:
+    model = random_model(config, "float32", seed=seed)
+    fused = dict(model.named_parameters())
+    tensors = {}
+    for name in hf_parameter_names(config):
+        for part, (fused_part, index, sizes) in {
+            "q_proj": ("qkv_proj", 0, None), "k_proj": ("qkv_proj", 1, None),
+            "v_proj": ("qkv_proj", 2, None), "gate_proj": ("gate_up_proj", 0, None),
+            "up_proj": ("gate_up_proj", 1, None),
+        }.items():
+            if part in name:
+                source = fused[name.replace(part, fused_part)]
+                split = ([config.q_size, config.kv_size, config.kv_size] if "qkv" in fused_part
+                         else [config.intermediate_size] * 2)
+                tensors[name] = source.split(split)[index].numpy().copy()
+                break
+        else:
+            tensors[name] = fused[name].numpy().copy()
+    return tensors, model
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_real_gguf_config(smollm_source):
+    config = load_config(smollm_source)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.rope_theta == 100000.0 and config.max_position_embeddings == 8192
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_gguf_round_trip_unpermutes_and_maps_names(tmp_path, isolated_cache, qtype):
+    config = tiny_config(vocab_size=256, hidden_size=64)
+    tensors, reference = _hf_tensors(config)
+    path = tmp_path / "tiny.gguf"
+    quant = getattr(gguf.GGMLQuantizationType, qtype) if qtype else None
+    write_gguf(path, config, tensors, qtype=quant)
+    loaded, loaded_config = load_model(resolve_model(path), "float32")
+    assert loaded_config.num_hidden_layers == 2 and loaded_config.tie_word_embeddings
+    tolerance = 0.0 if qtype is None else 0.01  # Q8_0 rounds to 1/127 of each block's max
+    for name, param in reference.named_parameters():
+        delta = (dict(loaded.named_parameters())[name] - param).abs().max().item()
+        assert delta <= tolerance, name
+    # second load comes from the cache and is identical
+    assert any(isolated_cache.rglob("*.weights.safetensors"))
+    again, _ = load_model(resolve_model(path), "float32")
+    for (name, a), (_, b) in zip(loaded.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_unsupported_architecture(tmp_path, isolated_cache):
+    config = tiny_config(vocab_size=256)
+    tensors, _ = _hf_tensors(config)
+    path = tmp_path / "gemma.gguf"
+    write_gguf(path, config, tensors, arch="gemma3")
+    with pytest.raises(UnsupportedArchitectureError, match="gemma3.*llama"):
+        load_model(resolve_model(path))
+
+
+def test_unsupported_quantization(tmp_path, isolated_cache):
+    config = tiny_config(vocab_size=256)
+    tensors, _ = _hf_tensors(config)
+    q8k = gguf.GGMLQuantizationType.Q8_K
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[q8k]
+    shape = tensors["model.layers.0.mlp.down_proj.weight"].shape  # [64, 128]
+    raw = np.zeros((shape[0], shape[1] // block_elems * block_bytes), dtype=np.uint8)
+    path = tmp_path / "q8k.gguf"
+    write_gguf(path, config, tensors, raw_override={"blk.0.ffn_down.weight": (raw, q8k)})
+    with pytest.raises(UnsupportedQuantizationError, match="Q8_K"):
+        load_model(resolve_model(path))
+
+
+def test_corrupt_gguf(tmp_path, isolated_cache, smollm_source):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(smollm_source.path.read_bytes()[:100_000])
+    with pytest.raises(CorruptModelFileError, match="not a readable GGUF"):
+        load_model(resolve_model(path))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf at all" * 100)
+    with pytest.raises(CorruptModelFileError):
+        load_model(resolve_model(garbage))
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    from kvserve.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(tmp_path / "nope.gguf")
+
+
+def test_hf_directory_missing_weights(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    with pytest.raises(CorruptModelFileError, match="safetensors"):
+        load_model(resolve_model(tmp_path))
+
+
+def test_hf_directory_unsupported_model_type(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(UnsupportedArchitectureError, match="mamba"):
+        load_model(resolve_model(tmp_path))
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    rows = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
+    assert np.array_equal(gguf_file.unpermute_rope_rows(_llama_cpp_permute(rows, 3), 3), rows)
