@@ -1,0 +1,148 @@
+"""The block pool: fixed-size KV blocks, reference counts, a free queue in eviction order, and
+the map from prefix hashes to cached blocks. Pure bookkeeping in block ids; no tensors.
+
+Free queue order (front is evicted first): blocks that can never be reused (no hash) go to the
+front; cached (hashed) blocks go to the back in the order they were freed, so the least recently
+used cached block is evicted first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BlockKey = tuple  # (parent_hash, token ids tuple, extra_keys)
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    block_key: BlockKey | None = None  # what was hashed, to confirm hits
+    prev: "KVBlock | None" = None
+    next: "KVBlock | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from the middle (a cache hit)."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self.num_free += 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self._tail.prev, block)
+
+    def append_front(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def pop_front(self) -> KVBlock:
+        block = self._head.next
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def block_ids(self) -> list[int]:
+        ids, node = [], self._head.next
+        while node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next
+        return ids
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Take `count` blocks from the front of the free queue, evicting their cached contents."""
+        if count > self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        taken = []
+        for _ in range(count):
+            block = self.free_queue.pop_front()
+            self._evict(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def lookup(self, block_hash: int, block_key: BlockKey) -> KVBlock | None:
+        """A cached block with this hash whose key matches exactly (no silent collisions)."""
+        block = self.cached.get(block_hash)
+        if block is None or block.block_key != block_key:
+            return None
+        return block
+
+    def touch(self, block: KVBlock) -> None:
+        """Take a reference on a (possibly free) cached block."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+        block.ref_count += 1
+
+    def free(self, blocks_tail_first: list[KVBlock]) -> None:
+        for block in blocks_tail_first:
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id} freed twice")
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.append_front(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
+        """Record a full, computed block under its prefix hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash, block.block_key = block_hash, block_key
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = block.block_key = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash (only when no block is in use, as vLLM does)."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            self._evict(block)
+        return True

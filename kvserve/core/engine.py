@@ -1,0 +1,204 @@
+"""LLMEngine: requests in, RequestOutputs out. `step()` is schedule -> execute -> update.
+
+Everything else (tokenizing, validation, fanning n > 1 out into sibling requests, stop strings)
+happens at the edges of a step, never inside the model runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from kvserve.attention.kv_tensors import kv_bytes_per_block
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.model_runner import ModelRunner
+from kvserve.core.output_processor import RequestGroup, SampleState
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine_config import EngineConfig
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model, resolve_dtype
+from kvserve.outputs import RequestOutput
+from kvserve.platform import default_dtype
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        start = time.perf_counter()
+        self.source = resolve_model(config.model)
+        dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
+            config.dtype)
+        self.model, self.model_config = load_model(self.source, dtype, config.device,
+                                                   config.attention_backend)
+        self.tokenizer = load_tokenizer(self.source)
+        self.dtype = dtype
+        num_blocks = self._num_kv_blocks(dtype)
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        ), self.kv_manager)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device,
+                                  config.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self._samples: dict[str, SampleState] = {}  # child request id -> its state
+        logger.info("engine ready in %.2fs: %s, %s, max_model_len %d",
+                    time.perf_counter() - start, self.source.name, dtype, self.max_model_len)
+
+    # ---- sizing --------------------------------------------------------------------------
+    def _num_kv_blocks(self, dtype) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            num_blocks = self.config.kv_cache_bytes() // per_block
+        if num_blocks < 1:
+            raise ValueError("KV cache budget is smaller than one block")
+        tokens = num_blocks * self.config.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks,
+                    self.config.block_size, tokens, num_blocks * per_block / 2**20, dtype)
+        return num_blocks
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        context = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or context
+        if wanted > context:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's context {context}")
+        capacity = num_blocks * self.config.block_size
+        if wanted > capacity:
+            logger.warning("max_model_len lowered from %d to %d: the KV pool holds no more",
+                           wanted, capacity)
+            wanted = capacity
+        return wanted
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError (nothing queued) if bad."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = self._validate(prompt_ids, params)
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            params.all_stop_token_ids.add(self.tokenizer.eos_token_id)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        group = RequestGroup(request_id, prompt_text, prompt_ids)
+        leader = None
+        for index in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            request = Request(child_id, prompt_ids, child_params, max_tokens, priority, arrival,
+                              prefill_leader=leader)
+            leader = leader or request
+            state = SampleState(request, request_id, index, self.tokenizer)
+            group.samples.append(state)
+            self._samples[child_id] = state
+        self.groups[request_id] = group
+        for state in group.samples:
+            self.scheduler.add_request(state.request)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
+                                      param="prompt")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt is a string, a list of token ids, or a dict",
+                                  param="prompt")
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Checks needing the model; returns the effective max_tokens."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
+                                      f"[0, {vocab})", param="prompt")
+        params.validate_for_vocab(vocab)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context is "
+                f"{self.max_model_len} tokens, leaving no room for output", param="prompt")
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ContextLengthExceededError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the maximum context of {self.max_model_len} tokens", param="max_tokens")
+        return params.max_tokens
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort user requests (all their samples) wherever they are; frees their blocks now."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            group = self.groups.pop(request_id, None)
+            if group is None:
+                continue
+            for state in group.samples:
+                self.scheduler.finish_request(state.request.request_id,
+                                              RequestStatus.FINISHED_ABORTED)
+                self._samples.pop(state.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching; returns outputs of requests that changed."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        changed: dict[str, RequestGroup] = {}
+        for item in scheduler_output.scheduled:
+            request = item.request
+            if not item.sample or request.request_id not in runner_output.sampled_token_ids:
+                continue
+            state = self._samples[request.request_id]
+            token = runner_output.sampled_token_ids[request.request_id]
+            stop = state.add_token(token, runner_output.logprobs.get(request.request_id))
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            changed[state.group_id] = self.groups[state.group_id]
+        outputs = [group.output() for group in changed.values()]
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        group = self.groups.pop(request_id)
+        for state in group.samples:
+            self._samples.pop(state.request.request_id, None)

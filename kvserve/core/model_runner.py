@@ -1,0 +1,83 @@
+"""ModelRunner: a SchedulerOutput -> one flattened ragged batch -> forward -> sampled tokens.
+
+The only part of the engine that touches tensors and device memory (the KV cache lives here).
+Logits are computed just for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention import build_attention_metadata
+from kvserve.attention.kv_tensors import allocate_kv_caches
+from kvserve.core.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
+from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
+                 seed: int = 0):
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
+        model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_ids:
+            self._generators.pop(request_id, None)
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return ModelRunnerOutput({}, {})
+        metadata, positions = build_attention_metadata(
+            [s.num_new_tokens for s in scheduled],
+            [s.start_position + s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+            self.block_size, self.device)
+        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long,
+                                 device=self.device)
+        hidden = self.model(input_ids, positions, metadata)
+        sampling = [s for s in scheduled if s.sample]
+        if not sampling:
+            return ModelRunnerOutput({}, {})
+        ends = metadata.query_start_loc_host
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        last_token_index = torch.tensor([ends[i + 1] - 1 for i in rows], device=self.device)
+        logits = self.model.compute_logits(hidden[last_token_index])
+        result = self.sampler(logits, [self._sampling_row(s) for s in sampling])
+        return self._package(sampling, result)
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        return SamplingRow(
+            params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=self._generator(request.request_id, request.sampling_params.seed),
+        )
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self._generators:
+            self._generators[request_id] = torch.Generator().manual_seed(seed)
+        return self._generators[request_id]
+
+    @staticmethod
+    def _package(sampling: list[ScheduledRequest], result: SamplerOutput) -> ModelRunnerOutput:
+        ids = [s.request.request_id for s in sampling]
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)

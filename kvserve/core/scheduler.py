@@ -1,0 +1,254 @@
+"""The phase-free continuous-batching scheduler.
+
+Each step hands out a token budget so that every request's `num_computed_tokens` catches up with
+its `num_tokens`: a decode needs 1, a prompt needs the rest of its prompt (chunked to the budget),
+a preempted request needs everything again minus its prefix hits. Running requests go first, then
+waiting ones in policy order (FCFS or priority). When the pool runs dry, the lowest-priority /
+latest running request is preempted by recompute: blocks freed, back to waiting, nothing lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start_position: int  # num_computed_tokens when scheduled
+    block_ids: list[int]
+    sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_position:self.start_position
+                                          + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the last step (runner cleanup)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: list[tuple[tuple, Request]] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def _key(self, request: Request, front: bool = False) -> tuple:
+        order = -next(self._arrivals) if front else next(self._arrivals)
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time, order)
+        return (order,)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, (self._key(request), request), key=lambda item: item[0])
+
+    def _push_front(self, request: Request) -> None:
+        """A preempted request goes back ahead of later arrivals (FCFS) or by priority."""
+        bisect.insort(self.waiting, (self._key(request, front=True), request),
+                      key=lambda item: item[0])
+
+    def _remove_waiting(self, request: Request) -> None:
+        self.waiting = [item for item in self.waiting if item[1] is not request]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(finished_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        now = time.monotonic()
+        for item in output.scheduled:
+            if item.request.times.first_scheduled is None:
+                item.request.times.first_scheduled = now
+        return output
+
+    def _tokens_wanted(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room
+            num_new = self._tokens_wanted(request, budget)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                self._record(output, request, num_new)
+                budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> int:
+        """Free the request's blocks and requeue it; returns budget refunded if it was already
+        scheduled this step."""
+        refund = 0
+        for item in list(output.scheduled):
+            if item.request is request:
+                output.scheduled.remove(item)
+                refund = item.num_new_tokens
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        output.preempted.append(request)
+        self._push_front(request)
+        return refund
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        skipped: list[tuple[tuple, Request]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            key, request = self.waiting[0]
+            if self._waits_for_leader(request):
+                skipped.append(self.waiting.pop(0))
+                continue
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.pop(0)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._record(output, request, num_new)
+            budget -= num_new
+        for item in skipped:
+            bisect.insort(self.waiting, item, key=lambda entry: entry[0])
+
+    @staticmethod
+    def _waits_for_leader(request: Request) -> bool:
+        """n > 1 siblings wait while their leader computes the shared prompt, then hit its
+        cached blocks instead of computing the prompt n times."""
+        leader = request.prefill_leader
+        return (leader is not None and leader.status == RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        output.scheduled.append(ScheduledRequest(
+            request=request, num_new_tokens=num_new, start_position=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens))
+
+    # ---- results ---------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+        Returns the requests that finished in this step."""
+        finished = []
+        now = time.monotonic()
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            if not item.sample:
+                continue
+            request.append_output_token(sampled_token_ids[request.request_id])
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.last_token = now
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.all_stop_token_ids:
+                if not params.ignore_eos or token in params.stop_token_ids:
+                    request.stop_reason = token if token in params.stop_token_ids else None
+                    return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, length or abort) a request wherever it is; frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self._remove_waiting(request)
+        request.status = status
+        request.times.finished = time.monotonic()
+        self.kv.free(request)
+        self._finished_since_step.append(request_id)
+        return request

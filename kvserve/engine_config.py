@@ -1,0 +1,40 @@
+"""EngineConfig: every engine option in one frozen dataclass. The CLI builds its flags from the
+fields' metadata (help text), so an option added here appears everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.model_source import DEFAULT_MODEL
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _opt(default, help_text: str, **extra):
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _opt(DEFAULT_MODEL, "bundled short name, .gguf file or HF model directory")
+    dtype: str = _opt("auto", "weights/activations dtype: auto (bfloat16 where the CPU has "
+                      "native bf16, else float32), float32, bfloat16, float16",
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("cpu", "torch device to run on")
+    max_model_len: int | None = _opt(None, "max tokens per sequence (prompt + output); default: "
+                                     "the model's context, capped by the KV pool")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _opt(None, "exact number of KV blocks (overrides "
+                                     "--kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int | None = _opt(None, "bytes for the KV cache (default 1 GiB)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    max_num_seqs: int = _opt(256, "max sequences in one batch")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    scheduling_policy: str = _opt("fcfs", "fcfs or priority (lower value runs first)",
+                                  choices=["fcfs", "priority"])
+    attention_backend: str = _opt("torch_ref", "attention implementation")
+    seed: int = _opt(0, "seed for requests that sample without their own seed")
+
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

@@ -1,0 +1,1 @@
+"""Entry points: the offline LLM class, the CLI and (later) the OpenAI-compatible server."""

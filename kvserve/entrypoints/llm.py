@@ -1,0 +1,94 @@
+"""The offline API, compatible with vLLM's: `from kvserve import LLM, SamplingParams`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from kvserve.core.engine import LLMEngine, PromptType
+from kvserve.engine_config import EngineConfig
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once, then `generate` or `chat` over many prompts in continuous batches."""
+
+    def __init__(self, model: str | None = None, **options: Any):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown LLM options: {', '.join(sorted(unknown))}")
+        if model is not None:
+            options["model"] = model
+        self.llm_engine = LLMEngine(EngineConfig(**options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for index, prompt in enumerate(prompts):
+                request_id = str(next(self._ids))
+                self.llm_engine.add_request(request_id, prompt, params[index],
+                                            priority=priority[index] if priority else 0)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
+                                                 chat_template=chat_template)
+            # the template already holds any BOS it wants
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params.clone() for _ in range(count)]
+        if len(sampling_params) != count:
+            raise ValueError("give one SamplingParams, or one per prompt")
+        return [p.clone() for p in sampling_params]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Generating", unit="req",
+                        disable=not use_tqdm)
+        with progress:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,103 @@
+"""SamplingParams: how to pick tokens and when to stop, compatible with vLLM's offline API.
+
+Validation happens here, at construction, so a bad value is an InvalidRequestError before the
+request ever reaches the engine loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from kvserve.errors import InvalidRequestError
+
+_GREEDY_EPSILON = 1e-5
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # filled by the engine: the model's EOS plus stop_token_ids
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}]"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be -1 (disabled), 0 (disabled) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "frequency_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty",
+             "repetition_penalty must be in (0, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must not exceed max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"at most {MAX_STOP_STRINGS} stop strings"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "stop strings must be non-empty strings"),
+            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist."""
+        for token_id in list(self.logit_bias or {}) + self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                param = "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids"
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
