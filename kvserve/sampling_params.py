@@ -97,7 +97,8 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 param = "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids"
                 raise InvalidRequestError(
-                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+                    f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    param=param)
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

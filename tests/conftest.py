@@ -85,3 +85,17 @@ RAW_PROMPTS = [
     "Les chats sont des animaux",
     "1, 2, 3, 5, 8, 13,",
 ]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    from kvserve.testing.tiny import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    from kvserve import LLM
+
+    return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16)

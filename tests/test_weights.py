@@ -13,7 +13,6 @@ from kvserve.errors import (
 )
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, random_model
-from kvserve.models.llama import hf_parameter_names
 from kvserve.testing.tiny import tiny_config
 from kvserve.weights import gguf_file, load_config
 
@@ -79,25 +78,9 @@ def write_gguf(path, config, tensors: dict[str, np.ndarray], arch="llama", qtype
     writer.close()
 
 
-def _hf_tensors(config, seed=0) -> dict[str, np.ndarray]:
+def _hf_tensors(config, seed=0) -> tuple[dict[str, np.ndarray], torch.nn.Module]:
     model = random_model(config, "float32", seed=seed)
-    fused = dict(model.named_parameters())
-    tensors = {}
-    for name in hf_parameter_names(config):
-        for part, (fused_part, index, sizes) in {
-            "q_proj": ("qkv_proj", 0, None), "k_proj": ("qkv_proj", 1, None),
-            "v_proj": ("qkv_proj", 2, None), "gate_proj": ("gate_up_proj", 0, None),
-            "up_proj": ("gate_up_proj", 1, None),
-        }.items():
-            if part in name:
-                source = fused[name.replace(part, fused_part)]
-                split = ([config.q_size, config.kv_size, config.kv_size] if "qkv" in fused_part
-                         else [config.intermediate_size] * 2)
-                tensors[name] = source.split(split)[index].numpy().copy()
-                break
-        else:
-            tensors[name] = fused[name].numpy().copy()
-    return tensors, model
+    return {name: t.numpy() for name, t in model.hf_state_dict().items()}, model
 
 
 @pytest.fixture

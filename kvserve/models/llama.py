@@ -148,6 +148,15 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         self._check_complete(loaded)
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our parameters under HF checkpoint names, fused projections split (for export)."""
+        params = dict(self.named_parameters())
+        state = {}
+        for name in hf_parameter_names(self.config):
+            target, shard = _fused_target(name)
+            state[name] = _shard_view(params[target], shard, self.config, target).clone()
+        return state
+
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set(hf_parameter_names(self.config))
         missing = sorted(expected - loaded)

@@ -1,6 +1,13 @@
-"""A tiny random Llama (2 layers, small dims) with the real SmolLM2 tokenizer, for fast tests."""
+"""A tiny random Llama (2 layers, small dims) with the real SmolLM2 tokenizer, for fast tests.
+
+`write_tiny_model_dir` saves it as an HF directory, so the whole engine (`LLM(model=dir)`) can be
+exercised in milliseconds per step.
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from kvserve.config import ModelConfig
 
@@ -24,3 +31,24 @@ def tiny_config(vocab_size: int = 49152, **overrides) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def write_tiny_model_dir(directory: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files of a tiny random model."""
+    from safetensors.torch import save_file
+
+    from kvserve.models import random_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(**overrides)
+    model = random_model(config, "float32", seed=seed)
+    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()},
+              str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
+    (directory / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tokenizer.chat_template,
+        "bos_token": tokenizer.special_tokens.get("bos_token"),
+        "eos_token": tokenizer.special_tokens.get("eos_token"),
+    }))
+    return directory

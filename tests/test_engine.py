@@ -1,0 +1,144 @@
+"""The engine and the offline LLM API on the tiny random model (fast)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+
+GREEDY = dict(temperature=0.0)
+
+
+def test_generate_accepts_strings_token_ids_and_dicts(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    ids = tokenizer.encode("Hello there")
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    by_text = tiny_llm.generate("Hello there", params, use_tqdm=False)[0]
+    by_ids = tiny_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == ids and by_text.prompt == "Hello there"
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert len(by_text.outputs[0].token_ids) == 5
+    assert by_text.outputs[0].finish_reason == "length"
+    assert by_text.outputs[0].text == tokenizer.decode(by_text.outputs[0].token_ids)
+
+
+def test_outputs_come_back_in_prompt_order(tiny_llm):
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(6)]
+    outputs = tiny_llm.generate(prompts, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+
+
+def test_stop_string_truncates_text(tiny_llm):
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    free = tiny_llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    stop = free.text[10:13]
+    assert len(stop) == 3
+    cut = tiny_llm.generate("Once upon a time",
+                            SamplingParams(max_tokens=30, stop=[stop], **GREEDY),
+                            use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+    kept = tiny_llm.generate("Once upon a time", SamplingParams(
+        max_tokens=30, stop=[stop], include_stop_str_in_output=True, **GREEDY),
+        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids(tiny_llm):
+    free = tiny_llm.generate("abc", SamplingParams(max_tokens=10, **GREEDY),
+                             use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[3]
+    out = tiny_llm.generate("abc", SamplingParams(max_tokens=10, stop_token_ids=[stop_id],
+                                                  **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+
+
+def test_bad_requests_raise_and_queue_nothing(tiny_llm):
+    engine = tiny_llm.llm_engine
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny_llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        tiny_llm.generate({"prompt_token_ids": [10**7]}, use_tqdm=False)
+    with pytest.raises(ContextLengthExceededError):
+        tiny_llm.generate("hi", SamplingParams(max_tokens=engine.max_model_len),
+                          use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        tiny_llm.generate("hi", SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_immediately(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.add_request("to-abort", "some prompt " * 20, SamplingParams(max_tokens=50, n=2))
+    engine.step()
+    engine.step()
+    assert engine.kv_manager.pool.num_used_blocks > 0
+    engine.abort_request("to-abort")
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.pool.num_used_blocks == 0
+    assert engine.step() == []
+
+
+def test_n_samples_share_the_prompt_blocks(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.kv_manager.reset_prefix_cache()
+    prompt = list(range(1000, 1040))  # 40 tokens: 2 full blocks + a partial one
+    engine.add_request("fan", {"prompt_token_ids": prompt},
+                       SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=7))
+    hits_before = engine.kv_manager.stats.hits
+    outputs = []
+    while engine.has_unfinished_requests():
+        tables = [engine.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
+        if all(tables):
+            shared = {tuple(t[:2]) for t in tables}
+            assert len(shared) == 1, "the prompt's full blocks are allocated once"
+            assert len({t[2] for t in tables}) == 4, "each sample owns its partial block"
+        outputs += engine.step()
+    assert engine.kv_manager.stats.hits - hits_before == 3 * 32
+    final = outputs[-1]
+    assert final.finished and len(final.outputs) == 4
+    assert [o.index for o in final.outputs] == [0, 1, 2, 3]
+
+
+def test_same_seed_same_tokens_alone_and_in_batch(tiny_llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+    alone = tiny_llm.generate("The weather today", params, use_tqdm=False)[0]
+    batch = tiny_llm.generate(
+        ["Something else entirely", "The weather today", "A third prompt"],
+        [SamplingParams(max_tokens=12, temperature=1.0), params,
+         SamplingParams(max_tokens=5, temperature=0.5, seed=9)], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_logprobs_and_cached_tokens(tiny_llm):
+    prompt = "shared prefix " * 12
+    first = tiny_llm.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, **GREEDY),
+                              use_tqdm=False)[0]
+    second = tiny_llm.generate(prompt, SamplingParams(max_tokens=3, **GREEDY),
+                               use_tqdm=False)[0]
+    output = first.outputs[0]
+    assert len(output.logprobs) == 3
+    for token_id, entry in zip(output.token_ids, output.logprobs):
+        assert token_id in entry and entry[token_id].rank == 1
+        assert len(entry) == 2 and entry[token_id].decoded_token is not None
+    assert output.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(output.token_ids, output.logprobs)))
+    assert second.num_cached_tokens >= 16
+    assert second.metrics.time_to_first_token >= 0
+
+
+def test_chat_uses_the_template(tiny_llm):
+    out = tiny_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0]
+    assert out.prompt.startswith("<|im_start|>system")
+    assert out.prompt_token_ids[0] == 1
+
+
+def test_unknown_llm_option(tiny_model_dir):
+    from kvserve import LLM
+
+    with pytest.raises(TypeError, match="bogus"):
+        LLM(model=str(tiny_model_dir), bogus=1)

@@ -1,0 +1,86 @@
+"""The engine on the real model in float32: batching, chunking, prefix caching and preemption
+never change greedy tokens; seeds are batch-independent."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import RAW_PROMPTS, long_text
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+
+
+def _mixed_prompts(tokenizer) -> list[list[int]]:
+    """48 prompts: chats sharing the default system prompt, raw text, and long code excerpts."""
+    topics = ["the moon", "bread", "rivers", "prime numbers", "jazz", "volcanoes", "chess",
+              "bees", "glass", "tides", "maps", "clocks", "salt", "owls", "bridges", "ink"]
+    chats = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Tell me one fact about {topic}."}]), False)
+        for topic in topics]
+    raws = [tokenizer.encode(p + f" {i}") for i, p in enumerate(RAW_PROMPTS * 3)][:16]
+    source = tokenizer.encode(long_text())
+    longs = [source[i * 37: i * 37 + 60 + 9 * i] for i in range(16)]
+    return chats + raws + longs
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return _mixed_prompts(tokenizer)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def alone(prompts):
+    """The baseline: every prompt on its own, no prefix caching, no chunking."""
+    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024,
+              max_num_batched_tokens=1024)
+    return [_greedy(llm, [p])[0] for p in prompts]
+
+
+def test_48_prompts_in_one_batch_equal_each_alone(prompts, alone):
+    assert len(prompts) == 48
+    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024)
+    assert _greedy(llm, prompts) == alone
+
+
+def test_chunked_prefill_equals_unchunked(prompts, alone):
+    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024,
+              max_num_batched_tokens=32)
+    assert _greedy(llm, prompts) == alone
+
+
+def test_prefix_caching_on_equals_off_and_hits(prompts, alone):
+    llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=1024)
+    assert _greedy(llm, prompts) == alone
+    stats = llm.llm_engine.kv_manager.stats
+    hits_after_first_pass = stats.hits
+    # the second pass finds every prompt's full blocks cached (prompt and output kept)
+    assert _greedy(llm, prompts) == alone
+    assert stats.hits - hits_after_first_pass == sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_tiny_pool_preempts_and_still_matches(prompts, alone):
+    llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=256, num_kv_blocks=24,
+              block_size=16)
+    assert _greedy(llm, prompts) == alone
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_seed_gives_same_samples_alone_and_batched(prompts):
+    llm = LLM(dtype="float32", max_model_len=1024)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=2024, max_tokens=16)
+    target = {"prompt_token_ids": prompts[3]}
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": p} for p in prompts[10:20]]
+    mixed = llm.generate(others[:5] + [target] + others[5:],
+                         [SamplingParams(temperature=1.0, max_tokens=16)] * 5 + [seeded]
+                         + [SamplingParams(temperature=0.7, max_tokens=9)] * 5, use_tqdm=False)
+    assert mixed[5].outputs[0].token_ids == alone

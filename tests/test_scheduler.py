@@ -1,0 +1,187 @@
+"""Scheduler + KV manager with a fake runner: budgets, chunking, preemption, aborts, and a
+property-based test that nothing is lost, duplicated or leaked."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=16, block_size=4, **config) -> Scheduler:
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)
+    defaults.update(config)
+    return Scheduler(SchedulerConfig(**defaults), KVCacheManager(num_blocks, block_size))
+
+
+def make_request(request_id, prompt_len, max_tokens=4, priority=0, seed_token=10) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    params.all_stop_token_ids = {EOS}
+    prompt = [seed_token + (i % 7) for i in range(prompt_len)]
+    return Request(request_id, prompt, params, max_tokens, priority)
+
+
+def fake_step(scheduler: Scheduler, token_for=lambda request: 5):
+    output = scheduler.schedule()
+    sampled = {s.request.request_id: token_for(s.request) for s in output.scheduled if s.sample}
+    finished = scheduler.update_from_output(output, sampled)
+    return output, finished
+
+
+def test_decode_and_chunked_prefill_share_a_step():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("short", 3))
+    first, _ = fake_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("short", 3)]
+    scheduler.add_request(make_request("long", 20))
+    second, _ = fake_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens, s.sample) for s in second.scheduled] == [
+        ("short", 1, True), ("long", 7, False)]
+    third, _ = fake_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in third.scheduled] == [
+        ("short", 1), ("long", 7)]
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 2))
+    output, _ = fake_step(scheduler)
+    assert len(output.scheduled) == 2 and scheduler.num_waiting == 1
+
+
+def test_priority_policy_orders_waiting_and_picks_victims():
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1)
+    scheduler.add_request(make_request("low", 2, priority=5))
+    scheduler.add_request(make_request("high", 2, priority=-1))
+    output, _ = fake_step(scheduler)
+    assert output.scheduled[0].request.request_id == "high"
+
+
+def test_preemption_when_blocks_run_out_then_everyone_finishes():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 4, max_tokens=8, seed_token=10 * i))
+    finished, steps = [], 0
+    while scheduler.has_unfinished() and steps < 200:
+        _, done = fake_step(scheduler)
+        finished += done
+        steps += 1
+    assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2"]
+    assert scheduler.num_preemptions > 0
+    assert all(r.num_output_tokens == 8 for r in finished)
+    assert scheduler.kv.num_free_blocks == 4
+
+
+def test_preempted_request_keeps_its_output_tokens():
+    scheduler = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 4, max_tokens=6))
+    scheduler.add_request(make_request("b", 4, max_tokens=6))
+    counter = iter(range(100, 1000))
+    seen: dict[str, list[int]] = {}
+    while scheduler.has_unfinished():
+        _, done = fake_step(scheduler, token_for=lambda r: next(counter))
+        for request in done:
+            seen[request.request_id] = request.output_token_ids
+    assert all(len(tokens) == 6 for tokens in seen.values())
+
+
+def test_abort_anywhere_frees_everything():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("run", 6))
+    scheduler.add_request(make_request("wait", 6))
+    fake_step(scheduler)
+    scheduler.finish_request("run", RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_request("wait", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv.num_free_blocks == 16
+    assert scheduler.finish_request("missing", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_eos_min_tokens_and_ignore_eos():
+    scheduler = make_scheduler()
+    request = make_request("a", 2, max_tokens=5)
+    request.sampling_params.min_tokens = 2
+    scheduler.add_request(request)
+    fake_step(scheduler, token_for=lambda r: EOS)  # below min_tokens: keeps going
+    assert not request.is_finished
+    fake_step(scheduler, token_for=lambda r: EOS)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    ignoring = make_request("b", 2, max_tokens=3)
+    ignoring.sampling_params.ignore_eos = True
+    scheduler.add_request(ignoring)
+    for _ in range(3):
+        fake_step(scheduler, token_for=lambda r: EOS)
+    assert ignoring.status == RequestStatus.FINISHED_LENGTH and ignoring.num_output_tokens == 3
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 40)),
+    ),
+    min_size=1, max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=operations, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
+       budget=st.integers(1, 40), policy=st.sampled_from(["fcfs", "priority"]),
+       seed=st.integers(0, 1000))
+def test_random_sequences_lose_nothing(ops, num_blocks, block_size, budget, policy, seed):
+    rng = random.Random(seed)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget,
+                        max_model_len=num_blocks * block_size, policy=policy),
+        KVCacheManager(num_blocks, block_size))
+    capacity = num_blocks * block_size
+    added: dict[str, Request] = {}
+    ended: dict[str, Request] = {}
+
+    def record(done):
+        for request in done:
+            assert request.request_id not in ended, "finished twice"
+            ended[request.request_id] = request
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, priority = op
+            if prompt_len + max_tokens > capacity:
+                continue  # the engine rejects these up front
+            request = make_request(f"r{len(added)}", prompt_len, max_tokens, priority,
+                                   seed_token=rng.randint(3, 9))
+            added[request.request_id] = request
+            scheduler.add_request(request)
+        elif op[0] == "step":
+            record(fake_step(scheduler, token_for=lambda r: rng.choice([5, 6, EOS]))[1])
+        else:
+            target = f"r{op[1]}"
+            done = scheduler.finish_request(target, RequestStatus.FINISHED_ABORTED)
+            if done is not None:
+                record([done])
+    steps = 0
+    while scheduler.has_unfinished():
+        record(fake_step(scheduler, token_for=lambda r: rng.choice([5, 6, EOS]))[1])
+        steps += 1
+        assert steps < 5000, "scheduler made no progress"
+    assert set(ended) == set(added)
+    for request in ended.values():
+        assert request.is_finished
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_output_tokens == request.max_tokens
+        assert request.num_output_tokens <= request.max_tokens
+    pool = scheduler.kv.pool
+    assert all(block.ref_count == 0 for block in pool.blocks)
+    assert pool.num_free_blocks == num_blocks
+    assert scheduler.kv.req_blocks == {}
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash == block_hash
