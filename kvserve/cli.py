@@ -1,0 +1,113 @@
+"""`kvserve` command: generate, chat (and serve, bench as they arrive)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_params(args):
+    from kvserve import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+                          stop=args.stop)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete one prompt and print the text")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
+    chat = commands.add_parser("chat", help="interactive chat, streaming tokens")
+    chat.add_argument("--system", default=None, help="system message")
+    for sub in (generate, chat):
+        add_engine_args(sub)
+        _sampling_args(sub)
+    return parser
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Run one request, printing text deltas as they arrive; returns the full text."""
+    engine.add_request(request_id, prompt, params)
+    printed = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return text
+
+
+def _run_generate(args) -> int:
+    from kvserve.core.engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = {"prompt": text,
+                  "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+    _stream(engine, "cli", prompt, _sampling_params(args))
+    return 0
+
+
+def _run_chat(args) -> int:
+    from kvserve.core.engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    print("kvserve chat: type a message, or Ctrl-D to quit.")
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        text = engine.tokenizer.apply_chat_template(messages)
+        prompt = {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        reply = _stream(engine, f"chat-{turn}", prompt, _sampling_params(args))
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvserve.errors import KVServeError
+
+    try:
+        return {"generate": _run_generate, "chat": _run_chat}[args.command](args)
+    except KVServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
