@@ -1,4 +1,4 @@
-"""`kvserve` command: generate, chat (and serve, bench as they arrive)."""
+"""`kvserve` command: generate, chat, serve."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import argparse
 import logging
 import sys
 
-from kvserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
+from kvserve.entrypoints.cli_args import (
+    add_dataclass_args,
+    add_engine_args,
+    dataclass_from_args,
+    engine_config_from_args,
+)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +37,7 @@ def _sampling_params(args):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default: INFO for serve, else WARNING")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete one prompt and print the text")
     generate.add_argument("prompt")
@@ -42,7 +47,18 @@ def _build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat):
         add_engine_args(sub)
         _sampling_args(sub)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from kvserve.entrypoints.openai.server import ServerConfig
+
+    add_dataclass_args(serve, ServerConfig, "server")
+    add_engine_args(serve)
     return parser
+
+
+def _run_serve(args) -> int:
+    from kvserve.entrypoints.openai.server import ServerConfig, run_server
+
+    return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args))
 
 
 def _stream(engine, request_id: str, prompt, params) -> str:
@@ -98,12 +114,14 @@ def _run_chat(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvserve.errors import KVServeError
 
     try:
-        return {"generate": _run_generate, "chat": _run_chat}[args.command](args)
+        commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve}
+        return commands[args.command](args)
     except KVServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
@@ -28,6 +29,19 @@ from kvserve.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A tokenized, validated request, ready to enter the engine."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int
+    arrival_time: float
 
 
 class LLMEngine:
@@ -86,20 +100,34 @@ class LLMEngine:
         return wanted
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises InvalidRequestError (nothing queued) if bad."""
-        if request_id in self.groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+    def prepare_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | None = None, priority: int = 0,
+                        arrival_time: float | None = None) -> PreparedRequest:
+        """Tokenize and validate without touching engine state (safe from any thread); raises
+        InvalidRequestError if the request is bad."""
+        params = (params or SamplingParams()).clone()
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._validate(prompt_ids, params)
         params.all_stop_token_ids = set(params.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             params.all_stop_token_ids.add(self.tokenizer.eos_token_id)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        group = RequestGroup(request_id, prompt_text, prompt_ids)
+        return PreparedRequest(request_id, prompt_text, prompt_ids, params, max_tokens, priority,
+                               arrival)
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError (nothing queued) if bad."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority,
+                                               arrival_time))
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a validated request, fanning n > 1 out into sibling requests."""
+        request_id, params = prepared.request_id, prepared.params
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids)
         leader = None
         for index in range(params.n):
             child_params = params.clone()
@@ -107,7 +135,8 @@ class LLMEngine:
             if params.seed is not None:
                 child_params.seed = params.seed + index
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            request = Request(child_id, prompt_ids, child_params, max_tokens, priority, arrival,
+            request = Request(child_id, prepared.prompt_token_ids, child_params,
+                              prepared.max_tokens, prepared.priority, prepared.arrival_time,
                               prefill_leader=leader)
             leader = leader or request
             state = SampleState(request, request_id, index, self.tokenizer)

@@ -1,4 +1,4 @@
-"""Command-line flags generated from the EngineConfig dataclass, so options never drift."""
+"""Command-line flags generated from config dataclasses, so options never drift from the code."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import argparse
 import dataclasses
 import types
 import typing
-
-from kvserve.engine_config import EngineConfig
 
 
 def _base_type(annotation):
@@ -18,9 +16,13 @@ def _base_type(annotation):
     return annotation
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineConfig):
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
+                       skip: tuple[str, ...] = ()) -> None:
+    """One flag per field: `--field-name`, typed, with the field's help text and choices."""
+    group = parser.add_argument_group(title)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         flag = "--" + field.name.replace("_", "-")
         help_text = field.metadata.get("help", "")
         kind = _base_type(field.type)
@@ -33,6 +35,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                            help=f"{help_text} (default: {field.default})")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+def dataclass_from_args(cls, args: argparse.Namespace):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from kvserve.engine_config import EngineConfig
+
+    add_dataclass_args(parser, EngineConfig, "engine")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from kvserve.engine_config import EngineConfig
+
+    return dataclass_from_args(EngineConfig, args)

@@ -1,0 +1,47 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from kvserve.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    KVServeError,
+    UnsupportedTokenizerError,
+)
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param,
+                      "code": code or str(status)}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def response_for_engine_error(exc: KVServeError) -> JSONResponse:
+    if isinstance(exc, ContextLengthExceededError):
+        return error_response(400, str(exc), exc.param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return error_response(400, str(exc), exc.param, "invalid_request")
+    if isinstance(exc, UnsupportedTokenizerError):
+        return error_response(400, str(exc), None, "unsupported")
+    from kvserve.core.async_engine import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return error_response(503, str(exc), None, "engine_unavailable")
+    return error_response(500, str(exc), None, "engine_error")
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """Condense pydantic's error list into one readable line and the first offending field."""
+    parts, param = [], None
+    for error in errors[:5]:
+        location = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if param is None and location:
+            param = location[0]
+        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request", param

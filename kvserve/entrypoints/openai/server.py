@@ -1,0 +1,263 @@
+"""The OpenAI-compatible server: FastAPI routes over an AsyncEngine, run by uvicorn.
+
+The HTTP side binds first and answers /health with 503 while the engine thread loads and warms
+up the model. Bad input never reaches the engine: pydantic and `prepare` reject it with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve import __version__
+from kvserve.core.async_engine import AsyncEngine
+from kvserve.entrypoints.openai import serving
+from kvserve.entrypoints.openai.errors import (
+    error_response,
+    response_for_engine_error,
+    validation_message,
+)
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvserve.errors import InvalidRequestError, KVServeError
+
+logger = logging.getLogger(__name__)
+
+
+def _opt(default, help_text: str, **extra):
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but "
+                               "/health")
+    served_model_name: str | None = _opt(None, "model name clients use (default: the model's)")
+    max_waiting_requests: int = _opt(1024, "reject new requests with 503 beyond this many "
+                                     "unfinished ones")
+    max_request_body_bytes: int = _opt(16 * 2**20, "larger request bodies get 413")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM")
+    disable_log_requests: bool = _opt(False, "do not log each request")
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="kvserve", version=__version__)
+    app.state.engine = engine
+    app.state.config = config
+    _install_middleware(app, config)
+    _install_error_handlers(app)
+    _install_routes(app, engine, config)
+    return app
+
+
+# ---- middleware ----------------------------------------------------------------------------
+def _install_middleware(app: FastAPI, config: ServerConfig) -> None:
+    expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if expected is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "invalid or missing API key: send "
+                                      "'Authorization: Bearer <key>'", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_request_body_bytes:
+            return error_response(413, f"request body over {config.max_request_body_bytes} "
+                                  "bytes", code="request_too_large")
+        return await call_next(request)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param, "invalid_request")
+
+    @app.exception_handler(KVServeError)
+    async def on_engine_error(_: Request, exc: KVServeError):
+        return response_for_engine_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception):
+        logger.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+# ---- routes --------------------------------------------------------------------------------
+def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
+    def model_name() -> str:
+        return config.served_model_name or (engine.engine.source.name if engine.engine
+                                            else engine.config.model)
+
+    def check_ready_and_model(requested: str | None) -> JSONResponse | None:
+        if not engine.is_ready:
+            return error_response(503, "the model is still loading" if engine.is_alive
+                                  else "the engine is not running", code="not_ready")
+        if requested and requested not in (model_name(), engine.config.model):
+            return error_response(404, f"model {requested!r} does not exist; this server "
+                                  f"serves {model_name()!r}", "model", "model_not_found")
+        if engine.num_unfinished >= config.max_waiting_requests:
+            return error_response(503, "too many requests in flight; retry later",
+                                  code="overloaded", headers={"Retry-After": "1"})
+        return None
+
+    @app.get("/health")
+    async def health():
+        if engine.is_ready:
+            return Response(status_code=200)
+        reason = "loading" if engine.is_alive else "engine not running"
+        return error_response(503, reason, code="not_ready")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = engine.engine.max_model_len if engine.engine else None
+        return {"object": "list", "data": [{
+            "id": model_name(), "object": "model", "created": int(time.time()),
+            "owned_by": "kvserve", "root": engine.config.model, "max_model_len": max_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        problem = check_ready_and_model(body.model)
+        if problem:
+            return problem
+        tokenizer = engine.engine.tokenizer
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
+                                                 body.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, body.add_special_tokens)
+        else:
+            raise InvalidRequestError("give 'prompt' or 'messages'", param="prompt")
+        return {"tokens": tokens, "count": len(tokens),
+                "max_model_len": engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        problem = check_ready_and_model(body.model)
+        if problem:
+            return problem
+        vocab = engine.engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param="tokens")
+        return {"prompt": engine.engine.tokenizer.decode(body.tokens, False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        problem = check_ready_and_model(body.model)
+        if problem:
+            return problem
+        body.check_unsupported()
+        response_id = serving.new_id("cmpl")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        prepared = [engine.prepare(f"{response_id}-{i}", p, params, body.priority)
+                    for i, p in enumerate(prompts)]
+        echo = [p.prompt if p.prompt is not None else engine.engine.tokenizer.decode(
+            p.prompt_token_ids, False) for p in prepared] if body.echo else []
+        job = serving.make_job("completion", response_id, body, model_name(), prepared, echo,
+                               not config.disable_log_requests, body.logprobs or 0)
+        return await _run(job, body, raw, engine)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        problem = check_ready_and_model(body.model)
+        if problem:
+            return problem
+        num_top = body.requested_logprobs()
+        params = body.sampling_params(body.requested_max_tokens(), num_top)
+        tokenizer = engine.engine.tokenizer
+        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
+                                             body.add_generation_prompt,
+                                             **(body.chat_template_kwargs or {}))
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)}
+        response_id = serving.new_id("chatcmpl")
+        prepared = [engine.prepare(response_id, prompt, params, body.priority)]
+        job = serving.make_job("chat", response_id, body, model_name(), prepared, [],
+                               not config.disable_log_requests, num_top or 0)
+        return await _run(job, body, raw, engine)
+
+
+async def _run(job, body, raw: Request, engine: AsyncEngine):
+    if job.log_requests:
+        serving.logger.info("%s received: %d prompt(s), %d prompt tokens, n=%d, stream=%s",
+                            job.response_id, len(job.prepared),
+                            sum(len(p.prompt_token_ids) for p in job.prepared), job.n,
+                            body.stream)
+    if body.stream:
+        return serving.sse_response(serving.stream_job(engine, job, body.include_usage))
+    started = time.monotonic()
+    try:
+        outputs = await serving.collect(engine, job, raw)
+    except serving.ClientDisconnected:
+        serving.logger.info("%s aborted: client disconnected", job.response_id)
+        return Response(status_code=499)
+    serving.log_finish(job, outputs, started)
+    if job.kind == "chat":
+        return serving.json_response(serving.chat_response(job, outputs))
+    return serving.json_response(serving.completion_response(job, outputs))
+
+
+# ---- running -------------------------------------------------------------------------------
+def run_server(engine_config, server_config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_timeout` seconds."""
+    import uvicorn
+
+    engine = AsyncEngine(engine_config, server_config.served_model_name)
+    app = build_app(engine, server_config)
+    uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                               log_level="info", access_log=not server_config.disable_log_requests,
+                               timeout_graceful_shutdown=server_config.shutdown_timeout)
+    server = uvicorn.Server(uv_config)
+    exit_code = 0
+
+    async def watch_engine():
+        nonlocal exit_code
+        while not server.should_exit:
+            if engine.startup_error is not None:
+                logger.error("engine failed to start: %s", engine.startup_error)
+                exit_code = 1
+                server.should_exit = True
+            await asyncio.sleep(0.2)
+
+    async def main():
+        engine.start()
+        watcher = asyncio.ensure_future(watch_engine())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+            engine.stop()
+
+    asyncio.run(main())
+    return exit_code

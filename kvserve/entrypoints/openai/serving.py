@@ -1,0 +1,287 @@
+"""Completions and chat completions: requests -> engine streams -> OpenAI JSON or SSE.
+
+Each prompt (times n samples) is one engine request; their outputs are merged into choices. A
+non-streaming request watches its client and aborts on disconnect; a streaming one aborts when
+the response generator is closed. Either way the abort happens in AsyncEngine.generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.core.async_engine import AsyncEngine
+from kvserve.core.engine import PreparedRequest
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("kvserve.requests")
+
+DISCONNECT_POLL_SECONDS = 0.2
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been streamed of one choice so far."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Job:
+    """One HTTP request: its engine requests, and how choices map onto them."""
+
+    kind: str  # "completion" | "chat"
+    response_id: str
+    model: str
+    created: int
+    prepared: list[PreparedRequest]
+    n: int
+    echo_texts: list[str] = field(default_factory=list)
+    log_requests: bool = True
+    num_top: int = 0  # top logprobs per token asked for
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.n + sample_index
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- running jobs ------------------------------------------------------------------------
+async def _merged_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[tuple[int,
+                                                                                 RequestOutput]]:
+    """Outputs of all of the job's engine requests as they come, tagged by prompt index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prepared: PreparedRequest):
+        try:
+            async for output in engine.generate(prepared):
+                await queue.put((index, output))
+        except BaseException as exc:  # forwarded to the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(job.prepared)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(engine: AsyncEngine, job: Job, raw: Request) -> list[RequestOutput]:
+    """Run to completion, aborting everything if the client disconnects meanwhile."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume():
+        async for index, output in _merged_stream(engine, job):
+            if output.finished:
+                finals[index] = output
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if not task.done() and await raw.is_disconnected():
+                raise ClientDisconnected()
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return [finals[i] for i in range(len(job.prepared))]
+
+
+# ---- formatting ----------------------------------------------------------------------------
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+def _completion_logprobs(choice: CompletionOutput, start: int, text_offset: int,
+                         num_top: int) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:]):
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({lp.decoded_token: lp.logprob for lp in entry.values()
+                             if lp.rank is not None and lp.rank <= num_top} if num_top else None)
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(choice: CompletionOutput, start: int, num_top: int) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:]):
+        chosen = entry[token_id]
+        top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        content.append({
+            "token": chosen.decoded_token,
+            "logprob": chosen.logprob,
+            "bytes": list((chosen.decoded_token or "").encode()),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())}
+                             for tid, lp in top if lp.rank is not None and lp.rank <= num_top][
+                                 :num_top],
+        })
+    return {"content": content}
+
+
+def completion_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        echo = job.echo_texts[prompt_index] if job.echo_texts else ""
+        for sample in output.outputs:
+            choices.append({
+                "index": job.choice_index(prompt_index, sample.index),
+                "text": echo + sample.text,
+                "logprobs": _completion_logprobs(sample, 0, len(echo), job.num_top),
+                "finish_reason": sample.finish_reason,
+                "stop_reason": sample.stop_reason,
+            })
+    return {"id": job.response_id, "object": "text_completion", "created": job.created,
+            "model": job.model, "choices": choices, "usage": usage(outputs)}
+
+
+def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
+    choices = [{
+        "index": sample.index,
+        "message": {"role": "assistant", "content": sample.text},
+        "logprobs": _chat_logprobs(sample, 0, job.num_top),
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason,
+    } for sample in outputs[0].outputs]
+    return {"id": job.response_id, "object": "chat.completion", "created": job.created,
+            "model": job.model, "choices": choices, "usage": usage(outputs)}
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: text deltas per choice, a final chunk per choice, usage, then [DONE]."""
+    cursors: dict[int, ChoiceCursor] = {}
+    finals: dict[int, RequestOutput] = {}
+    chunk_object = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    base = {"id": job.response_id, "object": chunk_object, "created": job.created,
+            "model": job.model}
+    try:
+        if job.kind == "chat":
+            for index in range(job.n):
+                yield _sse({**base, "choices": [{"index": index, "delta": {
+                    "role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}]})
+        async for prompt_index, output in _merged_stream(engine, job):
+            if output.finished:
+                finals[prompt_index] = output
+            for sample in output.outputs:
+                index = job.choice_index(prompt_index, sample.index)
+                cursor = cursors.setdefault(index, ChoiceCursor())
+                chunk = _delta_chunk(job, prompt_index, sample, cursor)
+                if chunk is not None:
+                    yield _sse({**base, "choices": [chunk]})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage(
+                [finals[i] for i in range(len(job.prepared))])})
+        yield _sse("[DONE]")
+    except Exception as exc:  # engine failure mid-stream: tell the client, then end
+        logger.warning("stream %s failed: %s", job.response_id, exc)
+        yield _sse({"error": {"message": str(exc), "type": "InternalServerError",
+                              "param": None, "code": "500"}})
+        yield _sse("[DONE]")
+
+
+def _delta_chunk(job: Job, prompt_index: int, sample: CompletionOutput,
+                 cursor: ChoiceCursor) -> dict[str, Any] | None:
+    if cursor.finished:
+        return None
+    text = sample.text
+    if job.kind == "completion" and job.echo_texts and cursor.text_sent == 0 \
+            and cursor.tokens_sent == 0:
+        text_delta = job.echo_texts[prompt_index] + text
+    else:
+        text_delta = text[cursor.text_sent:]
+    new_tokens = len(sample.token_ids) - cursor.tokens_sent
+    if not text_delta and not sample.finish_reason and new_tokens == 0:
+        return None
+    index = job.choice_index(prompt_index, sample.index)
+    if job.kind == "chat":
+        logprobs = _chat_logprobs(sample, cursor.tokens_sent, job.num_top)
+        chunk = {"index": index, "delta": {"content": text_delta} if text_delta else {},
+                 "logprobs": logprobs}
+    else:
+        logprobs = _completion_logprobs(sample, cursor.tokens_sent, cursor.text_sent,
+                                        job.num_top)
+        chunk = {"index": index, "text": text_delta, "logprobs": logprobs}
+    chunk["finish_reason"] = sample.finish_reason
+    chunk["stop_reason"] = sample.stop_reason
+    cursor.text_sent = len(text)
+    cursor.tokens_sent = len(sample.token_ids)
+    cursor.finished = sample.finish_reason is not None
+    return chunk
+
+
+def sse_response(generator: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(generator, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def json_response(payload: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(payload)
+
+
+def log_finish(job: Job, outputs: list[RequestOutput], started: float) -> None:
+    if job.log_requests:
+        reasons = [c.finish_reason for o in outputs for c in o.outputs]
+        logger.info("%s finished in %.3fs: %s, usage %s", job.response_id,
+                    time.monotonic() - started, reasons, usage(outputs))
+
+
+def make_job(kind: str, response_id: str, request: CompletionRequest | ChatCompletionRequest,
+             model: str, prepared: list[PreparedRequest], echo_texts: list[str],
+             log_requests: bool, num_top: int) -> Job:
+    return Job(kind=kind, response_id=response_id, model=model, created=int(time.time()),
+               prepared=prepared, n=request.n, echo_texts=echo_texts, log_requests=log_requests,
+               num_top=num_top)

@@ -1,0 +1,81 @@
+"""Prometheus metrics with vLLM-style names (`kvserve:` instead of `vllm:`).
+
+Gauges are sampled from the engine after every step; counters and histograms are fed per step and
+per request by the AsyncEngine. prometheus_client is thread-safe, so the engine thread writes and
+the HTTP thread renders without locks of ours.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"kvserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.preemptions = counter("num_preemptions", "Requests preempted")
+        self._success = Counter("kvserve:request_success", "Finished requests by reason",
+                                labels + ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a request",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled",
+                                    _LATENCY_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length", _TOKEN_BUCKETS)
+        self.output_len = histogram("request_generation_tokens", "Output length", _TOKEN_BUCKETS)
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def record_engine_state(self, engine) -> None:
+        """Gauges and counter deltas from the engine (call from the engine thread)."""
+        scheduler, kv = engine.scheduler, engine.kv_manager
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        self.kv_usage.set(kv.usage)
+        for key, value, counter in (("queries", kv.stats.queries, self.prefix_queries),
+                                    ("hits", kv.stats.hits, self.prefix_hits),
+                                    ("preemptions", scheduler.num_preemptions, self.preemptions)):
+            if value > self._last[key]:
+                counter.inc(value - self._last[key])
+            self._last[key] = value
+
+    def record_finished(self, output) -> None:
+        metrics = output.metrics
+        reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")
+        self._success.labels(self.model_name, reason).inc()
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.queue_time is not None:
+            self.queue_time.observe(metrics.queue_time)
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        self.output_len.observe(sum(len(o.token_ids) for o in output.outputs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
