@@ -66,6 +66,9 @@ class EngineMetrics:
                 counter.inc(value - self._last[key])
             self._last[key] = value
 
+    def record_aborted(self) -> None:
+        self._success.labels(self.model_name, "abort").inc()
+
     def record_finished(self, output) -> None:
         metrics = output.metrics
         reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")

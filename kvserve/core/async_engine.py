@@ -71,7 +71,8 @@ class AsyncEngine:
     def is_ready(self) -> bool:
         return self.ready.is_set() and self.is_alive
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 120.0) -> None:
+        """Stop after the current step (a thread killed inside torch aborts the process)."""
         self._stop.set()
         self._commands.put(None)
         if self._thread.is_alive():
@@ -132,6 +133,7 @@ class AsyncEngine:
             return
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
+            self.metrics.record_engine_state(self.engine)
             if self.engine.has_unfinished_requests():
                 self._step()
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -160,13 +162,15 @@ class AsyncEngine:
 
     def _apply(self, command) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
+            if command.request_id in self.engine.groups:
+                self.engine.abort_request(command.request_id)
+                self.metrics.record_aborted()
             self._last_token_time.pop(command.request_id, None)
-            self.metrics.record_engine_state(self.engine)
             return
         prepared = command.prepared
         if prepared.request_id not in self._streams:
-            return  # the client left before the request was admitted
+            self.metrics.record_aborted()  # the client left before the request was admitted
+            return
         try:
             self.engine.add_prepared(prepared)
             self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))

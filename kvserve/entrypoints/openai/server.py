@@ -67,20 +67,34 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
 # ---- middleware ----------------------------------------------------------------------------
 def _install_middleware(app: FastAPI, config: ServerConfig) -> None:
-    expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+    app.add_middleware(GuardMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_request_body_bytes)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if expected is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(401, "invalid or missing API key: send "
-                                      "'Authorization: Bearer <key>'", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_body_bytes:
-            return error_response(413, f"request body over {config.max_request_body_bytes} "
-                                  "bytes", code="request_too_large")
-        return await call_next(request)
+
+class GuardMiddleware:
+    """API key and body-size checks as plain ASGI, so streaming and disconnect detection pass
+    through untouched (Starlette's BaseHTTPMiddleware wraps `receive` and hides disconnects)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                response = error_response(401, "invalid or missing API key: send "
+                                          "'Authorization: Bearer <key>'", code="invalid_api_key")
+                return await response(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            response = error_response(413, f"request body over {self.max_body_bytes} bytes",
+                                      code="request_too_large")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -229,16 +243,31 @@ async def _run(job, body, raw: Request, engine: AsyncEngine):
 
 
 # ---- running -------------------------------------------------------------------------------
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
+        die by the signal; we finish the shutdown ourselves and exit 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return GracefulServer
+
+
 def run_server(engine_config, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_timeout` seconds."""
     import uvicorn
 
+    _GracefulServer = _graceful_server_class()
     engine = AsyncEngine(engine_config, server_config.served_model_name)
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level="info", access_log=not server_config.disable_log_requests,
                                timeout_graceful_shutdown=server_config.shutdown_timeout)
-    server = uvicorn.Server(uv_config)
+    server = _GracefulServer(uv_config)
     exit_code = 0
 
     async def watch_engine():

@@ -1,0 +1,73 @@
+"""Start a real `kvserve serve` subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess([...flags]) as server:` -> server.base_url; SIGTERM on exit."""
+
+    def __init__(self, args: list[str], startup_timeout: float = 180.0, log_path: Path | None = None):
+        self.port = free_port()
+        self.args = args
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerProcess":
+        command = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+                   *self.args]
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError("server did not become healthy")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.exit_code = self.process.returncode if self.process else None
+        return self.exit_code
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

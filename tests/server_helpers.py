@@ -1,0 +1,38 @@
+"""Helpers for end-to-end server tests."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def read_metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """Sample name -> value (summed over label sets), parsed with prometheus_client."""
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def finished_count(metrics: dict[str, float]) -> float:
+    return metrics.get("kvserve:request_success_total", 0.0)
+
+
+def wait_idle(base_url: str, timeout: float = 3.0, headers: dict | None = None,
+              finished_at_least: float = 0.0) -> dict:
+    """Poll /metrics until nothing runs, nothing waits, no KV block is in use, and at least
+    `finished_at_least` requests have finished (aborts included)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = read_metrics(base_url, headers)
+        idle = (metrics["kvserve:num_requests_running"] == 0
+                and metrics["kvserve:num_requests_waiting"] == 0
+                and metrics["kvserve:kv_cache_usage_perc"] == 0
+                and finished_count(metrics) >= finished_at_least)
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
