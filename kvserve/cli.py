@@ -1,4 +1,4 @@
-"""`kvserve` command: generate, chat, serve."""
+"""`kvserve` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -52,7 +52,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_dataclass_args(serve, ServerConfig, "server")
     add_engine_args(serve)
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
+
+
+def _run_bench(args) -> int:
+    from kvserve.bench.cli import run_bench
+
+    return run_bench(args)
 
 
 def _run_serve(args) -> int:
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve.errors import KVServeError
 
     try:
-        commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve}
+        commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve,
+                    "bench": _run_bench}
         return commands[args.command](args)
     except KVServeError as exc:
         print(f"error: {exc}", file=sys.stderr)

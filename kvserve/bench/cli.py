@@ -1,0 +1,165 @@
+"""`kvserve bench {serve,offline,roofline}` argument parsing and drivers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from kvserve.bench import report, roofline, workloads
+from kvserve.bench.stats import SLO, summarize
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks: serve, offline, roofline")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", default="smollm2-135m-instruct",
+                       help="model name sent to the server")
+    serve.add_argument("--tokenizer", default="smollm2-135m-instruct",
+                       help="kvserve model reference whose tokenizer cuts the prompts")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--workload", default="random",
+                       choices=["random", "shared-prefix", "multi-turn", "long-prompt"])
+    serve.add_argument("--num-prompts", type=int, default=64,
+                       help="requests (multi-turn: sessions)")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--request-rate", type=float, default=None,
+                       help="Poisson arrivals per second (default: all at once)")
+    serve.add_argument("--input-len", type=int, default=256)
+    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--range-ratio", type=float, default=0.0)
+    serve.add_argument("--prefix-len", type=int, default=1024)
+    serve.add_argument("--long-len", type=int, default=2048, help="long-prompt: long length")
+    serve.add_argument("--turns", type=int, default=6, help="multi-turn: turns per session")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--slo-ttft-ms", type=float, default=None)
+    serve.add_argument("--slo-tpot-ms", type=float, default=None)
+    serve.add_argument("--slo-e2e-ms", type=float, default=None)
+    serve.add_argument("--label", default="kvserve", help="system name in the report")
+    serve.add_argument("--output-json", default=None)
+    serve.add_argument("--plot", default=None, help="directory for latency CDF plots")
+    serve.add_argument("--no-progress", action="store_true")
+
+    offline = kinds.add_parser("offline", help="throughput/latency of the LLM API, no HTTP")
+    offline.add_argument("--model", default="smollm2-135m-instruct")
+    offline.add_argument("--dtype", default="auto")
+    offline.add_argument("--num-prompts", type=int, default=64)
+    offline.add_argument("--input-len", type=int, default=256)
+    offline.add_argument("--output-len", type=int, default=128)
+    offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument("--output-json", default=None)
+
+    roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates")
+    roof.add_argument("--model", default="smollm2-135m-instruct")
+    roof.add_argument("--output-json", default=None)
+
+
+def run_bench(args) -> int:
+    return {"serve": _serve, "offline": _offline, "roofline": _roofline}[args.bench_command](args)
+
+
+def _tokenizer(reference: str):
+    from kvserve.model_source import resolve_model
+    from kvserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(reference))
+
+
+def _build_workload(args, source: workloads.TextSource):
+    if args.workload == "random":
+        return workloads.random_workload(source, args.num_prompts, args.input_len,
+                                         args.output_len, args.range_ratio)
+    if args.workload == "shared-prefix":
+        return workloads.shared_prefix_workload(source, args.num_prompts, args.prefix_len,
+                                                args.input_len, args.output_len)
+    if args.workload == "long-prompt":
+        return workloads.long_prompt_workload(source, args.num_prompts, args.input_len,
+                                              args.output_len, args.long_len)
+    return workloads.multi_turn_workload(source, args.num_prompts, args.turns, args.input_len,
+                                         args.output_len)
+
+
+async def _drive(args, specs):
+    from kvserve.bench.client import BenchClient, run_requests, run_sessions
+
+    client = BenchClient(args.base_url, args.model, args.api_key)
+    try:
+        start = client.now()
+        if args.workload == "multi-turn":
+            results = await run_sessions(client, specs, args.max_concurrency,
+                                         not args.no_progress)
+        else:
+            results = await run_requests(client, specs, args.max_concurrency, args.request_rate,
+                                         args.seed, not args.no_progress)
+        return results, client.now() - start
+    finally:
+        await client.close()
+
+
+def _serve(args) -> int:
+    source = workloads.TextSource(_tokenizer(args.tokenizer), args.seed)
+    specs = _build_workload(args, source)
+    results, duration = asyncio.run(_drive(args, specs))
+    slo = None
+    if any(v is not None for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)):
+        slo = SLO(*(None if v is None else v / 1000
+                    for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
+    summary = summarize(results, duration, slo)
+    row = {"system": args.label, "scenario": args.workload, "summary": summary,
+           "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
+           "errors": sorted({r.error for r in results if r.error})[:5]}
+    print(report.markdown_table([row]))
+    if summary["failed"]:
+        print(f"{summary['failed']} requests failed, e.g. {row['errors'][:2]}")
+    if args.output_json:
+        report.write_json(args.output_json, row)
+    if args.plot:
+        report.plot_latency_cdfs({args.label: results}, args.plot)
+    return 0 if not summary["failed"] else 1
+
+
+def _offline(args) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    source = workloads.TextSource(llm.get_tokenizer(), args.seed)
+    specs = workloads.random_workload(source, args.num_prompts, args.input_len, args.output_len)
+    tokenizer = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(s.prompt, False)[:args.input_len]}
+               for s in specs]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    ttfts = sorted(o.metrics.time_to_first_token for o in outputs)
+    result = {"requests": len(outputs), "seconds": seconds,
+              "output_throughput": generated / seconds,
+              "total_token_throughput": (generated + prompt_tokens) / seconds,
+              "ttft_p50_s": ttfts[len(ttfts) // 2], "dtype": str(llm.llm_engine.dtype)}
+    print(json.dumps(result, indent=1))
+    if args.output_json:
+        report.write_json(args.output_json, result)
+    return 0
+
+
+def _roofline(args) -> int:
+    from kvserve.model_source import resolve_model
+    from kvserve.weights import load_config
+
+    config = load_config(resolve_model(args.model))
+    roof = roofline.measure_roof(config)
+    cost = roofline.model_cost(config)
+    payload = roofline.roof_as_dict(roof, cost)
+    payload["decode_roof_tok_s"] = {
+        f"batch {b}": roofline.decode_roof_tokens_per_s(cost, roof, b, 384) for b in (1, 8, 32)}
+    payload["prefill_roof_tok_s"] = roofline.prefill_roof_tokens_per_s(cost, roof)
+    print(json.dumps(payload, indent=1))
+    if args.output_json:
+        report.write_json(args.output_json, payload)
+    return 0

@@ -1,0 +1,125 @@
+"""An async client for any OpenAI-compatible server: streaming /v1/completions requests under a
+concurrency limit or a Poisson arrival rate, timing every chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+from tqdm import tqdm
+
+from kvserve.bench.stats import RequestResult
+from kvserve.bench.workloads import RequestSpec, Session
+
+
+class BenchClient:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None,
+                 timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
+                                      timeout=timeout,
+                                      limits=httpx.Limits(max_connections=1024,
+                                                          max_keepalive_connections=1024))
+        self.start = time.perf_counter()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    async def complete(self, prompt: str, max_tokens: int) -> RequestResult:
+        """One streaming completion with ignore_eos, greedy; never raises."""
+        result = RequestResult(sent=self.now())
+        payload = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                   "temperature": 0.0, "stream": True, "ignore_eos": True,
+                   "stream_options": {"include_usage": True}}
+        chunks = 0
+        try:
+            async with self.http.stream("POST", "/v1/completions", json=payload) as response:
+                if response.status_code != 200:
+                    body = await response.aread()
+                    result.error = f"HTTP {response.status_code}: {body[:200]!r}"
+                    return result
+                async for line in response.aiter_lines():
+                    chunks += self._consume(line, result)
+        except (httpx.HTTPError, OSError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.finished = self.now()
+        if not result.output_tokens:
+            result.output_tokens = chunks
+        return result
+
+    def _consume(self, line: str, result: RequestResult) -> int:
+        """Parse one SSE line; returns 1 if it carried generated text."""
+        if not line.startswith("data:"):
+            return 0
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return 0
+        payload = json.loads(data)
+        usage = payload.get("usage")
+        if usage:
+            result.output_tokens = usage.get("completion_tokens") or result.output_tokens
+            result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
+        text = "".join(choice.get("text") or "" for choice in payload.get("choices") or [])
+        if not text:
+            return 0
+        now = self.now()
+        if result.first_token is None:
+            result.first_token = now
+        result.chunk_times.append(now)
+        result.output_text += text
+        return 1
+
+
+async def run_requests(client: BenchClient, specs: list[RequestSpec], max_concurrency: int | None,
+                       request_rate: float | None, seed: int, progress: bool = True
+                       ) -> list[RequestResult]:
+    """Send every spec; at most max_concurrency in flight; Poisson arrivals if request_rate."""
+    limit = asyncio.Semaphore(max_concurrency or len(specs) or 1)
+    rng = random.Random(seed)
+    bar = tqdm(total=len(specs), desc="requests", disable=not progress)
+
+    async def one(spec: RequestSpec) -> RequestResult:
+        async with limit:
+            result = await client.complete(spec.prompt, spec.output_len)
+        bar.update(1)
+        return result
+
+    tasks = []
+    for spec in specs:
+        tasks.append(asyncio.ensure_future(one(spec)))
+        if request_rate:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    bar.close()
+    return list(results)
+
+
+async def run_sessions(client: BenchClient, sessions: list[Session], max_concurrency: int | None,
+                       progress: bool = True) -> list[RequestResult]:
+    """Multi-turn: sessions run concurrently, each turn waits for the previous answer."""
+    limit = asyncio.Semaphore(max_concurrency or len(sessions) or 1)
+    total = sum(len(s.user_turns) for s in sessions)
+    bar = tqdm(total=total, desc="turns", disable=not progress)
+
+    async def one(session: Session) -> list[RequestResult]:
+        history, results = "", []
+        async with limit:
+            for user_turn in session.user_turns:
+                history += f"\nUser: {user_turn}\nAssistant:"
+                result = await client.complete(history, session.output_len)
+                history += result.output_text
+                results.append(result)
+                bar.update(1)
+        return results
+
+    nested = await asyncio.gather(*(one(s) for s in sessions))
+    bar.close()
+    return [r for results in nested for r in results]
