@@ -33,7 +33,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     scheduling_policy: str = _opt("fcfs", "fcfs or priority (lower value runs first)",
                                   choices=["fcfs", "priority"])
-    attention_backend: str = _opt("torch_ref", "attention implementation")
+    attention_backend: str = _opt("sdpa_batched", "attention implementation: sdpa_batched "
+                                  "(batched decode) or torch_ref (the plain reference)",
+                                  choices=["sdpa_batched", "torch_ref"])
     seed: int = _opt(0, "seed for requests that sample without their own seed")
 
     def kv_cache_bytes(self) -> int:

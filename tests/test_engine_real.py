@@ -39,9 +39,10 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone(prompts):
-    """The baseline: every prompt on its own, no prefix caching, no chunking."""
+    """The baseline: every prompt on its own, no prefix caching, no chunking, and the plain
+    reference attention backend (every other test runs the default fast backend)."""
     llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024,
-              max_num_batched_tokens=1024)
+              max_num_batched_tokens=1024, attention_backend="torch_ref")
     return [_greedy(llm, [p])[0] for p in prompts]
 
 

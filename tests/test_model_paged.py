@@ -67,3 +67,20 @@ def test_slot_mapping_and_positions():
 def test_unknown_attention_backend():
     with pytest.raises(ValueError, match="torch_ref"):
         random_model(tiny_config(), attention_backend="nope")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 0.05)])
+def test_batched_backend_matches_reference(dtype, tolerance):
+    """Mixed batch: a fresh prompt, a chunk on top of cached context, and decodes."""
+    reference = random_model(tiny_config(), dtype, seed=2, attention_backend="torch_ref")
+    fast = random_model(tiny_config(), dtype, seed=2, attention_backend="sdpa_batched")
+    results = []
+    for model in (reference, fast):
+        loop = PagedLoop(model, 4, 64, block_size=4)
+        loop.step([PROMPT[:10], PROMPT[:7], PROMPT[:13]], [10, 7, 13], [0, 1, 2])
+        mixed = loop.step([[5], PROMPT[7:20], [9], PROMPT[:5]], [11, 20, 14, 5], [0, 1, 2, 3],
+                          all_logits=True)
+        decode = loop.step([[6], [7], [8], [9]], [12, 21, 15, 6], [0, 1, 2, 3], all_logits=True)
+        results.append(torch.cat(mixed + decode))
+    scale = results[0].abs().max().item()
+    assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)

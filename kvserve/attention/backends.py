@@ -47,24 +47,10 @@ class TorchReferenceBackend:
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
-        block_size = metadata.block_size
-        for i, seq_len in enumerate(metadata.seq_lens_host):
+        for i in range(metadata.num_seqs):
             start, end = starts[i], starts[i + 1]
-            query_len = end - start
-            num_blocks = (seq_len + block_size - 1) // block_size
-            block_ids = metadata.block_tables[i, :num_blocks].long()
-            keys = kv_cache[0, block_ids].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, block_ids].flatten(0, 1)[:seq_len]
-            mask = _causal_mask(query_len, seq_len, query.device)
-            attended = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            output[start:end] = attended.transpose(0, 1)
+            output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
+                                                     scale)
         return output
 
 
@@ -75,8 +61,74 @@ def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:
     return key_positions[None, :] <= query_positions[:, None]
 
 
+class BatchedSDPABackend:
+    """Fewer, larger SDPA calls: all decode rows (one query token each) in one padded call over
+    their gathered blocks; prompts with no cached context attend to their own fresh K/V without
+    touching the cache; only chunked/prefix-hit prompts gather per sequence, as the reference
+    does. Same maths as `torch_ref`, far less Python per step."""
+
+    name = "sdpa_batched"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_host
+        decode_rows, other_rows = [], []
+        for i in range(metadata.num_seqs):
+            (decode_rows if starts[i + 1] - starts[i] == 1 else other_rows).append(i)
+        if decode_rows:
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output)
+        for i in other_rows:
+            start, end = starts[i], starts[i + 1]
+            seq_len = metadata.seq_lens_host[i]
+            if seq_len == end - start:  # nothing cached before: plain causal attention
+                attended = F.scaled_dot_product_attention(
+                    query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
+                    value[start:end].transpose(0, 1), is_causal=True, scale=scale,
+                    enable_gqa=True)
+                output[start:end] = attended.transpose(0, 1)
+            else:
+                output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
+                                                         i, scale)
+        return output
+
+    @staticmethod
+    def _decode(query, kv_cache, metadata, rows, scale, output):
+        block_size = metadata.block_size
+        seq_lens = [metadata.seq_lens_host[i] for i in rows]
+        max_blocks = (max(seq_lens) + block_size - 1) // block_size
+        rows_t = torch.tensor(rows, device=query.device)
+        tables = metadata.block_tables[rows_t, :max_blocks].long()
+        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
+        lengths = metadata.seq_lens[rows_t].unsqueeze(1)
+        mask = (torch.arange(keys.shape[2], device=query.device).unsqueeze(0) < lengths)
+        token_index = metadata.query_start_loc[rows_t].long()
+        queries = query[token_index].unsqueeze(2)  # [B, H, 1, D]
+        attended = F.scaled_dot_product_attention(queries, keys, values,
+                                                  attn_mask=mask[:, None, None, :], scale=scale,
+                                                  enable_gqa=True)
+        output[token_index] = attended.squeeze(2)
+
+
+def _attend_one_gathered(query, kv_cache, metadata, i, scale):
+    """One sequence's new queries against all its cached K/V (the reference algorithm)."""
+    seq_len = metadata.seq_lens_host[i]
+    query_len = query.shape[0]
+    num_blocks = (seq_len + metadata.block_size - 1) // metadata.block_size
+    block_ids = metadata.block_tables[i, :num_blocks].long()
+    keys = kv_cache[0, block_ids].flatten(0, 1)[:seq_len]
+    values = kv_cache[1, block_ids].flatten(0, 1)[:seq_len]
+    mask = _causal_mask(query_len, seq_len, query.device)
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        scale=scale, enable_gqa=True)
+    return attended.transpose(0, 1)
+
+
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     TorchReferenceBackend.name: TorchReferenceBackend,
+    BatchedSDPABackend.name: BatchedSDPABackend,
 }
 
 

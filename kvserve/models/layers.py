@@ -83,12 +83,18 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin", table, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtype)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin [T, 1, D] for these positions, once per step (shared by all layers)."""
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(query.dtype)
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
+        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+    """query [T, H, D], key [T, KVH, D] -> rotated (same shapes and dtype)."""
+    cos, sin = rotary
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

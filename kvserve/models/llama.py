@@ -16,11 +16,11 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
-from kvserve.models.layers import RMSNorm, RotaryEmbedding
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -30,17 +30,16 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = [rotary]  # shared table; a list keeps it out of this module's children
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, positions, hidden, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary, hidden, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(-1, self.num_heads, self.head_dim)
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
-        query, key = self.rotary[0](positions, query, key)
+        query, key = apply_rotary(query, key, rotary)
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
         attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
@@ -60,15 +59,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+    def forward(self, rotary, hidden, metadata):
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -78,15 +77,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, backend)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, metadata):
         hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, metadata)
+            hidden = layer(rotary, hidden, metadata)
         return self.norm(hidden)
 
 
