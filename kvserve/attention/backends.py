@@ -94,21 +94,30 @@ class BatchedSDPABackend:
 
     @staticmethod
     def _decode(query, kv_cache, metadata, rows, scale, output):
+        """All one-token queries at once as two batched matmuls. Query heads are grouped under
+        their KV head ([B, KVH, G, D] x [B, KVH, D, L]) so K/V are never repeated for GQA;
+        softmax runs in float32. (CPU SDPA took ~4 ms per layer here: its flash kernel is slow
+        for one query row with a mask.)"""
         block_size = metadata.block_size
         seq_lens = [metadata.seq_lens_host[i] for i in rows]
         max_blocks = (max(seq_lens) + block_size - 1) // block_size
         rows_t = torch.tensor(rows, device=query.device)
         tables = metadata.block_tables[rows_t, :max_blocks].long()
-        keys = kv_cache[0][tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-        values = kv_cache[1][tables].flatten(1, 2).transpose(1, 2)
-        lengths = metadata.seq_lens[rows_t].unsqueeze(1)
-        mask = (torch.arange(keys.shape[2], device=query.device).unsqueeze(0) < lengths)
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        batch = len(rows)
         token_index = metadata.query_start_loc[rows_t].long()
-        queries = query[token_index].unsqueeze(2)  # [B, H, 1, D]
-        attended = F.scaled_dot_product_attention(queries, keys, values,
-                                                  attn_mask=mask[:, None, None, :], scale=scale,
-                                                  enable_gqa=True)
-        output[token_index] = attended.squeeze(2)
+        queries = query[token_index].view(batch, num_kv_heads, -1, head_dim)
+        flat_tables = tables.flatten()
+        # index_select over whole blocks is ~1.7x faster than advanced indexing here
+        keys = kv_cache[0].index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim)
+        scores = torch.matmul(queries, keys.transpose(1, 2).transpose(-1, -2)).float() * scale
+        lengths = metadata.seq_lens[rows_t].unsqueeze(1)
+        valid = torch.arange(scores.shape[-1], device=query.device).unsqueeze(0) < lengths
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        values = kv_cache[1].index_select(0, flat_tables).view(
+            batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
+        output[token_index] = torch.matmul(probs, values).reshape(batch, -1, head_dim)
 
 
 def _attend_one_gathered(query, kv_cache, metadata, i, scale):

@@ -33,7 +33,15 @@ class BenchClient:
         return time.perf_counter() - self.start
 
     async def complete(self, prompt: str, max_tokens: int) -> RequestResult:
-        """One streaming completion with ignore_eos, greedy; never raises."""
+        """One streaming completion with ignore_eos, greedy; never raises. A request whose
+        pooled connection the server had already closed (no response at all) is sent once more
+        on a fresh connection, timed from the resend."""
+        result = await self._complete_once(prompt, max_tokens)
+        if result.error and "RemoteProtocolError" in result.error and not result.chunk_times:
+            result = await self._complete_once(prompt, max_tokens)
+        return result
+
+    async def _complete_once(self, prompt: str, max_tokens: int) -> RequestResult:
         result = RequestResult(sent=self.now())
         payload = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                    "temperature": 0.0, "stream": True, "ignore_eos": True,

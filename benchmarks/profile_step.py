@@ -1,0 +1,62 @@
+"""Where does an engine step's time go? Runs decode steps at a batch size under torch.profiler
+and prints the top ops, plus the wall time split between model forward, sampling and the rest.
+
+Usage: .venv/bin/python benchmarks/profile_step.py [--batch 1] [--context 256] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="sdpa_batched")
+    args = parser.parse_args()
+
+    llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [(i * 31 + j) % 40000 + 100 for j in range(args.context)]
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    runner = engine.runner
+    timings = {"forward+sample": 0.0, "step": 0.0}
+    original = runner.execute
+
+    def timed_execute(output):
+        start = time.perf_counter()
+        result = original(output)
+        timings["forward+sample"] += time.perf_counter() - start
+        return result
+
+    runner.execute = timed_execute
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        timings["step"] = time.perf_counter() - start
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    per_step = timings["step"] / args.steps * 1000
+    runner_ms = timings["forward+sample"] / args.steps * 1000
+    print(f"batch {args.batch}, context {args.context}: {per_step:.2f} ms/step "
+          f"({per_step / args.batch:.2f} ms/token); runner {runner_ms:.2f} ms, "
+          f"scheduler+output processing {per_step - runner_ms:.2f} ms (profiled, so slower)")
+    engine.abort_request([f"p{i}" for i in range(args.batch)])
+
+
+if __name__ == "__main__":
+    main()
