@@ -105,11 +105,71 @@ def _cell(summary: dict | None, key: str, sub: str | None = None, scale: float =
     return f"{value * scale:.1f}"
 
 
-def write_markdown(records: list[dict], out_path: Path, machine: str) -> str:
+def measure_roofline(out_dir: Path) -> dict | None:
+    path = out_dir / "roofline.json"
+    subprocess.run([PY, "-m", "kvserve.cli", "bench", "roofline", "--output-json", str(path)],
+                   check=False, capture_output=True)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
+    """s1 and s2 output rates as fractions of the bf16 decode roof at their concurrency."""
+    if not roof:
+        return []
+    from kvserve.bench.roofline import MachineRoof, ModelCost, roof_fractions
+
+    machine = MachineRoof(**roof["machine"])
+    cost = ModelCost(**roof["model"])
+    lines = ["", f"Roof (measured here): {machine.memory_gbps:.0f} GB/s read, "
+             f"{machine.gemm_gflops['bfloat16']:.0f} GFLOP/s bf16 and "
+             f"{machine.gemm_gflops['float32']:.0f} fp32 GEMM at the model's MLP shape. "
+             "Fractions of the bf16 roof (decode: min of bandwidth and GEMM bounds at the "
+             "scenario's concurrency; prefill: TTFT p50 of s1 against the GEMM bound):", "",
+             "| system | s1 decode | s1 prefill | s2 decode |", "|---|---|---|---|"]
+    for record in records:
+        cells = []
+        for scenario, concurrency, key in (("s1", 1, "output_fraction_of_roof"),
+                                           ("s1", 1, "single_prefill_fraction_of_roof"),
+                                           ("s2", 32, "output_fraction_of_roof")):
+            summary = record["scenarios"].get(scenario)
+            if not summary:
+                cells.append("-")
+                continue
+            if scenario == "s1":  # one stream: its output rate is 1 / TPOT
+                summary = dict(summary, output_throughput=1 / summary["tpot_s"]["p50"])
+            fractions = roof_fractions(summary, cost, machine, concurrency, 256, 128)
+            cells.append(f"{fractions[key]:.0%}")
+        lines.append(f"| {record['system']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def draw_plots(records: list[dict], out_dir: Path) -> list[str]:
+    from kvserve.bench.report import plot_latency_cdfs
+
+    written = []
+    for scenario in SCENARIOS:
+        by_system = {}
+        for record in records:
+            path = out_dir / f"{record['system']}-{scenario}.json"
+            if path.exists():
+                data = json.loads(path.read_text())
+                if "per_request" in data:
+                    by_system[record["system"]] = data["per_request"]
+        if by_system:
+            for path in plot_latency_cdfs(by_system, out_dir / "plots", prefix=scenario):
+                written.append(str(path.relative_to(out_dir.parent)))
+    return written
+
+
+def write_markdown(records: list[dict], out_path: Path, machine: str, roof: dict | None = None,
+                   plots: list[str] | None = None) -> str:
     lines = [f"# Benchmarks {time.strftime('%Y-%m-%d')}", "",
              f"Machine: {machine}. Versions: {json.dumps(_versions())}.",
              "Client: `kvserve bench serve` (streaming /v1/completions, greedy, ignore_eos), "
-             "loopback. Prompts cut from the Python standard library's source.", "",
+             "loopback, one system at a time. Prompts cut from the Python standard library's "
+             "source. Scenarios: s1 1 stream x 6, 256/128; s2 64 requests at concurrency 32, "
+             "256/128; s3 32 at concurrency 8 sharing a 1,024-token prefix, 64/32; s4 "
+             "multi-turn, 8 sessions x 6 turns, 128-token turns, 64-token answers.", "",
              "| system | cold start s | s1 TPOT p50 ms | s1 TTFT p50 ms | s2 out tok/s | "
              "s2 TPOT p50 ms | s3 TTFT p50 ms | s3 out tok/s | s4 out tok/s | s4 TTFT p50 ms |",
              "|" + "---|" * 10]
@@ -125,9 +185,13 @@ def write_markdown(records: list[dict], out_path: Path, machine: str) -> str:
             f"{_cell(s.get('s3'), 'output_throughput')} | "
             f"{_cell(s.get('s4'), 'output_throughput')} | "
             f"{_cell(s.get('s4'), 'ttft_s', 'p50', 1000)} |")
-    lines += ["", _ratios(records), "", "Failed requests: " + ", ".join(
-        f"{r['system']} {k}: {v['failed']}" for r in records for k, v in r["scenarios"].items()
-        if v["failed"]) or "Failed requests: none."]
+    lines += ["", _ratios(records)]
+    lines += roof_lines(records, roof)
+    failed = ", ".join(f"{r['system']} {k}: {v['failed']}" for r in records
+                       for k, v in r["scenarios"].items() if v["failed"])
+    lines += ["", f"Failed requests: {failed or 'none'}."]
+    if plots:
+        lines += ["", "Latency CDFs: " + ", ".join(f"[{Path(p).stem}]({p})" for p in plots)]
     text = "\n".join(lines) + "\n"
     out_path.write_text(text)
     return text
@@ -163,22 +227,35 @@ def main() -> None:
     parser.add_argument("--systems", default="kvserve,llama.cpp,vllm-cpu")
     parser.add_argument("--scenarios", default="s1,s2,s3,s4")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the markdown from today's saved records")
     args = parser.parse_args()
     date = time.strftime("%Y-%m-%d")
     out_dir = ROOT / "benchmarks" / "results" / date
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    for offset, name in enumerate(args.systems.split(",")):
-        try:
-            records.append(run_system(name, args.port + offset, out_dir,
-                                      args.scenarios.split(",")))
-        except Exception as exc:  # a peer that cannot start is reported, not fatal
-            print(f"{name}: {exc}", file=sys.stderr)
-            records.append({"system": name, "scenarios": {}, "error": str(exc)})
-    (out_dir / "records.json").write_text(json.dumps(records, indent=1))
+    if args.report_only:
+        records = json.loads((out_dir / "records.json").read_text())
+        roof_path = out_dir / "roofline.json"
+        roof = json.loads(roof_path.read_text()) if roof_path.exists() else None
+    else:
+        roof = measure_roofline(out_dir)
+        records = []
+        for offset, name in enumerate(args.systems.split(",")):
+            try:
+                records.append(run_system(name, args.port + offset, out_dir,
+                                          args.scenarios.split(",")))
+            except Exception as exc:  # a peer that cannot start is reported, not fatal
+                print(f"{name}: {exc}", file=sys.stderr)
+                records.append({"system": name, "scenarios": {}, "error": str(exc)})
+        (out_dir / "records.json").write_text(json.dumps(records, indent=1))
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
                f"{subprocess.run(['uname', '-r'], capture_output=True, text=True).stdout.strip()}")
-    text = write_markdown(records, ROOT / "benchmarks" / "results" / f"{date}.md", machine)
+    text = write_markdown(records, ROOT / "benchmarks" / "results" / f"{date}.md", machine,
+                          roof, draw_plots(records, out_dir))
+    (ROOT / "BENCHMARKS.md").write_text(
+        "# Latest benchmark\n\nFrom `benchmarks/results/" + f"{date}.md" + "`, written by "
+        "`make bench` (`benchmarks/run.py`).\n\n" + text.split("\n", 2)[2].replace(
+            "](" + date, "](benchmarks/results/" + date))
     print(text)
 
 

@@ -85,3 +85,24 @@ def test_seed_gives_same_samples_alone_and_batched(prompts):
                          [SamplingParams(temperature=1.0, max_tokens=16)] * 5 + [seeded]
                          + [SamplingParams(temperature=0.7, max_tokens=9)] * 5, use_tqdm=False)
     assert mixed[5].outputs[0].token_ids == alone
+
+
+def test_n4_allocates_the_prompt_blocks_once(prompts):
+    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=64)
+    engine = llm.llm_engine
+    prompt = prompts[40]  # a long code excerpt: several full blocks and a partial one
+    full_blocks = len(prompt) // 16
+    engine.add_request("fan", {"prompt_token_ids": prompt},
+                       SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=5))
+    saw_all_four = False
+    while engine.has_unfinished_requests():
+        tables = [engine.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
+        if all(tables):
+            saw_all_four = True
+            assert len({tuple(t[:full_blocks]) for t in tables}) == 1
+            used = engine.kv_manager.pool.num_used_blocks
+            assert used == full_blocks + 4 * (len(tables[0]) - full_blocks)
+        final = engine.step()
+    assert saw_all_four
+    assert engine.kv_manager.stats.hits == 3 * full_blocks * 16
+    assert len(final[0].outputs) == 4

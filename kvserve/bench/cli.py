@@ -25,7 +25,9 @@ def add_bench_parser(commands) -> None:
                        choices=["random", "shared-prefix", "multi-turn", "long-prompt"])
     serve.add_argument("--num-prompts", type=int, default=64,
                        help="requests (multi-turn: sessions)")
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--max-concurrency", default=None,
+                       help="max requests in flight; a comma list (1,8,32) sweeps and plots "
+                       "throughput against it")
     serve.add_argument("--request-rate", type=float, default=None,
                        help="Poisson arrivals per second (default: all at once)")
     serve.add_argument("--input-len", type=int, default=256)
@@ -100,6 +102,26 @@ async def _drive(args, specs):
 
 
 def _serve(args) -> int:
+    levels = [int(c) for c in str(args.max_concurrency).split(",")] \
+        if args.max_concurrency else [None]
+    if len(levels) == 1:
+        args.max_concurrency = levels[0]
+        return _serve_once(args)
+    points, failed = [], 0
+    base_json = args.output_json
+    for level in levels:
+        args.max_concurrency = level
+        if base_json:
+            args.output_json = base_json.replace(".json", f"-c{level}.json")
+        failed += _serve_once(args)
+        points.append((level, json.loads(open(args.output_json).read())["summary"][
+            "output_throughput"]) if args.output_json else (level, float("nan")))
+    if args.plot:
+        report.plot_throughput_vs_concurrency({args.label: points}, args.plot)
+    return 1 if failed else 0
+
+
+def _serve_once(args) -> int:
     source = workloads.TextSource(_tokenizer(args.tokenizer), args.seed)
     specs = _build_workload(args, source)
     results, duration = asyncio.run(_drive(args, specs))
@@ -110,7 +132,10 @@ def _serve(args) -> int:
     summary = summarize(results, duration, slo)
     row = {"system": args.label, "scenario": args.workload, "summary": summary,
            "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
-           "errors": sorted({r.error for r in results if r.error})[:5]}
+           "errors": sorted({r.error for r in results if r.error})[:5],
+           "per_request": [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
+                            "output_tokens": r.output_tokens, "error": r.error}
+                           for r in results]}
     print(report.markdown_table([row]))
     if summary["failed"]:
         print(f"{summary['failed']} requests failed, e.g. {row['errors'][:2]}")

@@ -33,8 +33,10 @@ def write_json(path: str | Path, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=1, default=str))
 
 
-def plot_latency_cdfs(results_by_label: dict[str, list], directory: str | Path) -> list[Path]:
-    """CDFs of TTFT, TPOT and E2E per label (e.g. per system)."""
+def plot_latency_cdfs(results_by_label: dict[str, list], directory: str | Path,
+                      prefix: str = "cdf") -> list[Path]:
+    """CDFs of TTFT, TPOT and E2E per label (e.g. per system). Results are RequestResults or
+    their per-request dicts from a saved JSON."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +48,8 @@ def plot_latency_cdfs(results_by_label: dict[str, list], directory: str | Path) 
     for metric in ("ttft", "tpot", "e2e"):
         figure, axis = plt.subplots(figsize=(6, 4))
         for label, results in results_by_label.items():
-            values = sorted(getattr(r, metric) * 1000 for r in results
-                            if r.ok and getattr(r, metric) is not None)
+            values = sorted(v * 1000 for v in (_metric(r, metric) for r in results)
+                            if v is not None)
             if values:
                 axis.step(values, [(i + 1) / len(values) for i in range(len(values))],
                           where="post", label=label)
@@ -55,12 +57,18 @@ def plot_latency_cdfs(results_by_label: dict[str, list], directory: str | Path) 
         axis.set_ylabel("fraction of requests")
         axis.grid(alpha=0.3)
         axis.legend()
-        path = directory / f"cdf_{metric}.png"
+        path = directory / f"{prefix}_{metric}.png"
         figure.tight_layout()
         figure.savefig(path, dpi=100)
         plt.close(figure)
         written.append(path)
     return written
+
+
+def _metric(result, metric: str):
+    if isinstance(result, dict):
+        return None if result.get("error") else result.get(metric)
+    return getattr(result, metric) if result.ok else None
 
 
 def plot_throughput_vs_concurrency(points: dict[str, list[tuple[int, float]]],
