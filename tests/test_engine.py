@@ -142,3 +142,10 @@ def test_unknown_llm_option(tiny_model_dir):
 
     with pytest.raises(TypeError, match="bogus"):
         LLM(model=str(tiny_model_dir), bogus=1)
+
+
+def test_token_id_prompts_must_be_integers(tiny_llm):
+    for bad in ({"prompt_token_ids": ["a", "b"]}, {"prompt_token_ids": [1.5]},
+                {"prompt_token_ids": "123"}):
+        with pytest.raises(InvalidRequestError, match="integers"):
+            tiny_llm.generate(bad, use_tqdm=False)

@@ -151,15 +151,23 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
                                       param="prompt")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._token_ids(prompt)
         raise InvalidRequestError("a prompt is a string, a list of token ids, or a dict",
                                   param="prompt")
+
+    @staticmethod
+    def _token_ids(values) -> list[int]:
+        if not isinstance(values, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in values):
+            raise InvalidRequestError("prompt token ids must be a list of integers",
+                                      param="prompt")
+        return list(values)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Checks needing the model; returns the effective max_tokens."""

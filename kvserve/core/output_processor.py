@@ -74,7 +74,9 @@ class SampleState:
             token_ids=list(self.request.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.request.finish_reason(),
+            # a stop string found on the last allowed token still ends the sample with "stop"
+            finish_reason="stop" if self.stopped_by_string is not None and finished
+            else self.request.finish_reason(),
             stop_reason=self.stopped_by_string if self.stopped_by_string is not None
             else self.request.stop_reason,
         )
