@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams

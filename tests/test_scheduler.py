@@ -185,3 +185,29 @@ def test_random_sequences_lose_nothing(ops, num_blocks, block_size, budget, poli
     assert scheduler.kv.req_blocks == {}
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
+
+
+def test_identical_prefixes_arriving_together_are_computed_once():
+    """The second request waits while the first computes the shared blocks, then hits them."""
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    first, second = make_request("a", 13), make_request("b", 13)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    step1, _ = fake_step(scheduler)
+    assert [s.request.request_id for s in step1.scheduled] == ["a"]
+    step2, _ = fake_step(scheduler)
+    admitted = {s.request.request_id: s for s in step2.scheduled}
+    assert admitted["b"].start_position == 12  # three full blocks hit
+    assert scheduler.kv.block_ids("b")[:3] == scheduler.kv.block_ids("a")[:3]
+    assert scheduler.kv.pending == {}
+
+
+def test_pending_owner_preempted_releases_waiters():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=4)
+    scheduler.add_request(make_request("a", 16))
+    fake_step(scheduler)  # a computes its first chunk; its other blocks are pending
+    scheduler.add_request(make_request("b", 16))
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv.pending == {}
+    output, _ = fake_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["b"]

@@ -128,7 +128,6 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids)
-        leader = None
         for index in range(params.n):
             child_params = params.clone()
             child_params.n = 1
@@ -136,9 +135,7 @@ class LLMEngine:
                 child_params.seed = params.seed + index
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             request = Request(child_id, prepared.prompt_token_ids, child_params,
-                              prepared.max_tokens, prepared.priority, prepared.arrival_time,
-                              prefill_leader=leader)
-            leader = leader or request
+                              prepared.max_tokens, prepared.priority, prepared.arrival_time)
             state = SampleState(request, request_id, index, self.tokenizer)
             group.samples.append(state)
             self._samples[child_id] = state

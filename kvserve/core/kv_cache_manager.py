@@ -32,6 +32,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.stats = PrefixCacheStats()
+        # full prompt blocks scheduled but not computed yet: hash -> the request computing it
+        self.pending: dict[int, str] = {}
+        self._pending_by_request: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -77,6 +80,33 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def is_computing_elsewhere(self, request: Request, num_hit_tokens: int) -> bool:
+        """Is the block right after this request's hit being computed by another request?
+        Then waiting one step costs less than computing the same prefix twice."""
+        index = num_hit_tokens // self.block_size
+        if not self.enable_prefix_caching or index >= len(request.block_hashes):
+            return False
+        owner = self.pending.get(request.block_hashes[index])
+        return owner is not None and owner != request.request_id
+
+    def mark_pending(self, request: Request) -> None:
+        """Announce the full blocks this newly admitted request will compute (hashed by
+        `get_computed_blocks`), so identical prefixes arriving meanwhile wait for them."""
+        if not self.enable_prefix_caching:
+            return
+        start = request.num_computed_tokens // self.block_size
+        mine = self._pending_by_request.setdefault(request.request_id, [])
+        for block_hash in request.block_hashes[start:]:
+            if block_hash not in self.pending and block_hash not in self.pool.cached:
+                self.pending[block_hash] = request.request_id
+                mine.append(block_hash)
+
+    def _clear_pending(self, request_id: str) -> None:
+        hashes = self._pending_by_request.pop(request_id, [])
+        for block_hash in hashes:
+            if self.pending.get(block_hash) == request_id:
+                del self.pending[block_hash]
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup whose request was admitted (failed admissions are retried later)."""
         if self.enable_prefix_caching:
@@ -113,15 +143,19 @@ class KVCacheManager:
             return
         self._extend_hashes(request, request.num_computed_tokens)
         blocks = self.req_blocks.get(request.request_id, [])
-        for index in range(min(len(request.block_hashes), len(blocks))):
+        computed = min(request.num_computed_tokens // self.block_size, len(blocks))
+        for index in range(computed):
             if blocks[index].block_hash is None:
                 self.pool.cache(blocks[index], request.block_hashes[index],
                                 self._block_key(request, index))
+            if self.pending.get(request.block_hashes[index]) == request.request_id:
+                del self.pending[request.block_hashes[index]]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so the tail is evicted before the prefix."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(list(reversed(blocks)))
+        self._clear_pending(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -44,8 +44,6 @@ class Request:
     max_tokens: int
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # Another request computing the same prompt (n > 1): wait for its prefill, then hit its blocks.
-    prefill_leader: "Request | None" = None
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []

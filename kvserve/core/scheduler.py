@@ -162,10 +162,10 @@ class Scheduler:
         skipped: list[tuple[tuple, Request]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             key, request = self.waiting[0]
-            if self._waits_for_leader(request):
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if self.kv.is_computing_elsewhere(request, num_hit):
                 skipped.append(self.waiting.pop(0))
                 continue
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -175,6 +175,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
+            self.kv.mark_pending(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -183,14 +184,6 @@ class Scheduler:
             budget -= num_new
         for item in skipped:
             bisect.insort(self.waiting, item, key=lambda entry: entry[0])
-
-    @staticmethod
-    def _waits_for_leader(request: Request) -> bool:
-        """n > 1 siblings wait while their leader computes the shared prompt, then hit its
-        cached blocks instead of computing the prompt n times."""
-        leader = request.prefill_leader
-        return (leader is not None and leader.status == RequestStatus.RUNNING
-                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
