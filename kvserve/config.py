@@ -32,10 +32,6 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

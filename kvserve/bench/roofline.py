@@ -30,10 +30,6 @@ class ModelCost:
     weight_bytes: float  # layer + embedding weights read per step, at the given dtype
     kv_bytes_per_token: float
 
-    def attention_flops(self, config: ModelConfig, context: int) -> float:
-        """QK^T and PV for one token against `context` cached tokens, all layers."""
-        return 4.0 * config.num_hidden_layers * config.q_size * context
-
 
 def model_cost(config: ModelConfig, bytes_per_weight: float = 2.0,
                bytes_per_kv_value: float = 2.0) -> ModelCost:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _SOURCE_MODULES = ("textwrap", "argparse", "json.decoder", "collections", "functools",
                    "dataclasses", "logging", "email.message")
@@ -28,7 +28,6 @@ class Session:
 
     user_turns: list[str]
     output_len: int
-    turn_tokens: list[int] = field(default_factory=list)
 
 
 def corpus_tokens(tokenizer) -> list[int]:
@@ -95,5 +94,5 @@ def long_prompt_workload(source: TextSource, num_prompts: int, input_len: int, o
 
 def multi_turn_workload(source: TextSource, num_sessions: int, turns: int, user_len: int,
                         output_len: int) -> list[Session]:
-    return [Session([source.take(user_len) for _ in range(turns)], output_len,
-                    [user_len] * turns) for _ in range(num_sessions)]
+    return [Session([source.take(user_len) for _ in range(turns)], output_len)
+            for _ in range(num_sessions)]

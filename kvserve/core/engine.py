@@ -205,10 +205,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.groups)
-
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that changed."""

@@ -161,7 +161,7 @@ def _chat_logprobs(choice: CompletionOutput, start: int, num_top: int) -> dict[s
             "bytes": list((chosen.decoded_token or "").encode()),
             "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
                               "bytes": list((lp.decoded_token or "").encode())}
-                             for tid, lp in top if lp.rank is not None and lp.rank <= num_top][
+                             for _, lp in top if lp.rank is not None and lp.rank <= num_top][
                                  :num_top],
         })
     return {"content": content}
