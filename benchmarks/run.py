@@ -89,6 +89,16 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str]) -> dic
     return record
 
 
+def _cpu_model() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    return model + (" (AVX-512 BF16)" if "avx512_bf16" in info else "")
+
+
 def _versions() -> dict:
     import torch
 
@@ -248,7 +258,7 @@ def main() -> None:
                 print(f"{name}: {exc}", file=sys.stderr)
                 records.append({"system": name, "scenarios": {}, "error": str(exc)})
         (out_dir / "records.json").write_text(json.dumps(records, indent=1))
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
+    machine = (f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} cores, "
                f"{subprocess.run(['uname', '-r'], capture_output=True, text=True).stdout.strip()}")
     text = write_markdown(records, ROOT / "benchmarks" / "results" / f"{date}.md", machine,
                           roof, draw_plots(records, out_dir))
