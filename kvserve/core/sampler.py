@@ -48,7 +48,8 @@ class Sampler:
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
+        if any(_modifies_logits(row) for row in rows):
+            logits = logits.clone()  # the processors below write in place
         _apply_logit_bias(logits, rows)
         _apply_min_tokens(logits, rows)
         _apply_penalties(logits, rows)
@@ -75,6 +76,12 @@ class Sampler:
         for i, row in enumerate(rows):
             noise[i].exponential_(generator=row.generator or self.default_generator)
         return noise
+
+
+def _modifies_logits(row: SamplingRow) -> bool:
+    params = row.params
+    return bool(params.logit_bias) or params.needs_penalties or (
+        len(row.output_token_ids) < params.min_tokens and bool(params.all_stop_token_ids))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
