@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -20,10 +21,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-backend", default="sdpa_batched")
+    parser.add_argument("--attention-backend", default="paged")
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-profile: plain wall times, no profiler overhead")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend)
+    extra = {"quantization": args.quantization} if args.quantization != "none" else {}
+    llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
+              cpu_kernels=args.cpu_kernels, **extra)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
@@ -43,17 +50,19 @@ def main() -> None:
         return result
 
     runner.execute = timed_execute
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) if args.profile else nullcontext() as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         timings["step"] = time.perf_counter() - start
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
     per_step = timings["step"] / args.steps * 1000
     runner_ms = timings["forward+sample"] / args.steps * 1000
     print(f"batch {args.batch}, context {args.context}: {per_step:.2f} ms/step "
           f"({per_step / args.batch:.2f} ms/token); runner {runner_ms:.2f} ms, "
-          f"scheduler+output processing {per_step - runner_ms:.2f} ms (profiled, so slower)")
+          f"scheduler+output processing {per_step - runner_ms:.2f} ms"
+          + (" (profiled, so slower)" if args.profile else ""))
     engine.abort_request([f"p{i}" for i in range(args.batch)])
 
 

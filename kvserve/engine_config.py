@@ -33,9 +33,16 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
     scheduling_policy: str = _opt("fcfs", "fcfs or priority (lower value runs first)",
                                   choices=["fcfs", "priority"])
-    attention_backend: str = _opt("sdpa_batched", "attention implementation: sdpa_batched "
-                                  "(batched decode) or torch_ref (the plain reference)",
-                                  choices=["sdpa_batched", "torch_ref"])
+    attention_backend: str = _opt("paged", "attention implementation: paged (fused layer ops, "
+                                  "reads KV blocks in place), sdpa_batched (eager, batched "
+                                  "decode) or torch_ref (the plain reference)",
+                                  choices=["paged", "sdpa_batched", "torch_ref"])
+    quantization: str = _opt("none", "weight quantization of the decoder projections: none, "
+                             "int4 (groupwise, exact for Q4_0/Q4_1 GGUFs), int8 (per channel, "
+                             "weight-only) or w8a8 (int8 weights and activations for batches)",
+                             choices=["none", "int4", "int8", "w8a8"])
+    cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
+                             "(--no-cpu-kernels runs their torch-op versions)")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
 
     def kv_cache_bytes(self) -> int:

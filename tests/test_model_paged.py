@@ -69,18 +69,27 @@ def test_unknown_attention_backend():
         random_model(tiny_config(), attention_backend="nope")
 
 
+FAST_BACKENDS = [("sdpa_batched", True), ("paged", True), ("paged", False)]
+
+
+@pytest.mark.parametrize("backend,cpu_kernels", FAST_BACKENDS)
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 0.05)])
-def test_batched_backend_matches_reference(dtype, tolerance):
-    """Mixed batch: a fresh prompt, a chunk on top of cached context, and decodes."""
+def test_fast_backends_match_reference(backend, cpu_kernels, dtype, tolerance):
+    """Mixed batches: fresh prompts short and long (past the paged kernel's query limit), chunks
+    on top of cached context short and long, and decodes; every position's logits compared."""
     reference = random_model(tiny_config(), dtype, seed=2, attention_backend="torch_ref")
-    fast = random_model(tiny_config(), dtype, seed=2, attention_backend="sdpa_batched")
+    fast = random_model(tiny_config(), dtype, seed=2, attention_backend=backend,
+                        use_cpu_kernels=cpu_kernels)
     results = []
     for model in (reference, fast):
-        loop = PagedLoop(model, 4, 64, block_size=4)
-        loop.step([PROMPT[:10], PROMPT[:7], PROMPT[:13]], [10, 7, 13], [0, 1, 2])
-        mixed = loop.step([[5], PROMPT[7:20], [9], PROMPT[:5]], [11, 20, 14, 5], [0, 1, 2, 3],
-                          all_logits=True)
-        decode = loop.step([[6], [7], [8], [9]], [12, 21, 15, 6], [0, 1, 2, 3], all_logits=True)
-        results.append(torch.cat(mixed + decode))
+        loop = PagedLoop(model, 5, 64, block_size=4)
+        loop.step([PROMPT[:10], PROMPT[:7], PROMPT[:13], PROMPT[:30]], [10, 7, 13, 30],
+                  [0, 1, 2, 3])
+        mixed = loop.step([[5], PROMPT[7:20], [9], PROMPT[30:45], PROMPT[:40]],
+                          [11, 20, 14, 45, 40], [0, 1, 2, 3, 4], all_logits=True)
+        long_chunk = loop.step([PROMPT[20:45], [4]], [45, 41], [1, 4], all_logits=True)
+        decode = loop.step([[6], [7], [8], [9]], [12, 46, 15, 46], [0, 1, 2, 3],
+                           all_logits=True)
+        results.append(torch.cat(mixed + long_chunk + decode))
     scale = results[0].abs().max().item()
     assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)

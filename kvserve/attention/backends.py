@@ -135,20 +135,31 @@ def _attend_one_gathered(query, kv_cache, metadata, i, scale):
     return attended.transpose(0, 1)
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    TorchReferenceBackend.name: TorchReferenceBackend,
-    BatchedSDPABackend.name: BatchedSDPABackend,
+def _paged_backend(use_cpu_kernels: bool):
+    from kvserve.attention.paged import PagedBackend
+    from kvserve.kernels import get_ops
+
+    return PagedBackend(get_ops(use_cpu_kernels))
+
+
+_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "paged": _paged_backend,
+    TorchReferenceBackend.name: lambda use_cpu_kernels: TorchReferenceBackend(),
+    BatchedSDPABackend.name: lambda use_cpu_kernels: BatchedSDPABackend(),
 }
 
 
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
+    """factory(use_cpu_kernels: bool) -> backend."""
     _BACKENDS[name] = factory
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, use_cpu_kernels: bool = True) -> AttentionBackend:
+    """`paged` runs the model's fused layer path with the compiled CPU kernels (or, with
+    use_cpu_kernels=False or no compiler, their torch versions); the others are eager paths."""
     if name not in _BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
-    return _BACKENDS[name]()
+    return _BACKENDS[name](use_cpu_kernels)
 
 
 def available_backends() -> list[str]:

@@ -24,6 +24,8 @@ class AttentionMetadata:
     # Host copies, so CPU backends can loop over sequences without device syncs.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # Per-step choices a backend computes on the first layer and reuses (see attention/paged.py)
+    plan: object | None = None
 
     @property
     def num_seqs(self) -> int:

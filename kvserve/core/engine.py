@@ -52,7 +52,9 @@ class LLMEngine:
         dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
             config.dtype)
         self.model, self.model_config = load_model(self.source, dtype, config.device,
-                                                   config.attention_backend)
+                                                   config.attention_backend,
+                                                   use_cpu_kernels=config.cpu_kernels,
+                                                   quantization=config.quantization)
         self.tokenizer = load_tokenizer(self.source)
         self.dtype = dtype
         num_blocks = self._num_kv_blocks(dtype)

@@ -45,6 +45,17 @@ class LlamaAttention(nn.Module):
         attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
         return self.o_proj(attended.reshape(-1, self.q_size))
 
+    def forward_fused(self, hidden, positions, cos_sin, metadata) -> torch.Tensor:
+        """The `paged` path: RoPE and the cache write in one op on the fused QKV output, then
+        attention over the blocks in place."""
+        qkv = self.qkv_proj(hidden)
+        ops = self.backend.ops
+        ops.rope_and_cache_(qkv, positions, cos_sin, self.kv_cache, metadata.slot_mapping,
+                            self.num_heads, self.num_kv_heads, self.head_dim)
+        attended = self.backend.attend(qkv, self.kv_cache, metadata, self.num_heads,
+                                       self.num_kv_heads, self.head_dim, self.scale)
+        return self.o_proj(attended)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -82,11 +93,34 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, metadata):
+        if getattr(self.layers[0].self_attn.backend, "fused", False):
+            return self._forward_fused(input_ids, positions, metadata)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(rotary, hidden, metadata)
         return self.norm(hidden)
+
+    def _forward_fused(self, input_ids, positions, metadata):
+        """Same maths as the eager path with ~9 calls per layer: the residual stream is kept
+        separately and each "add, then RMSNorm" is one in-place op (as vLLM's fused_add_rms_norm)."""
+        ops = self.layers[0].self_attn.backend.ops
+        residual = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin
+        hidden = None
+        for layer in self.layers:
+            norm = layer.input_layernorm
+            if hidden is None:
+                hidden = ops.rms_norm(residual, norm.weight, norm.eps)
+            else:
+                ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+            hidden = layer.self_attn.forward_fused(hidden, positions, cos_sin, metadata)
+            norm = layer.post_attention_layernorm
+            ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            hidden = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(hidden)))
+        ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
+        return hidden
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)

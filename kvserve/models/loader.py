@@ -13,6 +13,7 @@ import time
 import torch
 
 from kvserve.attention import get_attention_backend
+from kvserve.quant import quantize_model
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
@@ -37,39 +38,46 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def _construct_on_meta(config: ModelConfig, attention_backend: str):
+def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kernels: bool = True):
     if config.architecture not in _MODEL_CLASSES:
         raise UnsupportedArchitectureError(f"No model class for {config.architecture!r}")
-    backend = get_attention_backend(attention_backend)
+    backend = get_attention_backend(attention_backend, use_cpu_kernels)
     with torch.device("meta"):
         return _MODEL_CLASSES[config.architecture](config, backend)
 
 
-def _finish(model, dtype: torch.dtype):
-    """Cast to dtype (RoPE stays float32, as in HF) and rebuild the RoPE table."""
-    model = model.to(dtype)
+def _finish(model, dtype: torch.dtype, quantization: str = "none"):
+    """Quantize the projections (from the float32 weights still in place), cast the parameters
+    to dtype (buffers keep theirs: RoPE stays float32 as in HF, quantized layers chose their own)
+    and rebuild the RoPE table."""
+    ops = getattr(model.model.layers[0].self_attn.backend, "ops", None)
+    quantize_model(model, quantization, dtype, ops)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
     model.model.rotary_emb.float().reset_tables()
     return model.eval().requires_grad_(False)
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
-                      attention_backend: str = "torch_ref"):
+                      attention_backend: str = "torch_ref", use_cpu_kernels: bool = True):
     """Allocate without initialising (weights come next), on the target device and dtype."""
-    model = _construct_on_meta(config, attention_backend).to_empty(device=device)
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels).to_empty(device=device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
     return _finish(model, dtype)
 
 
-def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                      device: str, attention_backend: str):
-    model = _construct_on_meta(config, attention_backend)
+def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], device: str,
+                      attention_backend: str, use_cpu_kernels: bool):
+    """The model holding `state` as it is (float32 from the weight cache)."""
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels)
     state = {name: tensor.to(device) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    return _finish(model, dtype)
+    return model
 
 
 def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               attention_backend: str = "torch_ref", use_cache: bool = True):
+               attention_backend: str = "torch_ref", use_cache: bool = True,
+               use_cpu_kernels: bool = True, quantization: str = "none"):
     """Return (model, config) with the source's weights loaded."""
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
@@ -79,25 +87,28 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     if cached is not None and cached.is_file():
         from safetensors.torch import load_file
 
-        model = _model_from_state(config, load_file(str(cached)), torch_dtype, device,
-                                  attention_backend)
+        model = _model_from_state(config, load_file(str(cached)), device, attention_backend,
+                                  use_cpu_kernels)
         how = f"from cache {cached}"
     else:
-        model = build_empty_model(config, torch.float32, device, attention_backend)
+        model = build_empty_model(config, torch.float32, device, attention_backend,
+                                  use_cpu_kernels)
         model.load_weights(load_hf_named_tensors(source, config).items())
         if cached is not None:
             cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
-        model = _finish(model, torch_dtype)
         how = f"from {source.path}"
-    logger.info("model %s (%s) loaded %s in %.2fs", source.name, torch_dtype, how,
+    model = _finish(model, torch_dtype, quantization)
+    logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
+                quantization, how,
                 time.perf_counter() - start)
     return model, config
 
 
 def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,
-                 device: str = "cpu", attention_backend: str = "torch_ref"):
+                 device: str = "cpu", attention_backend: str = "torch_ref",
+                 use_cpu_kernels: bool = True, quantization: str = "none"):
     """A model with small random weights (deterministic for a seed), for fast tests."""
-    model = build_empty_model(config, torch.float32, device, attention_backend)
+    model = build_empty_model(config, torch.float32, device, attention_backend, use_cpu_kernels)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -105,4 +116,4 @@ def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return _finish(model, resolve_dtype(dtype))
+    return _finish(model, resolve_dtype(dtype), quantization)

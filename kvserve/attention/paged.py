@@ -1,0 +1,90 @@
+"""The `paged` attention backend: fused per-layer ops (compiled CPU kernels, or their torch
+reference versions) and attention that reads K/V blocks in place.
+
+Rows are split once per step: sequences with few new tokens (decodes, short chunks) go to the
+paged kernel, which walks their block tables without gathering; fresh prompts (no cached context)
+use SDPA's tiled causal kernel on their own K/V; long chunks on top of cached context gather
+their blocks once and use SDPA, where the gather is amortised over many query rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+# Above this many new tokens, a sequence with cached context is cheaper through gather + SDPA.
+MAX_PAGED_QUERY_LEN = 16
+
+
+@dataclass
+class StepPlan:
+    paged_seq_ids: torch.Tensor  # int32: sequences for the paged kernel
+    query_start_loc: torch.Tensor  # int64 copy of metadata.query_start_loc
+    fresh: list[int]  # sequences with no cached context and many tokens: plain causal SDPA
+    gathered: list[int]  # long chunks over cached context: gather + SDPA
+
+
+def plan_step(metadata: AttentionMetadata) -> StepPlan:
+    """Which path each sequence takes (computed once per step, reused by every layer)."""
+    if metadata.plan is not None:
+        return metadata.plan
+    starts, seq_lens = metadata.query_start_loc_host, metadata.seq_lens_host
+    paged, fresh, gathered = [], [], []
+    for i in range(metadata.num_seqs):
+        query_len = starts[i + 1] - starts[i]
+        if query_len <= MAX_PAGED_QUERY_LEN:
+            paged.append(i)
+        elif query_len == seq_lens[i]:
+            fresh.append(i)
+        else:
+            gathered.append(i)
+    metadata.plan = StepPlan(torch.tensor(paged, dtype=torch.int32),
+                             metadata.query_start_loc.long(), fresh, gathered)
+    return metadata.plan
+
+
+class PagedBackend:
+    name = "paged"
+    fused = True  # the model runs its fused layer path with `self.ops`
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+               num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D]."""
+        plan = plan_step(metadata)
+        out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        if plan.paged_seq_ids.numel():
+            self.ops.paged_attention_(qkv, kv_cache, out, plan.paged_seq_ids, plan.query_start_loc,
+                                      metadata.seq_lens, metadata.block_tables, num_heads,
+                                      num_kv_heads, head_dim, scale)
+        starts = metadata.query_start_loc_host
+        for i in plan.fresh:
+            start, end = starts[i], starts[i + 1]
+            query, key, value = _split_heads(qkv[start:end], num_heads, num_kv_heads, head_dim)
+            attended = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                      scale=scale, enable_gqa=True)
+            out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
+        if plan.gathered:
+            ids = torch.tensor(plan.gathered, dtype=torch.int32)
+            from kvserve.kernels import reference
+
+            reference.paged_attention_(qkv, kv_cache, out, ids, plan.query_start_loc,
+                                       metadata.seq_lens, metadata.block_tables, num_heads,
+                                       num_kv_heads, head_dim, scale)
+        return out
+
+
+def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """[n, (H + 2 KVH) * D] -> query [H, n, D], key and value [KVH, n, D] (views)."""
+    n = qkv.shape[0]
+    query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                   num_kv_heads * head_dim], dim=-1)
+    return (query.view(n, num_heads, head_dim).transpose(0, 1),
+            key.view(n, num_kv_heads, head_dim).transpose(0, 1),
+            value.view(n, num_kv_heads, head_dim).transpose(0, 1))

@@ -1,0 +1,143 @@
+"""Quantized replacements for the decoder's nn.Linear projections.
+
+Each layer keeps its low-bit weights for the cases the low-bit kernels win and a dense copy of the
+*dequantized* weights for the rest, so the model's weights are the same values whichever kernel
+runs; only the accumulation order differs. Measured on this machine (SmolLM2 shapes, bf16,
+FACTS.md and docs/performance.md): torch's int4/int8 weight-only kernels are 2.5x faster than a
+bf16 GEMM for 1-4 rows and 2-3x slower from 16 rows on; `torch._int_mm` (VNNI) is ~2x faster than
+bf16 from ~16 rows on.
+
+- `int4`: groupwise (32) asymmetric 4-bit, as GGUF's Q4_1: w = (q - 8) * scale + zero. Re-quantizing
+  a Q4_1 GGUF's dequantized weights this way recovers its codes exactly (each Q4_1 block holds its
+  min at code 0 and its max at code 15); scales are then rounded to the activation dtype.
+- `int8`: per-output-channel symmetric 8-bit weight-only.
+- `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
+  runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")
+INT4_GROUP_SIZE = 32
+# Row counts at which the low-bit kernels stop winning (measured, see the module docstring).
+WEIGHT_ONLY_MAX_ROWS = 4
+INT_MM_MIN_ROWS = 16
+QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
+    """float [N, K] -> codes int32 [N, K] in 0..15, scale and min float32 [N, K / group]."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((groups - low[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.int32)
+    return codes.view(rows, cols), scale, low
+
+
+def quantize_int8_per_channel(weight: torch.Tensor):
+    """float [N, K] -> int8 [N, K] and float32 scales [N] (symmetric, absmax / 127)."""
+    scale = weight.float().abs().amax(1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (weight.float() / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        rows, cols = linear.weight.shape
+        if cols % INT4_GROUP_SIZE:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {cols}")
+        codes, scale, low = quantize_int4_groupwise(linear.weight.data)
+        scale_t, zero_t = scale.to(dtype).float(), (low + 8 * scale).to(dtype).float()
+        # the kernel computes (q - 8) * scale + zero with scale, zero in the activation dtype
+        dequantized = (codes.view(rows, -1, INT4_GROUP_SIZE) - 8) * scale_t[..., None] \
+            + zero_t[..., None]
+        self.register_buffer("dense_weight", dequantized.view(rows, cols).to(dtype))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
+        self.register_buffer("scales_and_zeros", torch.stack([scale_t, zero_t], -1)
+                             .transpose(0, 1).contiguous().to(dtype))
+        self.register_buffer("bias", _bias(linear, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+            return F.linear(x, self.dense_weight, self.bias)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE,
+                                                         self.scales_and_zeros)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        codes, scale = quantize_int8_per_channel(linear.weight.data)
+        scale_t = scale.to(dtype)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scale_t)
+        self.register_buffer("weight_scale", scale)  # float32, for the W8A8 epilogue
+        self.register_buffer("dense_weight", (codes.float() * scale_t.float()[:, None]).to(dtype))
+        self.register_buffer("bias", _bias(linear, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+            return F.linear(x, self.dense_weight, self.bias)
+        return self._weight_only(x)
+
+    def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+class W8A8Linear(Int8WeightOnlyLinear):
+    """int8 x int8 -> int32 GEMMs for batches of INT_MM_MIN_ROWS rows or more."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
+        super().__init__(linear, dtype)
+        self.ops = ops
+        del self.dense_weight  # never used: large batches take the int8 GEMM
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < INT_MM_MIN_ROWS:
+            return self._weight_only(x)
+        codes, token_scale = self.ops.quantize_per_token(x)
+        accumulated = torch._int_mm(codes, self.codes.t())
+        return self.ops.dequantize_int32(accumulated, token_scale, self.weight_scale, self.bias,
+                                         x.dtype)
+
+
+def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.data.to(dtype)
+
+
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) -> nn.Module:
+    """Swap every decoder projection for its quantized version (in place). The model must still
+    hold its float32 weights, so codes come from the exact values (a GGUF's Q4_1 blocks)."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"Unknown quantization {mode!r}; choose one of "
+                         f"{', '.join(QUANTIZATION_MODES)}")
+    if mode == "none":
+        return model
+    if mode == "w8a8" and ops is None:
+        from kvserve.kernels import get_ops
+
+        ops = get_ops(True)
+    for parent in list(model.modules()):
+        for name in QUANTIZED_PROJECTIONS:
+            child = getattr(parent, name, None)
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, _quantized(child, mode, dtype, ops))
+    return model
+
+
+def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn.Module:
+    if mode == "int4":
+        return Int4WeightOnlyLinear(linear, dtype)
+    if mode == "int8":
+        return Int8WeightOnlyLinear(linear, dtype)
+    return W8A8Linear(linear, dtype, ops)

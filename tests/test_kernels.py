@@ -1,0 +1,108 @@
+"""The compiled CPU kernels against their torch reference versions (kvserve/kernels/reference.py):
+bit-exact or within rounding in float32, within bf16 rounding in bfloat16, on ragged batches that
+mix decode rows, chunked rows with cached context and fresh prompts."""
+
+import pytest
+import torch
+
+from kvserve.attention import build_attention_metadata
+from kvserve.kernels import get_ops, reference
+
+compiled = get_ops(True)
+pytestmark = pytest.mark.skipif(not compiled.compiled, reason="C++ CPU kernels did not build")
+
+HEADS, KV_HEADS, DIM = 6, 2, 32
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activation(dtype):
+    torch.manual_seed(0)
+    x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    weight = torch.rand(96, dtype=dtype) + 0.5
+    _close(compiled.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), dtype)
+    x2, res2 = x.clone(), residual.clone()
+    compiled.add_rms_norm_(x, residual, weight, 1e-5)
+    reference.add_rms_norm_(x2, res2, weight, 1e-5)
+    assert torch.equal(residual, res2)  # the residual add rounds exactly as torch's add
+    _close(x, x2, dtype)
+    gate_up = torch.randn(5, 2 * 40, dtype=dtype) * 3
+    _close(compiled.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), dtype)
+
+
+def _batch(dtype, query_lens, seq_lens, block_size=4, dim=DIM):
+    torch.manual_seed(1)
+    blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
+    ids = torch.randperm(sum(blocks_needed) + 3).tolist()  # scattered, non-monotonic blocks
+    tables, cursor = [], 0
+    for count in blocks_needed:
+        tables.append(ids[cursor:cursor + count])
+        cursor += count
+    metadata, positions = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    kv_cache = torch.randn(2, len(ids), block_size, KV_HEADS, dim, dtype=dtype)
+    qkv = torch.randn(sum(query_lens), (HEADS + 2 * KV_HEADS) * dim, dtype=dtype)
+    return metadata, positions, kv_cache, qkv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write(dtype):
+    metadata, positions, kv_cache, qkv = _batch(dtype, [3, 1, 5], [3, 9, 12])
+    table = torch.randn(64, DIM)
+    qkv2, cache2 = qkv.clone(), kv_cache.clone()
+    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
+                             KV_HEADS, DIM)
+    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
+                              KV_HEADS, DIM)
+    _close(qkv, qkv2, dtype)
+    _close(kv_cache, cache2, dtype)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])  # 64 and 128 take the register-blocked passes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_ragged_causal(dtype, dim):
+    # decode rows, a chunk with cached context, a fresh prompt, a long decode
+    query_lens, seq_lens = [1, 4, 6, 1, 1], [7, 10, 6, 33, 1]
+    metadata, _, kv_cache, qkv = _batch(dtype, query_lens, seq_lens, dim=dim)
+    seq_ids = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            HEADS, KV_HEADS, dim, dim**-0.5)
+    out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=dtype)
+    expected = torch.zeros_like(out)
+    compiled.paged_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv, kv_cache, expected, *args)
+    _close(out, expected, dtype)
+
+
+def test_paged_attention_only_touches_selected_sequences():
+    metadata, _, kv_cache, qkv = _batch(torch.float32, [1, 1, 1], [5, 6, 7])
+    out = torch.full((3, HEADS * DIM), 7.0)
+    compiled.paged_attention_(qkv, kv_cache, out, torch.tensor([1], dtype=torch.int32),
+                              metadata.query_start_loc.long(), metadata.seq_lens,
+                              metadata.block_tables, HEADS, KV_HEADS, DIM, 0.1)
+    assert torch.all(out[0] == 7.0) and torch.all(out[2] == 7.0)
+    assert not torch.all(out[1] == 7.0)
+
+
+def test_reference_fallback_when_disabled():
+    ops = get_ops(False)
+    assert not ops.compiled and ops.paged_attention_ is reference.paged_attention_
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quantize_and_dequantize(dtype):
+    torch.manual_seed(3)
+    x = torch.randn(9, 64, dtype=dtype) * 4
+    x[3] = 0  # an all-zero row gets scale 1, not a division by zero
+    codes, scales = compiled.quantize_per_token(x)
+    ref_codes, ref_scales = reference.quantize_per_token(x)
+    torch.testing.assert_close(scales, ref_scales)
+    assert (codes.int() - ref_codes.int()).abs().max() <= 1  # x / s on a .5 boundary may differ
+    acc = torch.randint(-50000, 50000, (9, 24), dtype=torch.int32)
+    weight_scale, bias = torch.rand(24), torch.randn(24, dtype=dtype)
+    for b in (None, bias):
+        _close(compiled.dequantize_int32(acc, scales, weight_scale, b, dtype),
+               reference.dequantize_int32(acc, scales, weight_scale, b, dtype), dtype)
