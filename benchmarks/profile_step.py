@@ -23,12 +23,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="paged")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="--no-profile: plain wall times, no profiler overhead")
     args = parser.parse_args()
 
-    extra = {"quantization": args.quantization} if args.quantization != "none" else {}
+    extra = {"quantization": args.quantization}
     llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
               cpu_kernels=args.cpu_kernels, **extra)
     engine = llm.llm_engine

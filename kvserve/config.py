@@ -30,6 +30,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # How the checkpoint stores its projection weights (a GGUF type name such as "Q4_1", or a
+    # torch dtype name); picks the default quantization (EngineConfig.quantization "auto").
+    source_weight_type: str | None = field(default=None, compare=False)
 
     @property
     def q_size(self) -> int:

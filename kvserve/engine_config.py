@@ -37,10 +37,11 @@ class EngineConfig:
                                   "reads KV blocks in place), sdpa_batched (eager, batched "
                                   "decode) or torch_ref (the plain reference)",
                                   choices=["paged", "sdpa_batched", "torch_ref"])
-    quantization: str = _opt("none", "weight quantization of the decoder projections: none, "
-                             "int4 (groupwise, exact for Q4_0/Q4_1 GGUFs), int8 (per channel, "
-                             "weight-only) or w8a8 (int8 weights and activations for batches)",
-                             choices=["none", "int4", "int8", "w8a8"])
+    quantization: str = _opt("auto", "weights of the decoder projections: auto (int4 for "
+                             "4-bit GGUFs in bfloat16, else none), none, int4 (groupwise, exact "
+                             "for Q4_1 GGUFs), int8 (per channel) or w8a8 (int8 weights, int8 "
+                             "activations for batches; +2.5%% perplexity on SmolLM2)",
+                             choices=["auto", "none", "int4", "int8", "w8a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
     seed: int = _opt(0, "seed for requests that sample without their own seed")

@@ -35,6 +35,15 @@ def smollm_fp32(smollm_source):
 
 
 @pytest.fixture(scope="session")
+def smollm_fp32_paged(smollm_source):
+    """The engine's default fast path (fused C++ kernels, paged attention) in float32."""
+    from kvserve.models import load_model
+
+    model, _ = load_model(smollm_source, "float32", attention_backend="paged")
+    return model
+
+
+@pytest.fixture(scope="session")
 def hf_model(smollm_source):
     """HF transformers loading the same GGUF in float32: the reference."""
     transformers = pytest.importorskip("transformers")

@@ -28,10 +28,14 @@ def _parity_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-def test_logits_match_hf_on_every_position(smollm_fp32, hf_model, tokenizer):
+MODELS = ["smollm_fp32", "smollm_fp32_paged"]  # the torch reference path and the fast path
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_logits_match_hf_on_every_position(model_name, request, hf_model, tokenizer):
     prompts = _parity_prompts(tokenizer)
     assert len(prompts) >= 6
-    loop = PagedLoop(smollm_fp32, num_seqs=1, max_len=1200)
+    loop = PagedLoop(request.getfixturevalue(model_name), num_seqs=1, max_len=1200)
     for ids in prompts:
         ours = loop.step([ids], [len(ids)], [0], all_logits=True)[0]
         reference = _hf_logits(hf_model, ids)
@@ -39,14 +43,15 @@ def test_logits_match_hf_on_every_position(smollm_fp32, hf_model, tokenizer):
         assert delta <= LOGIT_TOLERANCE, f"max |dlogit| {delta:.2e} on a {len(ids)}-token prompt"
 
 
-def test_greedy_tokens_match_hf(smollm_fp32, hf_model, tokenizer):
+@pytest.mark.parametrize("model_name", MODELS)
+def test_greedy_tokens_match_hf(model_name, request, hf_model, tokenizer):
     """Greedy continuation, checked by teacher forcing HF on our tokens: every token must be HF's
     argmax, except after a step where HF's own top-2 margin is below NEAR_TIE_MARGIN (a near
     tie, where float rounding may legitimately pick either); comparison stops there."""
     prompts = [tokenizer.encode(p) for p in chat_prompts(tokenizer) + RAW_PROMPTS[:4]]
     assert len(prompts) >= 8
     new_tokens = 32
-    loop = PagedLoop(smollm_fp32, num_seqs=len(prompts), max_len=256)
+    loop = PagedLoop(request.getfixturevalue(model_name), num_seqs=len(prompts), max_len=256)
     outputs = loop.greedy(prompts, new_tokens)
     near_ties = 0
     for prompt, output in zip(prompts, outputs):

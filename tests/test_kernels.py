@@ -106,3 +106,12 @@ def test_w8a8_quantize_and_dequantize(dtype):
     for b in (None, bias):
         _close(compiled.dequantize_int32(acc, scales, weight_scale, b, dtype),
                reference.dequantize_int32(acc, scales, weight_scale, b, dtype), dtype)
+
+
+def test_argmax_rows_matches_torch_including_ties_and_nan():
+    torch.manual_seed(4)
+    logits = torch.randn(6, 1000)
+    logits[1, 10] = logits[1, 500] = 99.0  # tie: the first index wins
+    logits[2, 777] = float("nan")
+    logits[3] = -float("inf")
+    assert compiled.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()

@@ -53,13 +53,23 @@ def add_bench_parser(commands) -> None:
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument("--output-json", default=None)
 
+    ppl = kinds.add_parser("perplexity", help="perplexity on held-out stdlib documentation")
+    ppl.add_argument("--model", default="smollm2-135m-instruct")
+    ppl.add_argument("--dtype", default="auto")
+    ppl.add_argument("--quantization", default="none")
+    ppl.add_argument("--window", type=int, default=512)
+    ppl.add_argument("--max-windows", type=int, default=None)
+    ppl.add_argument("--output-json", default=None)
+
     roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates")
     roof.add_argument("--model", default="smollm2-135m-instruct")
     roof.add_argument("--output-json", default=None)
 
 
 def run_bench(args) -> int:
-    return {"serve": _serve, "offline": _offline, "roofline": _roofline}[args.bench_command](args)
+    commands = {"serve": _serve, "offline": _offline, "roofline": _roofline,
+                "perplexity": _perplexity}
+    return commands[args.bench_command](args)
 
 
 def _tokenizer(reference: str):
@@ -166,6 +176,26 @@ def _offline(args) -> int:
               "output_throughput": generated / seconds,
               "total_token_throughput": (generated + prompt_tokens) / seconds,
               "ttft_p50_s": ttfts[len(ttfts) // 2], "dtype": str(llm.llm_engine.dtype)}
+    print(json.dumps(result, indent=1))
+    if args.output_json:
+        report.write_json(args.output_json, result)
+    return 0
+
+
+def _perplexity(args) -> int:
+    from kvserve.bench.perplexity import held_out_text, perplexity
+    from kvserve.model_source import resolve_model
+    from kvserve.models.loader import load_model
+    from kvserve.platform import default_dtype
+    from kvserve.tokenizer import load_tokenizer
+
+    source = resolve_model(args.model)
+    dtype = default_dtype("cpu") if args.dtype == "auto" else args.dtype
+    model, _ = load_model(source, dtype, attention_backend="paged",
+                          quantization=args.quantization)
+    tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
+    result = {"model": source.name, "dtype": str(dtype), "quantization": args.quantization,
+              **perplexity(model, tokens, args.window, max_windows=args.max_windows)}
     print(json.dumps(result, indent=1))
     if args.output_json:
         report.write_json(args.output_json, result)

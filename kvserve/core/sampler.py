@@ -39,8 +39,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax_rows=None):
         self.default_generator = torch.Generator().manual_seed(seed)
+        # the compiled kernel when the runner has one (torch's CPU argmax is slow on [B, 49k])
+        self.argmax_rows = argmax_rows or (lambda logits: logits.argmax(dim=-1))
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -62,7 +64,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        chosen = logits.argmax(dim=-1)
+        chosen = self.argmax_rows(logits.contiguous())
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             probs = _filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])

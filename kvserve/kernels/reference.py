@@ -71,3 +71,7 @@ def dequantize_int32(acc, token_scale, weight_scale, bias, dtype) -> torch.Tenso
     if bias is not None:
         out = out + bias.float()
     return out.to(dtype)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvserve.attention import get_attention_backend
-from kvserve.quant import quantize_model
+from kvserve.quant import quantize_model, resolve_quantization
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
@@ -52,6 +52,7 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none"):
     and rebuild the RoPE table."""
     ops = getattr(model.model.layers[0].self_attn.backend, "ops", None)
     quantize_model(model, quantization, dtype, ops)
+    model.quantization = quantization
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.model.rotary_emb.float().reset_tables()
@@ -97,6 +98,7 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         if cached is not None:
             cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
         how = f"from {source.path}"
+    quantization = resolve_quantization(quantization, config.source_weight_type, torch_dtype)
     model = _finish(model, torch_dtype, quantization)
     logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
                 quantization, how,

@@ -1,5 +1,5 @@
 """Quantized linear layers (int4/int8 weight-only, W8A8) and the pass that swaps them in."""
 
-from kvserve.quant.linear import QUANTIZATION_MODES, quantize_model
+from kvserve.quant.linear import QUANTIZATION_MODES, quantize_model, resolve_quantization
 
-__all__ = ["QUANTIZATION_MODES", "quantize_model"]
+__all__ = ["QUANTIZATION_MODES", "quantize_model", "resolve_quantization"]

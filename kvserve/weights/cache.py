@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 
 
 def cache_dir() -> Path:

@@ -7,6 +7,8 @@ RoPE layout into the interleaved one llama.cpp computes with).
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -130,7 +132,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 
 def load_gguf_config(path: Path) -> ModelConfig:
     reader = open_gguf(path)
-    return config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    config = config_from_metadata(read_metadata(reader), set(types))
+    return dataclasses.replace(config, source_weight_type=types.get("blk.0.attn_q.weight"))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -636,6 +636,49 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& token_scale
   return out;
 }
 
+// ---------------------------------------------------------------- greedy sampling
+
+inline int64_t argmax_row(const float* row, int64_t cols) {
+  bool has_nan = false;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 peak = _mm512_set1_ps(best);
+  __mmask16 nan_lanes = 0;
+  for (; i + 16 <= cols; i += 16) {
+    __m512 v = _mm512_loadu_ps(row + i);
+    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    peak = _mm512_max_ps(peak, v);
+  }
+  best = _mm512_reduce_max_ps(peak);
+  has_nan = nan_lanes != 0;
+#endif
+  for (; i < cols; ++i) {
+    has_nan |= std::isnan(row[i]);
+    best = std::max(best, row[i]);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    if (has_nan ? std::isnan(row[j]) : row[j] == best) return j;
+  }
+  return 0;
+}
+
+// Index of each row's maximum (the first one on ties; a NaN wins, as in torch.argmax). torch's
+// CPU argmax took ~1-2 ms for 32 x 49k logits here; this is one vectorised pass plus a scan.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "argmax_rows: float32 [B, V] rows expected");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = logits.data_ptr<float>() + r * logits.stride(0);
+      out.data_ptr<int64_t>()[r] = argmax_row(row, cols);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -645,5 +688,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache");
   m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place");
   m.def("quantize_per_token", &quantize_per_token, "dynamic per-token int8 codes and scales");
+  m.def("argmax_rows", &argmax_rows, "per-row argmax of float32 logits");
   m.def("dequantize_int32", &dequantize_int32, "int32 GEMM output * scales (+ bias) -> dtype");
 }

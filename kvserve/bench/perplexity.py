@@ -1,0 +1,59 @@
+"""Perplexity of a model configuration on a fixed held-out text: the prose documentation
+(docstrings) of a set of Python standard-library modules, disjoint from the modules the serving
+workloads cut prompts from. It is how quantization modes are compared (`kvserve bench
+perplexity`; `benchmarks/perplexity.py` runs every mode and writes the table).
+
+The text is cut into non-overlapping windows; each window is one fresh sequence through the paged
+model, and every position but the last predicts the next token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+HELD_OUT_MODULES = ("pathlib", "heapq", "bisect", "shutil", "tempfile", "statistics", "string",
+                    "fractions", "contextlib", "enum")
+
+
+def held_out_text() -> str:
+    """Module and public-member docstrings, in a fixed order."""
+    parts = []
+    for name in HELD_OUT_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for member_name in sorted(vars(module)):
+            member = getattr(module, member_name)
+            if member_name.startswith("_") or getattr(member, "__module__", None) != name:
+                continue
+            doc = inspect.getdoc(member)
+            if doc:
+                parts.append(f"{member_name}: {doc}")
+    return "\n\n".join(p for p in parts if p)
+
+
+@torch.inference_mode()
+def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: int = 4,
+               max_windows: int | None = None) -> dict:
+    """exp(mean negative log-likelihood) over every predicted position of every window."""
+    from kvserve.testing.paged_loop import PagedLoop
+
+    windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
+    windows = windows[:max_windows] if max_windows else windows
+    loop = PagedLoop(model, windows_per_batch, window)
+    total_nll, count = 0.0, 0
+    for start in range(0, len(windows), windows_per_batch):
+        batch = windows[start:start + windows_per_batch]
+        logits = loop.step(batch, [len(w) for w in batch], list(range(len(batch))),
+                           all_logits=True)
+        for window_logits, ids in zip(logits, batch):
+            targets = torch.tensor(ids[1:])
+            nll = F.cross_entropy(window_logits[:-1].float(), targets, reduction="sum")
+            total_nll += float(nll)
+            count += len(ids) - 1
+    return {"perplexity": math.exp(total_nll / count), "tokens_scored": count,
+            "windows": len(windows), "window": window}

@@ -1,0 +1,105 @@
+"""Quantized projections: exact recovery of Q4_1-style codes, each low-bit kernel against the
+dense copy of the same weights, the default choice, and (slow) perplexity bounds on SmolLM2."""
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve.kernels import get_ops
+from kvserve.models import random_model
+from kvserve.quant.linear import (
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    W8A8Linear,
+    quantize_int4_groupwise,
+    resolve_quantization,
+)
+from kvserve.testing.paged_loop import PagedLoop
+from kvserve.testing.tiny import tiny_config
+
+
+def test_int4_recovers_q4_1_codes_exactly():
+    """A Q4_1 block is d * q + m with its min at code 0 and its max at code 15."""
+    generator = torch.Generator().manual_seed(0)
+    rows, groups = 8, 6
+    codes = torch.randint(0, 16, (rows, groups, 32), generator=generator)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = (torch.rand(rows, groups, generator=generator) * 0.01).half().float()
+    m = (-torch.rand(rows, groups, generator=generator) * 0.1).half().float()
+    weight = (d[..., None] * codes + m[..., None]).view(rows, -1)
+    got_codes, scale, low = quantize_int4_groupwise(weight)
+    assert torch.equal(got_codes.view(rows, groups, 32), codes.int())
+    assert torch.equal(low, m)
+    torch.testing.assert_close(scale, d, rtol=1e-6, atol=0)
+
+
+def _linear(out_features=96, in_features=128, bias=False):
+    torch.manual_seed(1)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear.weight.data.normal_(0, 0.05)
+    return linear
+
+
+@pytest.mark.parametrize("cls", [Int4WeightOnlyLinear, Int8WeightOnlyLinear])
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_only_kernel_equals_its_dense_weights(cls, bias):
+    """Small batches take the low-bit kernel, large ones the dense copy: same weights."""
+    layer = cls(_linear(bias=bias), torch.bfloat16)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    low_bit = layer(x)  # 3 rows: the low-bit kernel
+    dense = nn.functional.linear(x, layer.dense_weight, layer.bias)
+    torch.testing.assert_close(low_bit.float(), dense.float(), atol=2e-2, rtol=2e-2)
+    batched = layer(torch.cat([x] * 4))  # 12 rows: the dense path
+    torch.testing.assert_close(batched[:3].float(), dense.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_w8a8_close_to_its_int8_weights():
+    linear = _linear(bias=True)
+    layer = W8A8Linear(linear, torch.bfloat16, get_ops(True))
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    dense = nn.functional.linear(x.float(), layer.codes.float() * layer.weight_scale[:, None],
+                                 layer.bias.float())
+    error = (layer(x).float() - dense).norm() / dense.norm()
+    assert error < 0.02  # per-token int8 activations: ~0.5% here
+
+
+def test_auto_picks_int4_only_for_four_bit_sources_in_bfloat16():
+    assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "int4"
+    assert resolve_quantization("auto", "Q4_1", torch.float32) == "none"  # the exact reference
+    assert resolve_quantization("auto", "BF16", torch.bfloat16) == "none"
+    assert resolve_quantization("auto", None, torch.bfloat16) == "none"
+    assert resolve_quantization("w8a8", None, torch.float32) == "w8a8"
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8", "w8a8"])
+def test_quantized_model_one_row_equals_batched(mode):
+    """The same prompt decoded alone (low-bit GEMVs) and among 19 others (dense / int8 GEMMs)
+    gives logits within the mode's tolerance: the kernel choice does not change the model."""
+    model = random_model(tiny_config(), "bfloat16", seed=3, attention_backend="paged",
+                         quantization=mode)
+    assert model.quantization == mode
+    prompt = [(5 * i + 1) % 200 + 3 for i in range(12)]
+    alone = PagedLoop(model, 1, 32).step([prompt], [12], [0])[0]
+    others = [[(t + k) % 200 + 3 for t in prompt] for k in range(1, 20)]
+    batched = PagedLoop(model, 20, 32).step([prompt] + others, [12] * 20, list(range(20)))[0]
+    tolerance = 0.1 if mode == "w8a8" else 0.03
+    assert (alone - batched).abs().max() <= tolerance * max(1.0, alone.abs().max().item())
+
+
+@pytest.mark.slow
+def test_perplexity_bounds_on_smollm2(smollm_source):
+    """The stated bounds (benchmarks/results/*-perplexity.md has the full table): int4 and int8
+    within 1% of bfloat16, w8a8 within 5%, on 4 windows of the held-out text."""
+    from kvserve.bench.perplexity import held_out_text, perplexity
+    from kvserve.models import load_model
+    from kvserve.tokenizer import load_tokenizer
+
+    tokens = load_tokenizer(smollm_source).encode(held_out_text(), add_special_tokens=False)
+    results = {}
+    for mode in ("none", "int4", "int8", "w8a8"):
+        model, _ = load_model(smollm_source, "bfloat16", attention_backend="paged",
+                              quantization=mode)
+        results[mode] = perplexity(model, tokens, 512, max_windows=4)["perplexity"]
+    assert results["int4"] <= results["none"] * 1.01
+    assert results["int8"] <= results["none"] * 1.01
+    assert results["w8a8"] <= results["none"] * 1.05
