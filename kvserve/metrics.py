@@ -69,6 +69,10 @@ class EngineMetrics:
     def record_aborted(self) -> None:
         self._success.labels(self.model_name, "abort").inc()
 
+    def record_failed(self) -> None:
+        """A request the engine failed (an exception of its own); label "error"."""
+        self._success.labels(self.model_name, "error").inc()
+
     def record_finished(self, output) -> None:
         metrics = output.metrics
         reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")

@@ -18,6 +18,18 @@ def read_metrics(base_url: str, headers: dict | None = None) -> dict[str, float]
     return values
 
 
+def finished_by_reason(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """kvserve:request_success_total per finished_reason label (stop, length, abort, error)."""
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
+    reasons: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvserve:request_success_total":
+                reason = sample.labels["finished_reason"]
+                reasons[reason] = reasons.get(reason, 0.0) + sample.value
+    return reasons
+
+
 def finished_count(metrics: dict[str, float]) -> float:
     return metrics.get("kvserve:request_success_total", 0.0)
 
@@ -36,3 +48,29 @@ def wait_idle(base_url: str, timeout: float = 3.0, headers: dict | None = None,
         if idle or time.monotonic() > deadline:
             return metrics
         time.sleep(0.1)
+
+
+def tiny_server_flags(model_dir, *extra: str, kv_blocks: int = 1024,
+                      max_model_len: int = 2048) -> list[str]:
+    """`kvserve serve` flags for the tiny random model in float32."""
+    return ["--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks", str(kv_blocks),
+            "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def assert_idle(base_url: str, timeout: float = 30.0, headers: dict | None = None,
+                quiet_seconds: float = 0.5) -> dict:
+    """Wait for idle metrics, assert them, and check no zombie keeps generating tokens."""
+    metrics = wait_idle(base_url, timeout=timeout, headers=headers)
+    assert metrics["kvserve:num_requests_running"] == 0, metrics
+    assert metrics["kvserve:num_requests_waiting"] == 0, metrics
+    assert metrics["kvserve:kv_cache_usage_perc"] == 0, metrics
+    time.sleep(quiet_seconds)
+    later = read_metrics(base_url, headers)
+    assert later["kvserve:generation_tokens_total"] == metrics["kvserve:generation_tokens_total"]
+    return later

@@ -5,6 +5,11 @@ exists, and hands each RequestOutput to the request's asyncio queue. Callers `ge
 stream; when the stream is closed early (a client went away) the request is aborted right there,
 the one place cancellation is handled. Tokenization and validation run on the caller's thread
 (`prepare`), so a bad request is rejected before it reaches the loop.
+
+Failures: a request that fails inside the engine gets a RequestFailedError and the rest go on
+(LLMEngine.step isolates it). If the engine thread itself ends for any reason, every waiting
+stream gets an EngineDeadError, and streams also poll the thread's liveness, so no caller waits
+on a dead engine.
 """
 
 from __future__ import annotations
@@ -17,22 +22,24 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from kvserve.core.engine import LLMEngine, PreparedRequest, PromptType
+from kvserve.core.engine import LLMEngine, PreparedRequest, PromptType, RequestFailedError
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import KVServeError
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.testing.faults import InjectedEngineDeath
 
 logger = logging.getLogger(__name__)
 
 
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
+
+LIVENESS_POLL_SECONDS = 0.5
+
+
 class EngineDeadError(KVServeError):
     """The engine failed to start or stopped; requests cannot be served."""
-
-
-class RequestFailedError(KVServeError):
-    """The engine raised while running this request; other requests go on."""
 
 
 @dataclass
@@ -43,6 +50,11 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _FailAll:
+    error: BaseException
 
 
 class AsyncEngine:
@@ -58,6 +70,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self.load_seconds: float | None = None
+        self._dead = False  # the engine thread ended (crash or stop)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -65,7 +78,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.startup_error is None
+        return self._thread.is_alive() and self.startup_error is None and not self._dead
 
     @property
     def is_ready(self) -> bool:
@@ -77,6 +90,11 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight with `error` (on the engine thread, between steps);
+        used when the shutdown grace period runs out."""
+        self._commands.put(_FailAll(error))
 
     @property
     def num_unfinished(self) -> int:
@@ -101,7 +119,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await outputs.get()
+                item = await self._next(outputs)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -113,6 +131,15 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _next(self, outputs: asyncio.Queue):
+        """The next item for a stream; an EngineDeadError if the engine thread is gone."""
+        while True:
+            try:
+                return await asyncio.wait_for(outputs.get(), LIVENESS_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if not self._thread.is_alive() and outputs.empty():
+                    return EngineDeadError("the engine stopped while serving this request")
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -131,12 +158,20 @@ class AsyncEngine:
             self.startup_error = exc
             self.ready.set()
             return
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            self.metrics.record_engine_state(self.engine)
-            if self.engine.has_unfinished_requests():
-                self._step()
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        error = EngineDeadError("the server is shutting down")
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                self.metrics.record_engine_state(self.engine)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:  # the thread is ending: nobody may wait on it
+            logger.critical("engine thread died: %s: %s", type(exc).__name__, exc,
+                            exc_info=not isinstance(exc, InjectedEngineDeath))
+            error = EngineDeadError(f"the engine stopped: {type(exc).__name__}")
+        finally:
+            self._dead = True
+            self._fail_all(error)
 
     def _warm_up(self) -> None:
         engine = self.engine
@@ -161,6 +196,9 @@ class AsyncEngine:
                 return
 
     def _apply(self, command) -> None:
+        if isinstance(command, _FailAll):
+            self._fail_all(command.error)
+            return
         if isinstance(command, _Abort):
             if command.request_id in self.engine.groups:
                 self.engine.abort_request(command.request_id)
@@ -178,13 +216,19 @@ class AsyncEngine:
             self._deliver(prepared.request_id, exc)
 
     def _step(self) -> None:
+        engine = self.engine
+        engine.faults.maybe_raise("engine_thread", [g.prompt for g in engine.groups.values()])
         try:
-            outputs = self.engine.step()
-        except Exception as exc:  # one bad step must not take the server down
+            outputs = engine.step()
+        except Exception as exc:  # not attributable to one request (step isolates those)
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(RequestFailedError(f"the engine failed while running this request: "
                                               f"{type(exc).__name__}: {exc}"))
             return
+        for request_id, error in engine.take_failures():
+            self._last_token_time.pop(request_id, None)
+            self.metrics.record_failed()
+            self._deliver(request_id, error)
         now = time.monotonic()
         for output in outputs:
             self._observe_tokens(output, now)
@@ -218,12 +262,12 @@ class AsyncEngine:
             pass
 
     def _fail_all(self, error: BaseException) -> None:
-        engine = self.engine
-        if engine is not None:
-            ids = list(engine.groups)
-            engine.abort_request(ids)
+        """Every waiting stream gets `error` first (so none hangs even if the engine's state is
+        broken), then the engine drops its requests."""
         for request_id in list(self._streams):
             self._deliver(request_id, error)
         self._last_token_time.clear()
+        engine = self.engine
         if engine is not None:
+            engine.abort_request(list(engine.groups))
             self.metrics.record_engine_state(engine)

@@ -13,22 +13,27 @@ from typing import Any, Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.model_runner import ModelRunner
+from kvserve.core.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.core.output_processor import RequestGroup, SampleState
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine_config import EngineConfig
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, resolve_dtype
 from kvserve.outputs import RequestOutput
 from kvserve.platform import default_dtype
 from kvserve.sampling_params import SamplingParams
+from kvserve.testing.faults import FaultInjector
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+class RequestFailedError(KVServeError):
+    """The engine raised while running this request; other requests go on."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class LLMEngine:
                                   config.seed)
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
+        self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
+        self.faults = FaultInjector.from_env()  # test-only; off unless its env var is set
         logger.info("engine ready in %.2fs: %s, %s, max_model_len %d",
                     time.perf_counter() - start, self.source.name, dtype, self.max_model_len)
 
@@ -178,6 +185,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                       f"[0, {vocab})", param="prompt")
         params.validate_for_vocab(vocab)
+        if params.top_k >= vocab:  # keeps every token: the same as no top-k (and fits int64)
+            params.top_k = 0
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ContextLengthExceededError(
@@ -209,26 +218,90 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching; returns outputs of requests that changed."""
+        """One iteration of continuous batching; returns outputs of requests that changed.
+
+        Failure isolation: an exception that belongs to one request fails that request only
+        (its group is aborted and listed by `take_failures()`); the others go on. Work done per
+        request (output processing) is guarded per request. The forward and sampling are
+        batched, so when they raise, `_execute_isolated` re-runs each scheduled request alone to
+        find the culprit. An exception in scheduling or bookkeeping is not attributable and
+        propagates to the caller.
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         changed: dict[str, RequestGroup] = {}
         for item in scheduler_output.scheduled:
             request = item.request
             if not item.sample or request.request_id not in runner_output.sampled_token_ids:
                 continue
-            state = self._samples[request.request_id]
-            token = runner_output.sampled_token_ids[request.request_id]
-            stop = state.add_token(token, runner_output.logprobs.get(request.request_id))
+            state = self._samples.get(request.request_id)
+            if state is None:  # its group failed earlier in this step
+                continue
+            try:
+                self.faults.maybe_raise("output", [self.groups[state.group_id].prompt])
+                token = runner_output.sampled_token_ids[request.request_id]
+                stop = state.add_token(token, runner_output.logprobs.get(request.request_id))
+            except Exception as exc:
+                self._fail(request.request_id, "processing its output", exc)
+                continue
             if stop is not None and not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             changed[state.group_id] = self.groups[state.group_id]
-        outputs = [group.output() for group in changed.values()]
+        outputs = [group.output() for group in changed.values()
+                   if group.request_id in self.groups]
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    def take_failures(self) -> list[tuple[str, RequestFailedError]]:
+        """(request id, error) of user requests failed by their own fault since the last call;
+        they are already aborted and will produce no more outputs."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _prompts(self, scheduled) -> list[str | None]:
+        return [self.groups[state.group_id].prompt for state in
+                (self._samples.get(item.request.request_id) for item in scheduled) if state]
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            self.faults.maybe_raise("execute", self._prompts(scheduler_output.scheduled))
+            return self.runner.execute(scheduler_output)
+        except Exception:
+            logger.exception("batched step of %d requests failed; re-running them one by one",
+                             len(scheduler_output.scheduled))
+            return self._execute_isolated(scheduler_output)
+
+    def _execute_isolated(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Re-run each scheduled request alone after the batch raised. Safe to repeat: KV slots
+        are allocated and `num_computed_tokens` has not moved, so a re-run rewrites the same
+        KV positions. Requests that raise alone fail; if none does, the batch as a whole was at
+        fault and everyone simply got their results the slow way. (A seeded request whose
+        generator was drawn from before the batch raised may sample differently.)"""
+        merged = ModelRunnerOutput({}, {})
+        for item in scheduler_output.scheduled:
+            try:
+                self.faults.maybe_raise("execute", self._prompts([item]))
+                result = self.runner.execute(SchedulerOutput(scheduled=[item]))
+            except Exception as exc:
+                self._fail(item.request.request_id, "running it", exc)
+                continue
+            merged.sampled_token_ids.update(result.sampled_token_ids)
+            merged.logprobs.update(result.logprobs)
+        return merged
+
+    def _fail(self, child_id: str, stage: str, exc: Exception) -> None:
+        """Abort the user request owning sample `child_id` and record why."""
+        state = self._samples.get(child_id)
+        if state is None:
+            return
+        logger.error("request %s failed while %s: %s: %s", state.group_id, stage,
+                     type(exc).__name__, exc)
+        self.abort_request(state.group_id)
+        self._failures.append((state.group_id, RequestFailedError(
+            f"the engine failed while {stage}: {type(exc).__name__}: {exc}")))
 
     def _forget(self, request_id: str) -> None:
         group = self.groups.pop(request_id)

@@ -91,4 +91,8 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update(1)
+                failures = engine.take_failures()
+                if failures:  # the others of this call are dropped with it
+                    engine.abort_request(request_ids)
+                    raise failures[0][1]
         return [finished[request_id] for request_id in request_ids]

@@ -22,9 +22,11 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess([...flags]) as server:` -> server.base_url; SIGTERM on exit."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 180.0, log_path: Path | None = None):
+    def __init__(self, args: list[str], startup_timeout: float = 180.0,
+                 log_path: Path | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         self.args = args
+        self.env = env or {}
         self.startup_timeout = startup_timeout
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
@@ -39,7 +41,7 @@ class ServerProcess:
                    *self.args]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         self._wait_healthy()
         return self
 

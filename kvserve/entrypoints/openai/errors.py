@@ -15,25 +15,38 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param,
+                      "code": code or str(status)}}
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param,
-                      "code": code or str(status)}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def engine_error_body(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, OpenAI-style body) for an error raised while serving a request."""
+    from kvserve.core.async_engine import EngineDeadError
+
+    if isinstance(exc, ContextLengthExceededError):
+        return 400, error_body(400, str(exc), exc.param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(400, str(exc), exc.param, "invalid_request")
+    if isinstance(exc, UnsupportedTokenizerError):
+        return 400, error_body(400, str(exc), None, "unsupported")
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(503, str(exc), None, "engine_unavailable")
+    if isinstance(exc, KVServeError):
+        return 500, error_body(500, str(exc), None, "engine_error")
+    return 500, error_body(500, f"internal error: {type(exc).__name__}", None, "internal_error")
 
 
 def response_for_engine_error(exc: KVServeError) -> JSONResponse:
-    if isinstance(exc, ContextLengthExceededError):
-        return error_response(400, str(exc), exc.param, "context_length_exceeded")
-    if isinstance(exc, InvalidRequestError):
-        return error_response(400, str(exc), exc.param, "invalid_request")
-    if isinstance(exc, UnsupportedTokenizerError):
-        return error_response(400, str(exc), None, "unsupported")
-    from kvserve.core.async_engine import EngineDeadError
-
-    if isinstance(exc, EngineDeadError):
-        return error_response(503, str(exc), None, "engine_unavailable")
-    return error_response(500, str(exc), None, "engine_error")
+    status, body = engine_error_body(exc)
+    return JSONResponse(body, status_code=status)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -8,18 +8,52 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_N, SamplingParams
+
+
+# chat_template_kwargs may not override what the server itself passes to the template
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "chat_template"})
+
+
+def _check_unicode(data: Any) -> None:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: the tokenizer and the
+    UTF-8 response encoder cannot take them. Walks the raw body without recursion."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode text; lone surrogate escapes "
+                                 "such as \\ud800 are not allowed") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+class _RequestBody(BaseModel):
+    """Base of every request body: unknown fields ignored, strings must be real text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_RequestBody):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -138,6 +172,14 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, value):
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        return value
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -150,8 +192,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -159,7 +200,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int]

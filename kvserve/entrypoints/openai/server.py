@@ -7,6 +7,7 @@ up the model. Bad input never reaches the engine: pydantic and `prepare` reject 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
-from kvserve.core.async_engine import AsyncEngine
+from kvserve.core.async_engine import AsyncEngine, EngineDeadError
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import (
     error_response,
@@ -73,11 +74,16 @@ def _install_middleware(app: FastAPI, config: ServerConfig) -> None:
 
 class GuardMiddleware:
     """API key and body-size checks as plain ASGI, so streaming and disconnect detection pass
-    through untouched (Starlette's BaseHTTPMiddleware wraps `receive` and hides disconnects)."""
+    through untouched (Starlette's BaseHTTPMiddleware wraps `receive` and hides disconnects).
+
+    The key is compared as SHA-256 digests with `hmac.compare_digest`: constant time, and the
+    length of the key does not leak either. The body is read here, before any route runs, so a
+    limit holds for chunked uploads without a Content-Length too; it is then replayed to the app.
+    """
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = _digest(f"Bearer {api_key}".encode()) if api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
@@ -85,16 +91,59 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and scope.get("path") != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            if not hmac.compare_digest(_digest(headers.get(b"authorization", b"")),
+                                       self.expected):
                 response = error_response(401, "invalid or missing API key: send "
                                           "'Authorization: Bearer <key>'", code="invalid_api_key")
                 return await response(scope, receive, send)
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            response = error_response(413, f"request body over {self.max_body_bytes} bytes",
-                                      code="request_too_large")
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+            return await self._too_large(scope, receive, send)
+        body, complete = await self._read_body(receive)
+        if body is None:
+            return await self._too_large(scope, receive, send)
+        if not complete:
+            return  # the client left while sending its request
+        return await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive) -> tuple[bytes | None, bool]:
+        """(body, complete); body is None when over the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", False
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None, False
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), True
+
+    async def _too_large(self, scope, receive, send):
+        response = error_response(413, f"request body over {self.max_body_bytes} bytes",
+                                  code="request_too_large", headers={"Connection": "close"})
+        return await response(scope, receive, send)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def _replay(body: bytes, receive):
+    """An ASGI `receive` that gives the buffered body once, then the real channel (so a later
+    disconnect is still seen)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -257,8 +306,14 @@ def _graceful_server_class():
     return GracefulServer
 
 
+# uvicorn's own deadline, after ours: the handlers need a moment to send their error bodies
+_SHUTDOWN_MARGIN_SECONDS = 2.0
+
+
 def run_server(engine_config, server_config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; in-flight requests get `shutdown_timeout` seconds."""
+    """Serve until SIGTERM/SIGINT. In-flight requests get `shutdown_timeout` seconds to finish;
+    those still running then get a clean error (a 503 body, or an SSE error event and [DONE])
+    before uvicorn closes their connections, and the process exits 0."""
     import uvicorn
 
     _GracefulServer = _graceful_server_class()
@@ -266,7 +321,8 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level="info", access_log=not server_config.disable_log_requests,
-                               timeout_graceful_shutdown=server_config.shutdown_timeout)
+                               timeout_graceful_shutdown=server_config.shutdown_timeout
+                               + _SHUTDOWN_MARGIN_SECONDS)
     server = _GracefulServer(uv_config)
     exit_code = 0
 
@@ -278,6 +334,11 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
                 exit_code = 1
                 server.should_exit = True
             await asyncio.sleep(0.2)
+        await asyncio.sleep(server_config.shutdown_timeout)
+        if engine.num_unfinished:
+            logger.warning("shutdown grace period over: failing %d requests in flight",
+                           engine.num_unfinished)
+            engine.fail_all(EngineDeadError("the server is shutting down"))
 
     async def main():
         engine.start()

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.core.async_engine import AsyncEngine
 from kvserve.core.engine import PreparedRequest
+from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.outputs import CompletionOutput, RequestOutput
 
@@ -228,8 +229,7 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
         yield _sse("[DONE]")
     except Exception as exc:  # engine failure mid-stream: tell the client, then end
         logger.warning("stream %s failed: %s", job.response_id, exc)
-        yield _sse({"error": {"message": str(exc), "type": "InternalServerError",
-                              "param": None, "code": "500"}})
+        yield _sse(engine_error_body(exc)[1])
         yield _sse("[DONE]")
 
 

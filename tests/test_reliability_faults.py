@@ -1,0 +1,188 @@
+"""Faults: clients that leave at random points, an exception inside one request, and a dead
+engine thread. After each, the engine must be idle (no zombie request decoding), the failing
+request must get a clean OpenAI-style error, and everyone else must be served as if nothing
+happened.
+
+Faults are injected through kvserve.testing.faults, which is off unless the server process has
+KVSERVE_FAULT_INJECTION=1. The quick disconnect storm runs in the default suite; the
+500-client storm is `make test-soak`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.core.engine import RequestFailedError
+from kvserve.testing.faults import ENV_VAR, FaultInjector
+from kvserve.testing.loadgen import disconnect_plan, run_disconnects
+from kvserve.testing.server import ServerProcess
+from tests.server_helpers import assert_idle, finished_by_reason, tiny_server_flags
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is"]
+
+
+# ---- in the engine -----------------------------------------------------------------------
+@pytest.fixture
+def faulty_engine(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.faults = FaultInjector(True)
+    yield engine
+    engine.faults = FaultInjector(False)
+    engine.abort_request(list(engine.groups))
+
+
+def run_all(engine, requests: dict[str, tuple[str, SamplingParams]]):
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = [o.token_ids for o in output.outputs]
+        failed.update(engine.take_failures())
+    return finished, failed
+
+
+@pytest.mark.parametrize("kind", ["execute", "output"])
+def test_fault_in_one_request_fails_only_that_request(faulty_engine, kind):
+    clean = {f"clean-{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    expected, _ = run_all(faulty_engine, clean)
+    poisoned = {f"bad-{kind}": (f"kvserve-fault:{kind} {PROMPTS[1]}", GREEDY),
+                f"bad-n2-{kind}": (f"kvserve-fault:{kind} x", SamplingParams(n=2, max_tokens=4))}
+    requests = {f"again-{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    finished, failed = run_all(faulty_engine, {**requests, **poisoned})
+    assert set(failed) == set(poisoned)
+    assert all(isinstance(e, RequestFailedError) and "InjectedFault" in str(e)
+               for e in failed.values())
+    assert finished == {f"again-{i}": expected[f"clean-{i}"] for i in range(len(PROMPTS))}
+    assert faulty_engine.kv_manager.pool.num_used_blocks == 0
+    assert not faulty_engine.scheduler.has_unfinished()
+
+
+def test_offline_generate_raises_for_a_failed_request(tiny_llm, faulty_engine):
+    with pytest.raises(RequestFailedError):
+        tiny_llm.generate(["fine", "kvserve-fault:execute boom"], GREEDY, use_tqdm=False)
+    assert not faulty_engine.has_unfinished_requests()
+    assert faulty_engine.kv_manager.pool.num_used_blocks == 0
+    assert tiny_llm.generate(["fine"], GREEDY, use_tqdm=False)[0].finished
+
+
+def test_fault_hook_is_off_by_default(tiny_llm):
+    assert not tiny_llm.llm_engine.faults.enabled
+    out = tiny_llm.generate("kvserve-fault:execute kvserve-fault:output", GREEDY,
+                            use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+# ---- through the server ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fault_server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("fault-server") / "server.log"
+    flags = tiny_server_flags(tiny_model_dir, "--max-num-batched-tokens", "256",
+                              max_model_len=2048)
+    with ServerProcess(flags, log_path=log, env={ENV_VAR: "1"}) as process:
+        yield process
+    assert process.exit_code == 0
+
+
+async def _complete(client, prompt: str, stream: bool = False, max_tokens: int = 8):
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/completions", json=payload)
+        return response.status_code, response.json()
+    events = []
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return response.status_code, events
+
+
+def _streamed_text(events: list[str]) -> str:
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]
+                   if json.loads(e).get("choices"))
+
+
+def test_server_fails_only_the_poisoned_requests(fault_server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=fault_server.base_url, timeout=60) as client:
+            alone = [await _complete(client, p) for p in PROMPTS]
+            together = await asyncio.gather(
+                *(_complete(client, p) for p in PROMPTS),
+                *(_complete(client, p, stream=True) for p in PROMPTS),
+                _complete(client, "kvserve-fault:execute hello"),
+                _complete(client, "kvserve-fault:output hello"),
+                _complete(client, "kvserve-fault:execute hello", stream=True, max_tokens=50))
+            return alone, together
+
+    alone, together = asyncio.run(scenario())
+    texts = [body["choices"][0]["text"] for _, body in alone]
+    plain, streamed, faults = together[:4], together[4:8], together[8:]
+    assert [body["choices"][0]["text"] for _, body in plain] == texts
+    assert [_streamed_text(events) for _, events in streamed] == texts
+    for status, body in faults[:2]:
+        assert status == 500
+        assert body["error"]["code"] == "engine_error" and "InjectedFault" in \
+            body["error"]["message"]
+    status, events = faults[2]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_error"
+    assert_idle(fault_server.base_url)
+    assert finished_by_reason(fault_server.base_url)["error"] == 3
+    assert httpx.get(fault_server.base_url + "/health").status_code == 200
+
+
+def _storm(server: ServerProcess, clients: int, concurrency: int, seed: int) -> dict:
+    before = finished_by_reason(server.base_url).get("abort", 0.0)
+    plan = disconnect_plan(clients, seed=seed)
+    left_early = asyncio.run(run_disconnects(server.port, plan, concurrency))
+    assert_idle(server.base_url, timeout=60)
+    aborted = finished_by_reason(server.base_url).get("abort", 0.0) - before
+    mid_stream = sum(1 for p, early in zip(plan, left_early) if p.mode == "mid_stream" and early)
+    # every client that left mid-stream had its request in the engine, unfinished: each one
+    # must have been aborted (others may have finished or never reached the engine)
+    assert aborted >= mid_stream > 0
+    response = httpx.post(server.base_url + "/v1/completions", json={
+        "prompt": "still there?", "max_tokens": 5, "ignore_eos": True}, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    return {"clients": clients, "aborted": aborted, "left_mid_stream": mid_stream}
+
+
+def test_disconnect_storm_quick(fault_server):
+    print("storm:", _storm(fault_server, clients=40, concurrency=20, seed=3))
+
+
+@pytest.mark.soak
+def test_disconnect_storm_500_clients(fault_server):
+    print("storm:", _storm(fault_server, clients=500, concurrency=100, seed=4))
+
+
+def test_engine_thread_death_gives_503_not_hangs(tiny_model_dir, tmp_path):
+    flags = tiny_server_flags(tiny_model_dir, max_model_len=2048)
+    with ServerProcess(flags, log_path=tmp_path / "server.log", env={ENV_VAR: "1"}) as server:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+                waiting = [asyncio.ensure_future(_complete(client, "a long one", max_tokens=1900)),
+                           asyncio.ensure_future(_complete(client, "streamed", stream=True,
+                                                           max_tokens=1900))]
+                await asyncio.sleep(0.5)
+                killer = await _complete(client, "kvserve-fault:engine_thread")
+                return killer, await asyncio.gather(*waiting)
+
+        killer, (plain, streamed) = asyncio.run(scenario())
+        for status, body in (killer, plain):
+            assert status == 503 and body["error"]["code"] == "engine_unavailable"
+        assert streamed[0] == 200 and streamed[1][-1] == "[DONE]"
+        assert json.loads(streamed[1][-2])["error"]["code"] == "engine_unavailable"
+        health = httpx.get(server.base_url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["message"]
+        late = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"})
+        assert late.status_code == 503 and late.json()["error"]["message"]
+    assert server.exit_code == 0

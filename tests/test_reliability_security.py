@@ -1,0 +1,119 @@
+"""Security: with --api-key every route but /health needs the key (401 otherwise, compared in
+constant time); the default bind is loopback; request bodies are capped (413) even without a
+Content-Length; and no route serves or writes files.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import psutil
+import pytest
+from starlette.routing import Mount
+
+from kvserve.cli import _build_parser
+from kvserve.core.async_engine import AsyncEngine
+from kvserve.engine_config import EngineConfig
+from kvserve.entrypoints.openai.server import ServerConfig, build_app
+from kvserve.testing.server import ServerProcess
+from tests.server_helpers import tiny_server_flags
+
+KEY = "k3y-for-tests"
+GOOD = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 4096
+
+# The whole surface. A new route must be added here on purpose (and must not touch files).
+EXPECTED_ROUTES = {
+    ("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/metrics"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    # FastAPI's generated docs: the schema and two HTML pages, built in memory
+    ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
+    ("GET", "/redoc"),
+}
+
+
+def _routes() -> set[tuple[str, str]]:
+    app = build_app(AsyncEngine(EngineConfig(model="unused")), ServerConfig())
+    assert not [r for r in app.routes if isinstance(r, Mount)], "no mounted (static) apps"
+    return {(method, route.path) for route in app.routes
+            for method in (route.methods or ()) if method != "HEAD"}
+
+
+def test_route_inventory_has_no_file_routes():
+    assert _routes() == EXPECTED_ROUTES
+
+
+def test_default_bind_is_loopback():
+    assert ServerConfig().host == "127.0.0.1"
+    assert _build_parser().parse_args(["serve"]).host == "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def locked_server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("locked") / "server.log"
+    flags = tiny_server_flags(tiny_model_dir, "--api-key", KEY, "--max-request-body-bytes",
+                              str(BODY_LIMIT), max_model_len=256)
+    with ServerProcess(flags, log_path=log) as process:
+        yield process
+    assert process.exit_code == 0
+
+
+def test_server_listens_on_loopback_only(locked_server):
+    listening = [c.laddr for c in psutil.Process(locked_server.process.pid).net_connections()
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(address.ip == "127.0.0.1" for address in listening)
+
+
+@pytest.mark.parametrize("method,path", sorted(EXPECTED_ROUTES - {("GET", "/health")}))
+def test_every_route_but_health_needs_the_key(locked_server, method, path):
+    url = locked_server.base_url + path
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"bearer {KEY}"},
+                    {"X-API-Key": KEY}):
+        response = httpx.request(method, url, headers=headers, json={"prompt": "x"})
+        assert response.status_code == 401, (path, headers)
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    good = httpx.request(method, url, headers=GOOD, json={"prompt": "x", "max_tokens": 1})
+    assert good.status_code != 401
+    assert good.status_code < 500
+
+
+def test_health_needs_no_key(locked_server):
+    assert httpx.get(locked_server.base_url + "/health").status_code == 200
+
+
+def test_body_limit_with_and_without_content_length(locked_server):
+    url = locked_server.base_url + "/v1/completions"
+    big = b'{"prompt": "' + b"x" * BODY_LIMIT + b'"}'
+    response = httpx.post(url, content=big, headers={**GOOD, "Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # a generator body is sent chunked, with no Content-Length
+        for start in range(0, len(big), 1000):
+            yield big[start:start + 1000]
+
+    response = httpx.post(url, content=chunks(), headers={**GOOD,
+                                                          "Content-Type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    small = httpx.post(url, content=b'{"prompt": "hi", "max_tokens": 2}', headers={
+        **GOOD, "Content-Type": "application/json"})
+    assert small.status_code == 200
+
+
+def test_model_field_and_paths_never_reach_the_filesystem(locked_server, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret")
+    for model in (str(secret), "../../../../etc/passwd", "file:///etc/passwd"):
+        response = httpx.post(locked_server.base_url + "/v1/completions", headers=GOOD,
+                              json={"prompt": "x", "model": model})
+        assert response.status_code == 404 and "top secret" not in response.text
+    for path in ("/../../etc/passwd", "/static/../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd",
+                 "/docs/../../etc/passwd"):
+        with socket.create_connection(("127.0.0.1", locked_server.port)) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                         f"Connection: close\r\n\r\n".encode())
+            reply = b"".join(iter(lambda: sock.recv(65536), b""))
+        assert b"root:" not in reply and reply.split(b" ")[1] in (b"404", b"400"), reply[:200]
