@@ -52,9 +52,9 @@ def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, blo
         query = qkv[start:end, : num_heads * head_dim].reshape(query_len, num_heads, head_dim)
         query_positions = torch.arange(seq_len - query_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]
-        attended = F.scaled_dot_product_attention(
-            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-            scale=scale, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(  # 4-D: torch's fast CPU kernel
+            query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=True)[0]
         out[start:end] = attended.transpose(0, 1).reshape(query_len, -1)
 
 
