@@ -83,9 +83,9 @@ class BatchedSDPABackend:
             seq_len = metadata.seq_lens_host[i]
             if seq_len == end - start:  # nothing cached before: plain causal attention
                 attended = F.scaled_dot_product_attention(
-                    query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
-                    value[start:end].transpose(0, 1), is_causal=True, scale=scale,
-                    enable_gqa=True)
+                    query[start:end].transpose(0, 1)[None], key[start:end].transpose(0, 1)[None],
+                    value[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
+                    enable_gqa=True)[0]
                 output[start:end] = attended.transpose(0, 1)
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
@@ -129,9 +129,9 @@ def _attend_one_gathered(query, kv_cache, metadata, i, scale):
     keys = kv_cache[0, block_ids].flatten(0, 1)[:seq_len]
     values = kv_cache[1, block_ids].flatten(0, 1)[:seq_len]
     mask = _causal_mask(query_len, seq_len, query.device)
-    attended = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
-        scale=scale, enable_gqa=True)
+    attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)[0]
     return attended.transpose(0, 1)
 
 
