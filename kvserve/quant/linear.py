@@ -27,6 +27,10 @@ INT4_GROUP_SIZE = 32
 WEIGHT_ONLY_MAX_ROWS = 4
 INT_MM_MIN_ROWS = 16
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT_MM = torch.ops.aten._int_mm.default
 
 
 def quantize_int4_groupwise(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
@@ -68,8 +72,7 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
             return F.linear(x, self.dense_weight, self.bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP_SIZE,
-                                                         self.scales_and_zeros)
+        out = _INT4_MM(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
 
 
@@ -90,7 +93,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return self._weight_only(x)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        out = _INT8_MM(x, self.codes, self.scales)
         return out if self.bias is None else out + self.bias
 
 
@@ -100,13 +103,14 @@ class W8A8Linear(Int8WeightOnlyLinear):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
         super().__init__(linear, dtype)
         self.ops = ops
+        self.codes_t = self.codes.t()  # [K, N] view for torch._int_mm
         del self.dense_weight  # never used: large batches take the int8 GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < INT_MM_MIN_ROWS:
             return self._weight_only(x)
         codes, token_scale = self.ops.quantize_per_token(x)
-        accumulated = torch._int_mm(codes, self.codes.t())
+        accumulated = _INT_MM(codes, self.codes_t)
         return self.ops.dequantize_int32(accumulated, token_scale, self.weight_scale, self.bias,
                                          x.dtype)
 
