@@ -44,6 +44,8 @@ class EngineConfig:
                              choices=["auto", "none", "int4", "int8", "w8a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
+    num_threads: int | None = _opt(None, "torch intra-op threads for the engine's kernels "
+                                   "(default: one per core)")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
 
     def kv_cache_bytes(self) -> int:

@@ -22,7 +22,7 @@ from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVSe
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, resolve_dtype
 from kvserve.outputs import RequestOutput
-from kvserve.platform import default_dtype
+from kvserve.platform import configure_threads, default_dtype
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing.faults import FaultInjector
 from kvserve.tokenizer import load_tokenizer
@@ -53,6 +53,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
+        threads = configure_threads(config.num_threads)
         self.source = resolve_model(config.model)
         dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
             config.dtype)
@@ -79,8 +80,9 @@ class LLMEngine:
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
         self.faults = FaultInjector.from_env()  # test-only; off unless its env var is set
-        logger.info("engine ready in %.2fs: %s, %s, max_model_len %d",
-                    time.perf_counter() - start, self.source.name, dtype, self.max_model_len)
+        logger.info("engine ready in %.2fs: %s, %s, quantization %s, max_model_len %d, "
+                    "%d threads", time.perf_counter() - start, self.source.name, dtype,
+                    getattr(self.model, "quantization", "none"), self.max_model_len, threads)
 
     # ---- sizing --------------------------------------------------------------------------
     def _num_kv_blocks(self, dtype) -> int:

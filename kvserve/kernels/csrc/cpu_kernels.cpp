@@ -681,13 +681,23 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
+// The GIL is released inside every kernel (they touch no Python objects), so the server's event
+// loop can stream tokens while a step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [T, 2I] rows");
-  m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache");
-  m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place");
-  m.def("quantize_per_token", &quantize_per_token, "dynamic per-token int8 codes and scales");
-  m.def("argmax_rows", &argmax_rows, "per-row argmax of float32 logits");
-  m.def("dequantize_int32", &dequantize_int32, "int32 GEMM output * scales (+ bias) -> dtype");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [T, 2I] rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_per_token", &quantize_per_token, "dynamic per-token int8 codes and scales",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "per-row argmax of float32 logits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_int32", &dequantize_int32, "int32 GEMM output * scales (+ bias) -> dtype",
+        py::call_guard<py::gil_scoped_release>());
 }
