@@ -15,14 +15,14 @@ from kvserve.errors import ContextLengthExceededError
 from kvserve.testing.server import ServerProcess
 from tests.server_helpers import assert_idle, tiny_server_flags
 
-SMALL_POOL_BLOCKS = 24  # 384 tokens: room for about two of the requests below at a time
-MAX_TOKENS = 40
+SMALL_POOL_BLOCKS = 16  # 256 tokens: room for about two of the requests below at a time
+MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _prompts() -> list[list[int]]:
-    # 12 prompts of 60-170 tokens: together ~10x what the small pool holds
-    return [[(7 * i + 13 * j) % 40000 + 100 for j in range(60 + 10 * i)] for i in range(12)]
+    # 6 prompts of 60-160 tokens: together ~3.5x what the small pool holds
+    return [[(7 * i + 13 * j) % 40000 + 100 for j in range(60 + 20 * i)] for i in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +53,16 @@ def test_request_that_can_never_fit_is_rejected_up_front(small_llm):
     engine = small_llm.llm_engine
     assert engine.max_model_len == SMALL_POOL_BLOCKS * 16
     with pytest.raises(ContextLengthExceededError):
-        small_llm.generate({"prompt_token_ids": [5] * 300},
+        small_llm.generate({"prompt_token_ids": [5] * 200},
                            SamplingParams(max_tokens=100), use_tqdm=False)
     assert not engine.has_unfinished_requests()
 
 
 def test_server_under_memory_pressure(tiny_model_dir, tmp_path, expected):
-    flags = tiny_server_flags(tiny_model_dir, kv_blocks=SMALL_POOL_BLOCKS, max_model_len=384)
+    flags = tiny_server_flags(tiny_model_dir, kv_blocks=SMALL_POOL_BLOCKS, max_model_len=256)
     with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
         too_big = httpx.post(server.base_url + "/v1/completions", json={
-            "prompt": [5] * 300, "max_tokens": 100})
+            "prompt": [5] * 200, "max_tokens": 100})
         assert too_big.status_code == 400
         assert too_big.json()["error"]["code"] == "context_length_exceeded"
 

@@ -73,18 +73,18 @@ def _sigterm_during_load(server: ServerProcess, streams: int, plain: int, max_to
 def test_sigterm_with_grace_lets_requests_finish(tiny_model_dir, tmp_path):
     flags = tiny_server_flags(tiny_model_dir, "--shutdown-timeout", "120")
     with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
-        streams, plain = _sigterm_during_load(server, streams=16, plain=4, max_tokens=48)
+        streams, plain = _sigterm_during_load(server, streams=8, plain=2, max_tokens=32)
     for status, events in streams:
         assert status == 200 and events[-1] == "[DONE]"
-        assert json.loads(events[-2])["usage"]["completion_tokens"] == 48
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 32
     for status, body in plain:
-        assert status == 200 and body["usage"]["completion_tokens"] == 48
+        assert status == 200 and body["usage"]["completion_tokens"] == 32
 
 
 def test_sigterm_after_grace_gives_clean_errors(tiny_model_dir, tmp_path):
     flags = tiny_server_flags(tiny_model_dir, "--shutdown-timeout", "0")
     with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
-        streams, plain = _sigterm_during_load(server, streams=8, plain=4, max_tokens=1900)
+        streams, plain = _sigterm_during_load(server, streams=4, plain=2, max_tokens=1900)
     for status, events in streams:
         assert status == 200 and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
