@@ -24,7 +24,7 @@ from kvserve.testing.server import ServerProcess
 from tests.server_helpers import assert_idle, tiny_server_flags
 
 FUZZ_EXAMPLES = 10
-SOAK_FUZZ_EXAMPLES = 300
+SOAK_FUZZ_EXAMPLES = 1000
 OPENAI_ROUTES = r"^/(v1/|tokenize|detokenize)"
 # Each example must stay cheap: valid `n`, output lengths and prompt-list sizes are capped
 # before sending (a missing max_tokens becomes the cap); their limits are in the hand-written
@@ -53,6 +53,12 @@ def fuzz_server(tiny_model_dir, tmp_path_factory):
     with ServerProcess(flags, log_path=log) as process:
         yield process
     assert process.exit_code == 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_examples():
+    yield
+    print("\nschemathesis examples:", TRIED)
 
 
 def assert_openai_error_or_success(response) -> None:
@@ -192,7 +198,6 @@ def test_odd_but_legal_requests_never_5xx(fuzz_server, path, body):
 
 
 def test_server_is_idle_and_serving_after_the_fuzzing(fuzz_server):
-    print("schemathesis:", TRIED)
     assert_idle(fuzz_server.base_url, timeout=60)
     response = httpx.post(fuzz_server.base_url + COMPLETIONS,
                           json={"prompt": "ok", "max_tokens": 3, "ignore_eos": True})

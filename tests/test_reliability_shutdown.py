@@ -48,8 +48,16 @@ async def _plain(client, max_tokens: int):
     return response.status_code, response.json()
 
 
-def _sigterm_during_load(server: ServerProcess, streams: int, plain: int, max_tokens: int):
-    """Start the requests, SIGTERM once every stream has its first event, collect results."""
+def _sigterm_during_load(model_dir, log_dir, grace: int, streams: int, plain: int,
+                         max_tokens: int):
+    """Start a server with `grace` seconds of shutdown timeout and the requests, SIGTERM once
+    every stream has its first event; check the exit; return (stream, plain) results."""
+    flags = tiny_server_flags(model_dir, "--shutdown-timeout", str(grace))
+    with ServerProcess(flags, log_path=log_dir / "server.log") as server:
+        return _sigterm(server, streams, plain, max_tokens)
+
+
+def _sigterm(server: ServerProcess, streams: int, plain: int, max_tokens: int):
     children = psutil.Process(server.process.pid).children(recursive=True)
 
     async def scenario():
@@ -71,9 +79,8 @@ def _sigterm_during_load(server: ServerProcess, streams: int, plain: int, max_to
 
 
 def test_sigterm_with_grace_lets_requests_finish(tiny_model_dir, tmp_path):
-    flags = tiny_server_flags(tiny_model_dir, "--shutdown-timeout", "120")
-    with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
-        streams, plain = _sigterm_during_load(server, streams=8, plain=2, max_tokens=32)
+    streams, plain = _sigterm_during_load(tiny_model_dir, tmp_path, grace=120, streams=8,
+                                          plain=2, max_tokens=32)
     for status, events in streams:
         assert status == 200 and events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 32
@@ -82,9 +89,8 @@ def test_sigterm_with_grace_lets_requests_finish(tiny_model_dir, tmp_path):
 
 
 def test_sigterm_after_grace_gives_clean_errors(tiny_model_dir, tmp_path):
-    flags = tiny_server_flags(tiny_model_dir, "--shutdown-timeout", "0")
-    with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
-        streams, plain = _sigterm_during_load(server, streams=4, plain=2, max_tokens=1900)
+    streams, plain = _sigterm_during_load(tiny_model_dir, tmp_path, grace=0, streams=4,
+                                          plain=2, max_tokens=1900)
     for status, events in streams:
         assert status == 200 and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
