@@ -60,11 +60,12 @@ def soak(server: ServerProcess, count: int, concurrency: int, seed: int) -> dict
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    # 1,024 blocks hold 16k tokens, less than the full soak's 256 clients (long prompts, n up
-    # to 3) ask for at once, so it also runs through preemption (the figure is printed). A
-    # 256-token step budget chunks long prompts, so some disconnects land mid-prefill.
+    # 384 blocks hold 6,144 tokens, less than the full soak's 256 clients (long prompts, n up
+    # to 3) ask for at once, so admission waits for blocks. (Requests this short rarely grow
+    # into a preemption; test_reliability_memory.py forces those.) A 256-token step budget
+    # chunks long prompts, so some disconnects land mid-prefill.
     log = tmp_path_factory.mktemp("load-server") / "server.log"
-    flags = tiny_server_flags(tiny_model_dir, "--max-num-batched-tokens", "256", kv_blocks=1024)
+    flags = tiny_server_flags(tiny_model_dir, "--max-num-batched-tokens", "256", kv_blocks=384)
     with ServerProcess(flags, log_path=log) as process:
         yield process
     assert process.exit_code == 0
