@@ -186,7 +186,7 @@ def write_markdown(records: list[dict], out_path: Path, machine: str, roof: dict
              "Configurations: kvserve = defaults (bfloat16, `--quantization auto` = int4 "
              "weights recovered exactly from the Q4_1 GGUF, int8 LM head, fused C++ CPU kernels, "
              "paged attention); kvserve-w8a8 = `--quantization w8a8` (int8 weights, int8 "
-             "activations on batched steps; +2.5% perplexity); llama.cpp = the same Q4_1 GGUF, "
+             "activations on batched steps; +4% perplexity); llama.cpp = the same Q4_1 GGUF, "
              "32 slots, unified KV; vLLM-CPU = bf16 HF directory made from the GGUF.", "",
              "| system | cold start s | s1 TPOT p50 ms | s1 TTFT p50 ms | s2 out tok/s | "
              "s2 TPOT p50 ms | s3 TTFT p50 ms | s3 out tok/s | s4 out tok/s | s4 TTFT p50 ms |",
