@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
 # Above this many new tokens, a sequence with cached context is cheaper through gather + SDPA.
 MAX_PAGED_QUERY_LEN = 16
@@ -75,11 +76,8 @@ class PagedBackend:
             out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
         if plan.gathered:
             ids = torch.tensor(plan.gathered, dtype=torch.int32)
-            from kvserve.kernels import reference
-
-            reference.paged_attention_(qkv, kv_cache, out, ids, plan.query_start_loc,
-                                       metadata.seq_lens, metadata.block_tables, num_heads,
-                                       num_kv_heads, head_dim, scale)
+            gathered_attention_(qkv, kv_cache, out, ids, plan.query_start_loc, metadata.seq_lens,
+                                metadata.block_tables, num_heads, num_kv_heads, head_dim, scale)
         return out
 
 

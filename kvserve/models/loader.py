@@ -13,10 +13,10 @@ import time
 import torch
 
 from kvserve.attention import get_attention_backend
-from kvserve.quant import quantize_model, resolve_quantization
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
+from kvserve.quant import quantize_model, resolve_quantization
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.weights import cache, load_config, load_hf_named_tensors
 
@@ -101,8 +101,7 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     quantization = resolve_quantization(quantization, config.source_weight_type, torch_dtype)
     model = _finish(model, torch_dtype, quantization)
     logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
-                quantization, how,
-                time.perf_counter() - start)
+                quantization, how, time.perf_counter() - start)
     return model, config
 
 
