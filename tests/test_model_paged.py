@@ -93,3 +93,21 @@ def test_fast_backends_match_reference(backend, cpu_kernels, dtype, tolerance):
         results.append(torch.cat(mixed + long_chunk + decode))
     scale = results[0].abs().max().item()
     assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 0.05)])
+def test_paged_backend_long_chunks_match_reference(dtype, tolerance):
+    """Past the paged kernel's query limit: a 150-token chunk over 60 cached tokens (gathered
+    path) and a 140-token fresh prompt (SDPA), next to a 100-token chunk (paged kernel)."""
+    long_prompt = [(11 * i + 5) % 900 + 10 for i in range(210)]
+    reference = random_model(tiny_config(), dtype, seed=4, attention_backend="torch_ref")
+    fast = random_model(tiny_config(), dtype, seed=4, attention_backend="paged")
+    results = []
+    for model in (reference, fast):
+        loop = PagedLoop(model, 3, 224, block_size=16)
+        loop.step([long_prompt[:60], long_prompt[:40]], [60, 40], [0, 1])
+        results.append(torch.cat(loop.step(
+            [long_prompt[60:210], long_prompt[40:140], long_prompt[:140]], [210, 140, 140],
+            [0, 1, 2], all_logits=True)))
+    scale = results[0].abs().max().item()
+    assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)

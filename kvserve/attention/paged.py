@@ -1,10 +1,10 @@
 """The `paged` attention backend: fused per-layer ops (compiled CPU kernels, or their torch
 reference versions) and attention that reads K/V blocks in place.
 
-Rows are split once per step: sequences with few new tokens (decodes, short chunks) go to the
-paged kernel, which walks their block tables without gathering; fresh prompts (no cached context)
-use SDPA's tiled causal kernel on their own K/V; long chunks on top of cached context gather
-their blocks once and use SDPA, where the gather is amortised over many query rows.
+Rows are split once per step: sequences with up to 128 new tokens (decodes, chunks over a cached
+prefix) go to the paged kernel, which walks their block tables without gathering; longer fresh
+prompts (no cached context) use SDPA's tiled causal kernel on their own K/V; longer chunks on top
+of cached context gather their blocks once and use SDPA.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
-# Above this many new tokens, a sequence with cached context is cheaper through gather + SDPA.
-MAX_PAGED_QUERY_LEN = 16
+# Sequences with up to this many new tokens take the paged kernel: measured ~2x faster than
+# gather + masked SDPA for 32-128-token chunks over 300-4,000 cached tokens; longer chunks gather
+# (the kernel keeps a float score row per query head and key: 3 x 128 x 8,192 x 4 B = 12 MB).
+MAX_PAGED_QUERY_LEN = 128
 
 
 @dataclass
