@@ -38,7 +38,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kernels: bool = True):
+def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kernels: bool = True,
+                       device: str | torch.device = "cpu"):
+    # the compiled kernels read CPU memory; other devices run the torch versions of the ops
+    use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
     if config.architecture not in _MODEL_CLASSES:
         raise UnsupportedArchitectureError(f"No model class for {config.architecture!r}")
     backend = get_attention_backend(attention_backend, use_cpu_kernels)
@@ -62,7 +65,8 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none"):
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
                       attention_backend: str = "torch_ref", use_cpu_kernels: bool = True):
     """Allocate without initialising (weights come next), on the target device and dtype."""
-    model = _construct_on_meta(config, attention_backend, use_cpu_kernels).to_empty(device=device)
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device)
+    model = model.to_empty(device=device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
     return _finish(model, dtype)
 
@@ -70,7 +74,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cp
 def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], device: str,
                       attention_backend: str, use_cpu_kernels: bool):
     """The model holding `state` as it is (float32 from the weight cache)."""
-    model = _construct_on_meta(config, attention_backend, use_cpu_kernels)
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device)
     state = {name: tensor.to(device) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model

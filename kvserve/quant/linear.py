@@ -144,7 +144,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) ->
     if mode == "w8a8" and ops is None:
         from kvserve.kernels import get_ops
 
-        ops = get_ops(True)
+        ops = get_ops(next(model.parameters()).device.type == "cpu")  # C++ ops read CPU memory
     for parent in list(model.modules()):
         for name in QUANTIZED_PROJECTIONS:
             child = getattr(parent, name, None)
