@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.reference import attend_gathered, write_kv
 
 
 class AttentionBackend(Protocol):
@@ -30,14 +31,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V into their cache slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
 class TorchReferenceBackend:
     """One SDPA call per sequence over its gathered blocks; slow and obviously right."""
 
@@ -52,13 +45,6 @@ class TorchReferenceBackend:
             output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
                                                      scale)
         return output
-
-
-def _causal_mask(query_len: int, seq_len: int, device) -> torch.Tensor:
-    """Query r (absolute position seq_len - query_len + r) sees keys 0..that position."""
-    query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
-    key_positions = torch.arange(seq_len, device=device)
-    return key_positions[None, :] <= query_positions[:, None]
 
 
 class BatchedSDPABackend:
@@ -121,18 +107,8 @@ class BatchedSDPABackend:
 
 
 def _attend_one_gathered(query, kv_cache, metadata, i, scale):
-    """One sequence's new queries against all its cached K/V (the reference algorithm)."""
-    seq_len = metadata.seq_lens_host[i]
-    query_len = query.shape[0]
-    num_blocks = (seq_len + metadata.block_size - 1) // metadata.block_size
-    block_ids = metadata.block_tables[i, :num_blocks].long()
-    keys = kv_cache[0, block_ids].flatten(0, 1)[:seq_len]
-    values = kv_cache[1, block_ids].flatten(0, 1)[:seq_len]
-    mask = _causal_mask(query_len, seq_len, query.device)
-    attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=mask, scale=scale, enable_gqa=True)[0]
-    return attended.transpose(0, 1)
+    return attend_gathered(query, kv_cache, metadata.block_tables[i], metadata.seq_lens_host[i],
+                           scale)
 
 
 def _paged_backend(use_cpu_kernels: bool):

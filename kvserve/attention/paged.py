@@ -52,7 +52,6 @@ def plan_step(metadata: AttentionMetadata) -> StepPlan:
 
 class PagedBackend:
     name = "paged"
-    fused = True  # the model runs its fused layer path with `self.ops`
 
     def __init__(self, ops):
         self.ops = ops

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -263,9 +263,10 @@ class LLMEngine:
         failures, self._failures = self._failures, []
         return failures
 
-    def _prompts(self, scheduled) -> list[str | None]:
-        return [self.groups[state.group_id].prompt for state in
-                (self._samples.get(item.request.request_id) for item in scheduled) if state]
+    def _prompts(self, scheduled) -> Iterator[str | None]:
+        """Lazily: the fault hook only walks them when it is on, so a normal step pays nothing."""
+        return (self.groups[state.group_id].prompt for state in
+                (self._samples.get(item.request.request_id) for item in scheduled) if state)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -32,7 +32,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
         model.bind_kv_cache(self.kv_caches)
-        ops = getattr(model.model.layers[0].self_attn.backend, "ops", None)
+        ops = model.kernel_ops
         self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None)
         self._generators: dict[str, torch.Generator] = {}
 

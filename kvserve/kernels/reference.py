@@ -36,26 +36,40 @@ def rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads: 
     heads.copy_(heads * cos + torch.cat([-second, first], dim=-1) * sin)
     key = qkv[:, q_size: q_size + kv_size].reshape(-1, num_kv_heads, head_dim)
     value = qkv[:, q_size + kv_size:].reshape(-1, num_kv_heads, head_dim)
+    write_kv(key, value, kv_cache, slot_mapping)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter K/V [T, KVH, D] into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's new queries [n, H, D] (the last n of its seq_len tokens) against all its
+    cached K/V, gathered from its blocks; causal. The reference algorithm -> [n, H, D]."""
+    query_len, block_size = query.shape[0], kv_cache.shape[2]
+    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
+    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]
+    attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)[0]
+    return attended.transpose(0, 1)
+
+
 def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
                      num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-    block_size = kv_cache.shape[2]
     for seq in seq_ids.tolist():
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
-        seq_len, query_len = int(seq_lens[seq]), end - start
-        blocks = block_tables[seq, : (seq_len + block_size - 1) // block_size].long()
-        keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-        values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-        query = qkv[start:end, : num_heads * head_dim].reshape(query_len, num_heads, head_dim)
-        query_positions = torch.arange(seq_len - query_len, seq_len)
-        mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]
-        attended = F.scaled_dot_product_attention(  # 4-D: torch's fast CPU kernel
-            query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, scale=scale, enable_gqa=True)[0]
-        out[start:end] = attended.transpose(0, 1).reshape(query_len, -1)
+        query = qkv[start:end, : num_heads * head_dim].reshape(end - start, num_heads, head_dim)
+        attended = attend_gathered(query, kv_cache, block_tables[seq], int(seq_lens[seq]), scale)
+        out[start:end] = attended.reshape(end - start, -1)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

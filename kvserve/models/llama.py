@@ -91,9 +91,11 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
+        self.ops = getattr(backend, "ops", None)
 
     def forward(self, input_ids, positions, metadata):
-        if getattr(self.layers[0].self_attn.backend, "fused", False):
+        if self.ops is not None:
             return self._forward_fused(input_ids, positions, metadata)
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary_emb(positions, hidden.dtype)
@@ -104,7 +106,7 @@ class LlamaModel(nn.Module):
     def _forward_fused(self, input_ids, positions, metadata):
         """Same maths as the eager path with ~9 calls per layer: the residual stream is kept
         separately and each "add, then RMSNorm" is one in-place op (as vLLM's fused_add_rms_norm)."""
-        ops = self.layers[0].self_attn.backend.ops
+        ops = self.ops
         residual = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin
         hidden = None
@@ -147,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
+
+    @property
+    def kernel_ops(self):
+        """The op set (compiled or torch) the model's layers run, or None on the eager paths."""
+        return self.model.ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (float32) for just the rows given: callers pass only sampled positions."""

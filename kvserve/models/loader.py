@@ -53,8 +53,7 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none"):
     """Quantize the projections (from the float32 weights still in place), cast the parameters
     to dtype (buffers keep theirs: RoPE stays float32 as in HF, quantized layers chose their own)
     and rebuild the RoPE table."""
-    ops = getattr(model.model.layers[0].self_attn.backend, "ops", None)
-    quantize_model(model, quantization, dtype, ops)
+    quantize_model(model, quantization, dtype, model.kernel_ops)
     model.quantization = quantization
     for param in model.parameters():
         param.data = param.data.to(dtype)

@@ -77,6 +77,8 @@ class Int4WeightOnlyLinear(nn.Module):
 
 
 class Int8WeightOnlyLinear(nn.Module):
+    keeps_dense_copy = True  # for batches over WEIGHT_ONLY_MAX_ROWS rows
+
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
         codes, scale = quantize_int8_per_channel(linear.weight.data)
@@ -84,7 +86,9 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scale_t)
         self.register_buffer("weight_scale", scale)  # float32, for the W8A8 epilogue
-        self.register_buffer("dense_weight", (codes.float() * scale_t.float()[:, None]).to(dtype))
+        if self.keeps_dense_copy:
+            self.register_buffer("dense_weight",
+                                 (codes.float() * scale_t.float()[:, None]).to(dtype))
         self.register_buffer("bias", _bias(linear, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,11 +104,12 @@ class Int8WeightOnlyLinear(nn.Module):
 class W8A8Linear(Int8WeightOnlyLinear):
     """int8 x int8 -> int32 GEMMs for batches of INT_MM_MIN_ROWS rows or more."""
 
+    keeps_dense_copy = False  # large batches take the int8 GEMM
+
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
         super().__init__(linear, dtype)
         self.ops = ops
         self.codes_t = self.codes.t()  # [K, N] view for torch._int_mm
-        del self.dense_weight  # never used: large batches take the int8 GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < INT_MM_MIN_ROWS:
