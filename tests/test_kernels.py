@@ -87,6 +87,41 @@ def test_paged_attention_only_touches_selected_sequences():
     assert not torch.all(out[1] == 7.0)
 
 
+@pytest.mark.skipif(not compiled.flash_attention_supported(64), reason="no AVX512-BF16")
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])  # key tiles of 16 span blocks of 4
+def test_flash_attention_ragged_causal(dim, block_size):
+    """Fresh prompts, chunks over cached context (tile-aligned or not), a decode row and a long
+    chunk spanning many query and key tiles, against the float reference."""
+    query_lens, seq_lens = [17, 40, 1, 33, 128], [17, 100, 50, 70, 1500]
+    metadata, _, kv_cache, qkv = _batch(torch.bfloat16, query_lens, seq_lens,
+                                        block_size=block_size, dim=dim)
+    seq_ids = torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            HEADS, KV_HEADS, dim, dim**-0.5)
+    out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=torch.bfloat16)
+    expected = torch.zeros(qkv.shape[0], HEADS * dim)
+    compiled.flash_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv.float(), kv_cache.float(), expected, *args)
+    # probabilities are rounded to bf16 before P.V, as in GPU flash attention
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not compiled.flash_attention_supported(64), reason="no AVX512-BF16")
+def test_flash_attention_only_touches_selected_sequences_and_checks_inputs():
+    metadata, _, kv_cache, qkv = _batch(torch.bfloat16, [20, 30, 20], [20, 40, 25], dim=64)
+    out = torch.full((70, HEADS * 64), 7.0, dtype=torch.bfloat16)
+    args = (metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables, HEADS,
+            KV_HEADS, 64, 0.125)
+    compiled.flash_attention_(qkv, kv_cache, out, torch.tensor([1], dtype=torch.int32), *args)
+    assert torch.all(out[:20] == 7.0) and torch.all(out[50:] == 7.0)
+    assert not torch.any(out[20:50] == 7.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        compiled.flash_attention_(qkv.float(), kv_cache.float(), out.float(),
+                                  torch.tensor([1], dtype=torch.int32), *args)
+    assert not compiled.flash_attention_supported(32)
+
+
 def test_reference_fallback_when_disabled():
     ops = get_ops(False)
     assert not ops.compiled and ops.paged_attention_ is reference.paged_attention_

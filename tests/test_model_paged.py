@@ -95,6 +95,27 @@ def test_fast_backends_match_reference(backend, cpu_kernels, dtype, tolerance):
     assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)
 
 
+def test_flash_path_in_bfloat16_matches_reference():
+    """head_dim 64 in bfloat16: prompts and chunks of more than 16 tokens take the flash kernel
+    (when it can run here), next to paged-kernel decodes and short chunks."""
+    config = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64)
+    long_prompt = [(7 * i + 3) % 900 + 10 for i in range(200)]
+    reference = random_model(config, "bfloat16", seed=5, attention_backend="torch_ref")
+    fast = random_model(config, "bfloat16", seed=5, attention_backend="paged")
+    results = []
+    for model in (reference, fast):
+        loop = PagedLoop(model, 3, 224, block_size=16)
+        loop.step([long_prompt[:90], long_prompt[:5]], [90, 5], [0, 1], all_logits=True)
+        results.append(torch.cat(loop.step(
+            [long_prompt[90:200], long_prompt[5:30], long_prompt[:20]], [200, 30, 20],
+            [0, 1, 2], all_logits=True)))
+        results.append(torch.cat(loop.step([[4], [5]], [201, 31], [0, 1], all_logits=True)))
+    scale = results[0].abs().max().item()
+    for expected, actual in zip(results[:2], results[2:]):
+        assert (expected - actual).abs().max().item() <= 0.05 * max(1.0, scale)
+
+
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 0.05)])
 def test_paged_backend_long_chunks_match_reference(dtype, tolerance):
     """Past the paged kernel's query limit: a 150-token chunk over 60 cached tokens (gathered

@@ -10,7 +10,8 @@ from kvserve.kernels import reference
 from kvserve.kernels.cpu_ext import build_failure, load_cpu_kernels
 
 OP_NAMES = ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_", "paged_attention_",
-            "quantize_per_token", "dequantize_int32", "argmax_rows")
+            "flash_attention_", "flash_attention_supported", "quantize_per_token",
+            "dequantize_int32", "argmax_rows")
 
 
 def get_ops(use_cpu_kernels: bool = True) -> SimpleNamespace:

@@ -1,5 +1,5 @@
 """Build (once) and load the C++ CPU kernels in kvserve/kernels/csrc with torch's JIT extension
-builder. The build lands in the kvserve cache directory, keyed by the source's hash, the torch
+builder. The build lands in the kvserve cache directory, keyed by a hash of every source and header, the torch
 version and the CPU's instruction-set flags, so later starts only load a .so (~0.1 s).
 
 `make install` builds it ahead of time; if no compiler is present the engine falls back to the
@@ -23,7 +23,9 @@ from kvserve.weights.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _failure: str | None = None
@@ -40,7 +42,8 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    key = "|".join([SOURCE.read_text(), torch.__version__, _cpu_flags()])
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    key = "|".join(texts + [torch.__version__, _cpu_flags()])
     return "kvserve_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -66,7 +69,7 @@ def load_cpu_kernels() -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
             _loaded = cpp_extension.load(
-                name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                name=name, sources=[str(path) for path in SOURCES], build_directory=str(build_dir),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # no compiler, no headers: run the reference ops instead

@@ -72,6 +72,16 @@ def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, blo
         out[start:end] = attended.reshape(end - start, -1)
 
 
+# The flash kernel computes the same attention as the paged one (tiled, bf16 dot products).
+flash_attention_ = paged_attention_
+
+
+def flash_attention_supported(head_dim: int) -> bool:
+    """The torch ops have no separate tiled kernel; the attention backend routes to it only when
+    the compiled one is loaded."""
+    return False
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = x.float()
     scale = values.abs().amax(1) / 127

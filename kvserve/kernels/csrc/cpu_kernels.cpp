@@ -14,11 +14,14 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "flash_attention.h"
+#include "vec.h"
 
 namespace {
+
+#if defined(__AVX512F__)
+using kvserve::exp16;
+#endif
 
 using at::BFloat16;
 
@@ -102,26 +105,6 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-#if defined(__AVX512F__)
-// exp on 16 floats: Cephes' polynomial for e^r on [-ln2/2, ln2/2] scaled by 2^n; ~1 ulp, far
-// faster than 16 calls to std::exp (which dominated softmax and SiLU when scalar).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-#endif
 
 // values[i] = exp(values[i] - shift); returns their sum.
 inline float exp_shifted_sum(float* values, int64_t n, float shift) {
@@ -694,6 +677,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place",
         py::call_guard<py::gil_scoped_release>());
+  m.def("flash_attention_", &kvserve::flash_attention_,
+        "tiled causal attention over paged bf16 K/V (sequences with many new tokens), in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("flash_attention_supported", &kvserve::flash_attention_supported,
+        "whether flash_attention_ runs for this head_dim on this build");
   m.def("quantize_per_token", &quantize_per_token, "dynamic per-token int8 codes and scales",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "per-row argmax of float32 logits",
