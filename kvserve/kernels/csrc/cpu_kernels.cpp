@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_attention.h"
 #include "flash_attention.h"
 #include "vec.h"
 
@@ -22,6 +23,8 @@ namespace {
 #if defined(__AVX512F__)
 using kvserve::exp16;
 #endif
+using kvserve::exp_shifted_sum;
+using kvserve::max_of;
 
 using at::BFloat16;
 
@@ -55,14 +58,7 @@ inline void store_row(const float* src, float* dst, int64_t n) {
 
 // float -> bf16 with round-to-nearest-even, as c10::BFloat16's conversion.
 inline void store_row(const float* src, BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  for (; i + 16 <= n; i += 16) {
-    __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(packed));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
+  kvserve::to_bf16_bits(src, reinterpret_cast<uint16_t*>(dst), n);
 }
 
 // Round every value through the storage dtype (a no-op for float).
@@ -105,38 +101,6 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-
-// values[i] = exp(values[i] - shift); returns their sum.
-inline float exp_shifted_sum(float* values, int64_t n, float shift) {
-  int64_t i = 0;
-  float total = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
-  for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(values + i), s));
-    _mm512_storeu_ps(values + i, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) {
-    values[i] = std::exp(values[i] - shift);
-    total += values[i];
-  }
-  return total;
-}
-
-inline float max_of(const float* values, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_set1_ps(best);
-  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(values + i));
-  best = _mm512_reduce_max_ps(acc);
-#endif
-  for (; i < n; ++i) best = std::max(best, values[i]);
-  return best;
-}
 
 // values[i] = silu(values[i]) = v / (1 + exp(-v))
 inline void silu_row(float* values, int64_t n) {
@@ -494,10 +458,29 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
   const T* qkv_ptr = qkv.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
+  // bf16 on AVX512-BF16: the dot-product-instruction version (decode_attention.cpp)
+  bool bf16_fast = false;
+  if constexpr (std::is_same<T, BFloat16>::value) {
+    bf16_fast = kvserve::decode_attention_supported(a.head_dim);
+  }
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+    kvserve::DecodeScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       int64_t seq = a.seq_ids[task / a.num_kv_heads];
+      if constexpr (std::is_same<T, BFloat16>::value) {
+        if (bf16_fast) {
+          const int64_t q_begin = a.query_start[seq];
+          const kvserve::DecodeTask t{
+              qkv_ptr, qkv.stride(0), q_begin, cache, kv_cache.stride(0),
+              a.tables + seq * a.table_stride, a.block_size, a.num_kv_heads,
+              task % a.num_kv_heads, a.num_heads / a.num_kv_heads, a.head_dim,
+              a.query_start[seq + 1] - q_begin, a.seq_lens[seq], a.scale, out_ptr,
+              out.stride(0)};
+          kvserve::decode_attention_task(t, scratch);
+          continue;
+        }
+      }
       attend_seq_head<T>(a, qkv_ptr, qkv.stride(0), cache, kv_cache.stride(0), out_ptr,
                          out.stride(0), seq, task % a.num_kv_heads, buf);
     }
@@ -585,12 +568,25 @@ void dequantize_int32_impl(const at::Tensor& acc, const float* token_scale,
                            const float* weight_scale, const T* bias, at::Tensor& out) {
   const int64_t rows = acc.size(0), cols = acc.size(1);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(cols);
+    std::vector<float> row(cols), bias_row(bias ? cols : 0);
+    if (bias) load_row(bias, bias_row.data(), cols);
     for (int64_t r = begin; r < end; ++r) {
       const int32_t* src = acc.data_ptr<int32_t>() + r * acc.stride(0);
-      for (int64_t c = 0; c < cols; ++c) {
-        row[c] = static_cast<float>(src[c]) * token_scale[r] * weight_scale[c];
-        if (bias) row[c] += to_float(bias[c]);
+      const float scale = token_scale[r];
+      int64_t c = 0;
+#if defined(__AVX512F__)
+      // (acc * token scale) * weight scale, the reference's order, 16 columns at a time
+      const __m512 s = _mm512_set1_ps(scale);
+      for (; c + 16 <= cols; c += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(src + c)), s);
+        v = _mm512_mul_ps(v, _mm512_loadu_ps(weight_scale + c));
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_row.data() + c));
+        _mm512_storeu_ps(row.data() + c, v);
+      }
+#endif
+      for (; c < cols; ++c) {
+        row[c] = static_cast<float>(src[c]) * scale * weight_scale[c];
+        if (bias) row[c] += bias_row[c];
       }
       store_row(row.data(), out.data_ptr<T>() + r * cols, cols);
     }

@@ -262,14 +262,7 @@ std::vector<Task> plan_tasks(const FlashArgs& a, int64_t num_seqs) {
 
 }  // namespace
 
-bool flash_attention_supported(int64_t head_dim) {
-#if defined(__AVX512BF16__)
-  return head_dim == 64 || head_dim == 128;
-#else
-  (void)head_dim;
-  return false;
-#endif
-}
+bool flash_attention_supported(int64_t head_dim) { return bf16_attention_supported(head_dim); }
 
 void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,

@@ -1,11 +1,21 @@
 // AVX-512 helpers shared by the kernel sources.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 namespace kvserve {
 
+#if defined(__AVX512F__)
 // exp on 16 floats: Cephes' polynomial for e^r on [-ln2/2, ln2/2] scaled by 2^n; ~1 ulp, far
 // faster than 16 calls to std::exp (which dominated softmax and SiLU when scalar).
 inline __m512 exp16(__m512 x) {
@@ -24,6 +34,63 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(y, n);
 }
+#endif
+
+// values[i] = exp(values[i] - shift); returns their sum.
+inline float exp_shifted_sum(float* values, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(values + i), s));
+    _mm512_storeu_ps(values + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    values[i] = std::exp(values[i] - shift);
+    total += values[i];
+  }
+  return total;
+}
+
+inline float max_of(const float* values, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(best);
+  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(values + i));
+  best = _mm512_reduce_max_ps(acc);
+#endif
+  for (; i < n; ++i) best = std::max(best, values[i]);
+  return best;
+}
+
+// float -> bf16 bits, rounding to nearest even (as c10::BFloat16).
+inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  for (; i + 16 <= n; i += 16) {
+    __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(packed));
+  }
+#endif
+  for (; i < n; ++i) {
+    const c10::BFloat16 value(src[i]);
+    std::memcpy(dst + i, &value, sizeof(uint16_t));
+  }
+}
+
+// The bf16 attention kernels (flash and decode) need AVX512-BF16 and a head size of 64 or 128.
+inline bool bf16_attention_supported(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
 
 }  // namespace kvserve
-#endif

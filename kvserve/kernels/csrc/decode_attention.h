@@ -1,0 +1,51 @@
+// Paged attention over bf16 K/V for few new tokens per sequence (decode_attention.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace kvserve {
+
+// One (sequence, KV head): its num_tokens new tokens x `group` query heads against keys
+// [0, seq_len) of its block table (the new tokens' K/V included, causal).
+struct DecodeTask {
+  const at::BFloat16* qkv;
+  int64_t qkv_stride, q_begin;  // the first new token's row in qkv
+  const at::BFloat16* cache;
+  int64_t cache_half;           // elements from a K row to its V row
+  const int32_t* table;
+  int64_t block_size, num_kv_heads, kv_head, group, head_dim, num_tokens, seq_len;
+  float scale;
+  at::BFloat16* out;
+  int64_t out_stride;
+
+  // Query row r: token r / group, query head kv_head * group + r % group.
+  const at::BFloat16* query_row(int64_t r) const {
+    return qkv + (q_begin + r / group) * qkv_stride + (kv_head * group + r % group) * head_dim;
+  }
+  const at::BFloat16* key_row(int64_t pos) const {
+    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                         pos % block_size;
+    return cache + (slot * num_kv_heads + kv_head) * head_dim;
+  }
+  void store_row(int64_t r, const float* values) const {
+    at::BFloat16* dst = out + (q_begin + r / group) * out_stride +
+                        (kv_head * group + r % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<at::BFloat16>(values[d]);
+  }
+};
+
+// Per-thread buffers, reused across tasks.
+struct DecodeScratch {
+  std::vector<float> scores, acc;
+  std::vector<uint16_t> probs;
+  std::vector<const at::BFloat16*> key_rows;
+};
+
+// Whether this build runs decode_attention_task for this head size (AVX512-BF16, D 64 or 128).
+bool decode_attention_supported(int64_t head_dim);
+
+void decode_attention_task(const DecodeTask& task, DecodeScratch& scratch);
+
+}  // namespace kvserve
