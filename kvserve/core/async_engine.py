@@ -57,6 +57,11 @@ class _FailAll:
     error: BaseException
 
 
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in puts:
+        outputs.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, model_name: str | None = None):
         self.config = config
@@ -232,9 +237,9 @@ class AsyncEngine:
         now = time.monotonic()
         for output in outputs:
             self._observe_tokens(output, now)
-            self._deliver(output.request_id, output)
             if output.finished:
                 self.metrics.record_finished(output)
+        self._deliver_many([(output.request_id, output) for output in outputs])
         self.metrics.record_engine_state(self.engine)
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
@@ -252,20 +257,27 @@ class AsyncEngine:
             self._last_token_time[output.request_id] = (count, now)
 
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, outputs = target
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-        except RuntimeError:  # the event loop is closed
-            pass
+        self._deliver_many([(request_id, item)])
+
+    def _deliver_many(self, items: list[tuple[str, object]]) -> None:
+        """Hand a step's items to their streams with one wake-up per event loop rather than one
+        per stream (each call_soon_threadsafe writes to the loop's self-pipe: at batch 32 that
+        was 32 syscalls and loop wake-ups per step on the cores the step needs)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the event loop is closed
+                pass
 
     def _fail_all(self, error: BaseException) -> None:
         """Every waiting stream gets `error` first (so none hangs even if the engine's state is
         broken), then the engine drops its requests."""
-        for request_id in list(self._streams):
-            self._deliver(request_id, error)
+        self._deliver_many([(request_id, error) for request_id in list(self._streams)])
         self._last_token_time.clear()
         engine = self.engine
         if engine is not None:
