@@ -93,10 +93,10 @@ def test_paged_attention_only_touches_selected_sequences():
 def test_flash_attention_ragged_causal(dim, block_size):
     """Fresh prompts, chunks over cached context (tile-aligned or not), a decode row and a long
     chunk spanning many query and key tiles, against the float reference."""
-    query_lens, seq_lens = [17, 40, 1, 33, 128], [17, 100, 50, 70, 1500]
+    query_lens, seq_lens = [17, 40, 1, 33, 128, 4], [17, 100, 50, 70, 1500, 9]
     metadata, _, kv_cache, qkv = _batch(torch.bfloat16, query_lens, seq_lens,
                                         block_size=block_size, dim=dim)
-    seq_ids = torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32)
+    seq_ids = torch.tensor([4, 0, 1, 2, 3, 5], dtype=torch.int32)
     args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
             HEADS, KV_HEADS, dim, dim**-0.5)
     out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=torch.bfloat16)

@@ -96,8 +96,8 @@ def test_fast_backends_match_reference(backend, cpu_kernels, dtype, tolerance):
 
 
 def test_flash_path_in_bfloat16_matches_reference():
-    """head_dim 64 in bfloat16: prompts and chunks of more than 16 tokens take the flash kernel
-    (when it can run here), next to paged-kernel decodes and short chunks."""
+    """head_dim 64 in bfloat16: prompts and chunks of 4 or more tokens take the flash kernel
+    (when it can run here), next to paged-kernel decodes and 2-token chunks."""
     config = tiny_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64)
     long_prompt = [(7 * i + 3) % 900 + 10 for i in range(200)]
@@ -110,7 +110,7 @@ def test_flash_path_in_bfloat16_matches_reference():
         results.append(torch.cat(loop.step(
             [long_prompt[90:200], long_prompt[5:30], long_prompt[:20]], [200, 30, 20],
             [0, 1, 2], all_logits=True)))
-        results.append(torch.cat(loop.step([[4], [5]], [201, 31], [0, 1], all_logits=True)))
+        results.append(torch.cat(loop.step([[4], [5, 6]], [201, 32], [0, 1], all_logits=True)))
     scale = results[0].abs().max().item()
     for expected, actual in zip(results[:2], results[2:]):
         assert (expected - actual).abs().max().item() <= 0.05 * max(1.0, scale)

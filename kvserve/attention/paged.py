@@ -1,10 +1,10 @@
 """The `paged` attention backend: fused per-layer ops (compiled CPU kernels, or their torch
 reference versions) and attention that reads K/V blocks in place.
 
-Rows are split once per step. In bfloat16 with the compiled kernels, sequences with more than
+Rows are split once per step. In bfloat16 with the compiled kernels, sequences with at least
 FLASH_MIN_QUERY_LEN new tokens (prompts, chunks over a cached prefix) take the tiled flash kernel
-(bf16 dot-product instructions, online softmax, any length) and the rest (decodes, short chunks)
-the paged kernel; both read K/V blocks in place. Otherwise (float32, the torch reference ops):
+(bf16 dot-product instructions, online softmax, any length) and the rest (decodes, very short
+chunks) the paged kernel; both read K/V blocks in place. Otherwise (float32, the torch reference ops):
 sequences with up to 128 new tokens go to the paged kernel; longer fresh prompts use SDPA's tiled
 causal kernel on their own K/V; longer chunks on top of cached context gather their blocks once
 and use SDPA.
@@ -24,10 +24,10 @@ from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 # gather + masked SDPA for 32-128-token chunks over 300-4,000 cached tokens; longer chunks gather
 # (the kernel keeps a float score row per query head and key: 3 x 128 x 8,192 x 4 B = 12 MB).
 MAX_PAGED_QUERY_LEN = 128
-# Sequences with more new tokens than this take the flash kernel when it can run: measured faster
-# than the paged kernel from ~16 new tokens (1.5x at 64 over 1,024 cached) and 2-3x faster than
-# SDPA on fresh prompts (docs/performance.md); decodes stay on the paged kernel.
-FLASH_MIN_QUERY_LEN = 16
+# Sequences with at least this many new tokens take the flash kernel when it can run: measured
+# faster than the paged kernel from 4 new tokens (2x at 64 over 1,024 cached) and 3-4x faster
+# than SDPA on fresh prompts (docs/performance.md); decodes stay on the paged kernel.
+FLASH_MIN_QUERY_LEN = 4
 
 
 @dataclass
@@ -47,7 +47,7 @@ def plan_step(metadata: AttentionMetadata, use_flash: bool = False) -> StepPlan:
     paged, flash, fresh, gathered = [], [], [], []
     for i in range(metadata.num_seqs):
         query_len = starts[i + 1] - starts[i]
-        if use_flash and query_len > FLASH_MIN_QUERY_LEN:
+        if use_flash and query_len >= FLASH_MIN_QUERY_LEN:
             flash.append(i)
         elif query_len <= MAX_PAGED_QUERY_LEN:
             paged.append(i)

@@ -72,17 +72,12 @@ inline void score_tile(const uint32_t* query, const BFloat16* const* keys, float
 // Value rows 2j and 2j+1 interleaved: out[c] holds (v_2j[d], v_2j+1[d]) for d in 16c..16c+15.
 template <int DIM>
 inline void pack_value_pair(const BFloat16* even, const BFloat16* odd, __m512bh* out) {
-  const __m512i low = _mm512_set_epi16(
-      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i high = _mm512_set_epi16(
-      63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   for (int c = 0; c < DIM / 32; ++c) {
-    const __m512i a = _mm512_loadu_si512(even + 32 * c);
-    const __m512i b = odd ? _mm512_loadu_si512(odd + 32 * c) : _mm512_setzero_si512();
-    out[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
-    out[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+    __m512i low, high;
+    interleave_bf16(_mm512_loadu_si512(even + 32 * c),
+                    odd ? _mm512_loadu_si512(odd + 32 * c) : _mm512_setzero_si512(), low, high);
+    out[2 * c] = (__m512bh)low;
+    out[2 * c + 1] = (__m512bh)high;
   }
 }
 

@@ -83,6 +83,21 @@ inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// Two rows of 32 bf16 -> their pairs (a[d], b[d]) as 32-bit lanes: low gets d 0..15, high 16..31.
+// The pair layout vdpbf16ps reduces over (keys, for P.V).
+inline void interleave_bf16(__m512i a, __m512i b, __m512i& low, __m512i& high) {
+  const __m512i low_index = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high_index = _mm512_set_epi16(
+      63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  low = _mm512_permutex2var_epi16(a, low_index, b);
+  high = _mm512_permutex2var_epi16(a, high_index, b);
+}
+#endif
+
 // The bf16 attention kernels (flash and decode) need AVX512-BF16 and a head size of 64 or 128.
 inline bool bf16_attention_supported(int64_t head_dim) {
 #if defined(__AVX512BF16__)
