@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve.kernels import get_ops
+from kvserve.kernels import get_ops, reference
 from kvserve.models import random_model
 from kvserve.quant.linear import (
+    INT4_KERNEL_MAX_ROWS,
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     W8A8Linear,
@@ -51,6 +52,78 @@ def test_weight_only_kernel_equals_its_dense_weights(cls, bias):
     torch.testing.assert_close(low_bit.float(), dense.float(), atol=2e-2, rtol=2e-2)
     batched = layer(torch.cat([x] * 4))  # 12 rows: the dense path
     torch.testing.assert_close(batched[:3].float(), dense.float(), atol=2e-2, rtol=2e-2)
+
+
+compiled = get_ops(True)
+needs_kernels = pytest.mark.skipif(not compiled.compiled, reason="C++ CPU kernels did not build")
+
+
+def _int4_weights(rows, cols, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=generator)
+    scale = torch.rand(rows, cols // 32, generator=generator) * 0.02
+    zero = torch.randn(rows, cols // 32, generator=generator) * 0.05
+    return codes, scale, zero
+
+
+def test_int4_pack_round_trips():
+    """The kernel's panel layout unpacks to (q - 8) * scale + zero, odd row counts included."""
+    codes, scale, zero = _int4_weights(37, 96)
+    for meta_dtype in (torch.float32, torch.bfloat16):
+        packed = reference.pack_int4(codes, scale, zero, meta_dtype)
+        assert packed.shape == (3, 3, 320 if meta_dtype == torch.bfloat16 else 384)
+        s, z = scale.to(meta_dtype).float(), zero.to(meta_dtype).float()
+        expected = ((codes.view(37, 3, 32) - 8) * s[..., None] + z[..., None]).view(37, 96)
+        assert torch.equal(reference.unpack_int4(packed, 37), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(37, 64), (96, 1536), (130, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias):
+    """Against the fp32 linear of the dequantized weights, 1..17 rows (row blocks of 8 and their
+    remainders), both metadata dtypes. bf16: the output's rounding (<= 2^-9 relative) plus float
+    accumulation-order noise; float32: accumulation order only (the kernel adds 128 to every code
+    and takes it back per group, ~1e-6 relative)."""
+    rows, cols = shape
+    codes, scale, zero = _int4_weights(rows, cols, seed=cols)
+    generator = torch.Generator().manual_seed(1)
+    bias_values = torch.randn(rows, generator=generator).to(dtype) if bias else None
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-4
+    for meta_dtype in (torch.bfloat16, torch.float32):
+        packed = reference.pack_int4(codes, scale, zero, meta_dtype)
+        weight = reference.unpack_int4(packed, rows)
+        for m in range(1, 18):
+            x = torch.randn(m, cols, generator=generator).to(dtype)
+            expected = nn.functional.linear(x.float(), weight,
+                                            None if bias_values is None else bias_values.float())
+            got = compiled.int4_linear(x, packed, bias_values, rows)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item())
+            ref = reference.int4_linear(x, packed, bias_values, rows)
+            torch.testing.assert_close(ref.float(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_layer_with_compiled_ops_matches_reference_ops(dtype):
+    """Compiled ops: our kernel up to INT4_KERNEL_MAX_ROWS, the dense copy above, no torch int4
+    buffers. Reference ops: torch's int4 kernel / the dense copy, as before. Same outputs."""
+    linear = _linear(bias=True)
+    ours = Int4WeightOnlyLinear(linear, dtype, compiled)
+    theirs = Int4WeightOnlyLinear(linear, dtype, get_ops(False))
+    assert ours.ops is compiled and not hasattr(ours, "packed")
+    assert theirs.ops is None and not hasattr(theirs, "panels")
+    assert ours.max_rows == INT4_KERNEL_MAX_ROWS
+    torch.testing.assert_close(ours.dense_weight, theirs.dense_weight, rtol=0, atol=0)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for rows in (1, 3, 8, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 128).to(dtype)
+        torch.testing.assert_close(ours(x).float(), theirs(x).float(), rtol=tolerance,
+                                   atol=tolerance)
 
 
 def test_w8a8_close_to_its_int8_weights():

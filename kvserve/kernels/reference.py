@@ -99,3 +99,58 @@ def dequantize_int32(acc, token_scale, weight_scale, bias, dtype) -> torch.Tenso
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
+
+
+# ---- int4 weight-only GEMM (csrc/int4_gemm.cpp): its weight layout and the reference maths
+
+INT4_GROUP, INT4_PANEL, INT4_CODE_BYTES = 32, 16, 256
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              meta_dtype: torch.dtype) -> torch.Tensor:
+    """codes [N, K] in 0..15, scale and zero [N, K / 32] (w = (q - 8) * scale + zero) -> the
+    kernel's panel layout, uint8 [P, G, B]: P = ceil(N / 16) panels of 16 rows, G = K / 32 groups,
+    and per (panel, group) a block of 256 bytes of codes, then the panel's 16 scales, then its 16
+    zeros in meta_dtype (bfloat16: B = 320, float32: B = 384). In the codes, byte pair (2e, 2e+1)
+    of 64-byte chunk c is a little-endian word whose nibble j holds
+    q[16 p + e // 2, 32 g + 8 c + 2 j + e % 2]. Rows past N are zero (computed, never stored)."""
+    rows, cols = codes.shape
+    groups, panels = cols // INT4_GROUP, -(-rows // INT4_PANEL)
+    padded = torch.zeros(panels * INT4_PANEL, cols, dtype=torch.uint8)
+    padded[:rows] = codes.to(torch.uint8)
+    # [p, lane, g, chunk, j, parity] -> [p, g, chunk, lane, parity, j]
+    q = padded.view(panels, INT4_PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)  # byte b of a word: nibbles j = 2b, 2b + 1
+    parts = [packed.reshape(panels, groups, INT4_CODE_BYTES)]
+    for meta in (scale, zero):
+        padded_meta = torch.zeros(panels * INT4_PANEL, groups, dtype=meta_dtype)
+        padded_meta[:rows] = meta.to(meta_dtype)
+        per_block = padded_meta.view(panels, INT4_PANEL, groups).transpose(1, 2).contiguous()
+        parts.append(per_block.view(torch.uint8).view(panels, groups, -1))
+    return torch.cat(parts, -1).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The panel layout back to float32 weights [N, K] = (q - 8) * scale + zero."""
+    panels, groups, block_bytes = packed.shape
+    meta_dtype = torch.bfloat16 if block_bytes == INT4_CODE_BYTES + 64 else torch.float32
+    codes = packed[..., :INT4_CODE_BYTES].reshape(panels, groups, 4, INT4_PANEL, 2, 2)
+    q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)  # [p, g, chunk, lane, parity, j]
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT4_PANEL, groups, INT4_GROUP)
+    meta = packed[..., INT4_CODE_BYTES:].contiguous().view(meta_dtype).float()  # [p, g, 32]
+    scale, zero = (part.transpose(1, 2).reshape(panels * INT4_PANEL, groups, 1)
+                   for part in meta.split(INT4_PANEL, -1))
+    weight = (q.float() - 8) * scale + zero
+    return weight.view(panels * INT4_PANEL, -1)[:out_features]
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    weight = unpack_int4(packed, out_features)
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def int4_linear_fast() -> bool:
+    """The reference dequantizes the whole matrix per call: never the fast path."""
+    return False

@@ -5,7 +5,8 @@ Each layer keeps its low-bit weights for the cases the low-bit kernels win and a
 runs; only the accumulation order differs. Measured on this machine (SmolLM2 shapes, bf16,
 FACTS.md and docs/performance.md): torch's int4/int8 weight-only kernels are 2.5x faster than a
 bf16 GEMM for 1-4 rows and 2-3x slower from 16 rows on; `torch._int_mm` (VNNI) is ~2x faster than
-bf16 from ~16 rows on.
+bf16 from ~16 rows on. Our int4 kernel (kvserve/kernels/csrc/int4_gemm.cpp) is 1.5-2x faster than
+torch's at every row count and faster than the bf16 GEMM up to ~64-96 rows (1.2-1.8x at 64).
 
 - `int4`: groupwise (32) asymmetric 4-bit, as GGUF's Q4_1: w = (q - 8) * scale + zero. Re-quantizing
   a Q4_1 GGUF's dequantized weights this way recovers its codes exactly (each Q4_1 block holds its
@@ -21,10 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.reference import pack_int4
+
 QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")  # plus "auto", see resolve_quantization
 INT4_GROUP_SIZE = 32
 # Row counts at which the low-bit kernels stop winning (measured, see the module docstring).
 WEIGHT_ONLY_MAX_ROWS = 4
+INT4_KERNEL_MAX_ROWS = 64  # our int4 kernel (with compiled ops); at 96 rows the bf16 GEMM ties
 INT_MM_MIN_ROWS = 16
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
@@ -53,27 +57,51 @@ def quantize_int8_per_channel(weight: torch.Tensor):
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+    """With compiled ops (`ops.int4_linear_fast()`): our int4 kernel (kernels/csrc/int4_gemm.cpp)
+    for up to INT4_KERNEL_MAX_ROWS rows, on weights in its panel layout. Otherwise (torch
+    reference ops, no ops, float16): torch's int4 kernel for up to WEIGHT_ONLY_MAX_ROWS rows.
+    Larger batches (prefill) take the dense copy either way."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops=None):
         super().__init__()
         rows, cols = linear.weight.shape
         if cols % INT4_GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {cols}")
         codes, scale, low = quantize_int4_groupwise(linear.weight.data)
         scale_t, zero_t = scale.to(dtype).float(), (low + 8 * scale).to(dtype).float()
-        # the kernel computes (q - 8) * scale + zero with scale, zero in the activation dtype
+        # the kernels compute (q - 8) * scale + zero with scale, zero in the activation dtype
         dequantized = (codes.view(rows, -1, INT4_GROUP_SIZE) - 8) * scale_t[..., None] \
             + zero_t[..., None]
         self.register_buffer("dense_weight", dequantized.view(rows, cols).to(dtype))
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
-        self.register_buffer("scales_and_zeros", torch.stack([scale_t, zero_t], -1)
-                             .transpose(0, 1).contiguous().to(dtype))
         self.register_buffer("bias", _bias(linear, dtype))
+        self.out_features = rows
+        self.ops = ops if _has_int4_kernel(ops, dtype) else None
+        if self.ops is not None:
+            self.max_rows = INT4_KERNEL_MAX_ROWS
+            # scales and zeros as exact as the activation dtype, in half the bytes for bf16
+            meta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+            self.register_buffer("panels", pack_int4(codes, scale_t, zero_t, meta_dtype))
+        else:
+            self.max_rows = WEIGHT_ONLY_MAX_ROWS
+            self.register_buffer("packed",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8))
+            self.register_buffer("scales_and_zeros", torch.stack([scale_t, zero_t], -1)
+                                 .transpose(0, 1).contiguous().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > WEIGHT_ONLY_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense_weight, self.bias)
+        if self.ops is not None:
+            return self.ops.int4_linear(x, self.panels, self.bias, self.out_features)
         out = _INT4_MM(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
+
+
+def _has_int4_kernel(ops, dtype: torch.dtype) -> bool:
+    """Our kernel, where it is compiled and vectorised and takes this activation dtype; the torch
+    reference version dequantizes the whole matrix per call (slower than torch's int4 kernel)."""
+    return (ops is not None and ops.compiled and ops.int4_linear_fast()
+            and dtype in (torch.bfloat16, torch.float32))
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -146,7 +174,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) ->
                          f"{', '.join(QUANTIZATION_MODES)}")
     if mode == "none":
         return model
-    if mode == "w8a8" and ops is None:
+    if mode in ("w8a8", "int4") and ops is None:  # eager attention paths: no op set yet
         from kvserve.kernels import get_ops
 
         ops = get_ops(next(model.parameters()).device.type == "cpu")  # C++ ops read CPU memory
@@ -171,7 +199,7 @@ def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> 
 
 def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn.Module:
     if mode == "int4":
-        return Int4WeightOnlyLinear(linear, dtype)
+        return Int4WeightOnlyLinear(linear, dtype, ops)
     if mode == "int8":
         return Int8WeightOnlyLinear(linear, dtype)
     return W8A8Linear(linear, dtype, ops)
