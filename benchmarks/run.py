@@ -42,6 +42,9 @@ SYSTEMS = {
     # int8 weights and int8 activations for batched steps (lossy: see *-perplexity.md)
     "kvserve-w8a8": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                   "--disable-log-requests", "--quantization", "w8a8"],
+    # plain bf16 weights everywhere (the lossless reference for throughput claims)
+    "kvserve-bf16": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                  "--disable-log-requests", "--quantization", "none"],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",
