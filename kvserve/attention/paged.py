@@ -4,10 +4,10 @@ reference versions) and attention that reads K/V blocks in place.
 Rows are split once per step. In bfloat16 with the compiled kernels, sequences with at least
 FLASH_MIN_QUERY_LEN new tokens (prompts, chunks over a cached prefix) take the tiled flash kernel
 (bf16 dot-product instructions, online softmax, any length) and the rest (decodes, very short
-chunks) the paged kernel; both read K/V blocks in place. Otherwise (float32, the torch reference ops):
-sequences with up to 128 new tokens go to the paged kernel; longer fresh prompts use SDPA's tiled
-causal kernel on their own K/V; longer chunks on top of cached context gather their blocks once
-and use SDPA.
+chunks) the paged kernel; both read K/V blocks in place. Otherwise (float32, the torch reference
+ops): sequences with up to 128 new tokens go to the paged kernel; longer fresh prompts use SDPA's
+tiled causal kernel on their own K/V; longer chunks on top of cached context gather their blocks
+once and use SDPA.
 """
 
 from __future__ import annotations
