@@ -67,14 +67,13 @@ class PagedBackend:
     def __init__(self, ops):
         self.ops = ops
 
-    def _can_flash(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return (dtype == torch.bfloat16 and self.ops.compiled
-                and self.ops.flash_attention_supported(head_dim))
-
     def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D]."""
-        plan = plan_step(metadata, self._can_flash(qkv.dtype, head_dim))
+        plan = metadata.plan  # the first layer of a step plans it; the rest reuse it
+        if plan is None:  # the torch reference ops report no flash kernel
+            plan = plan_step(metadata, qkv.dtype == torch.bfloat16
+                             and self.ops.flash_attention_supported(head_dim))
         out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
         for kernel, seq_ids in ((self.ops.paged_attention_, plan.paged_seq_ids),
                                 (self.ops.flash_attention_, plan.flash_seq_ids)):

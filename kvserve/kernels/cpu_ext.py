@@ -1,6 +1,7 @@
 """Build (once) and load the C++ CPU kernels in kvserve/kernels/csrc with torch's JIT extension
-builder. The build lands in the kvserve cache directory, keyed by a hash of every source and header, the torch
-version and the CPU's instruction-set flags, so later starts only load a .so (~0.1 s).
+builder. The build lands in the kvserve cache directory, keyed by a hash of every source and
+header, the torch version and the CPU's instruction-set flags, so later starts only load a .so
+(~0.1 s).
 
 `make install` builds it ahead of time; if no compiler is present the engine falls back to the
 torch reference ops (kvserve/kernels/reference.py) and says why in the log.

@@ -103,7 +103,7 @@ class Int4WeightOnlyLinear(nn.Module):
 def _has_int4_kernel(ops, dtype: torch.dtype) -> bool:
     """Our kernel, where it is compiled and vectorised and takes this activation dtype; the torch
     reference version dequantizes the whole matrix per call (slower than torch's int4 kernel)."""
-    return (ops is not None and ops.compiled and ops.int4_linear_fast()
+    return (ops is not None and ops.int4_linear_fast()
             and dtype in (torch.bfloat16, torch.float32))
 
 

@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "vec.h"
+
 namespace kvserve {
 
 // One (sequence, KV head): its num_tokens new tokens x `group` query heads against keys
@@ -25,14 +27,12 @@ struct DecodeTask {
     return qkv + (q_begin + r / group) * qkv_stride + (kv_head * group + r % group) * head_dim;
   }
   const at::BFloat16* key_row(int64_t pos) const {
-    const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
-                         pos % block_size;
-    return cache + (slot * num_kv_heads + kv_head) * head_dim;
+    return cache + cache_row_offset(table, block_size, num_kv_heads, head_dim, pos, kv_head);
   }
   void store_row(int64_t r, const float* values) const {
     at::BFloat16* dst = out + (q_begin + r / group) * out_stride +
                         (kv_head * group + r % group) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<at::BFloat16>(values[d]);
+    to_bf16_bits(values, reinterpret_cast<uint16_t*>(dst), head_dim);
   }
 };
 

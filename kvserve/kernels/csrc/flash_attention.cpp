@@ -74,9 +74,7 @@ struct Scratch {
 
 inline const BFloat16* key_row(const FlashArgs& a, const int32_t* table, int64_t pos,
                                int64_t kv_head) {
-  const int64_t slot = static_cast<int64_t>(table[pos / a.block_size]) * a.block_size +
-                       pos % a.block_size;
-  return a.cache + (slot * a.num_kv_heads + kv_head) * a.head_dim;
+  return a.cache + cache_row_offset(table, a.block_size, a.num_kv_heads, a.head_dim, pos, kv_head);
 }
 
 // Interleave pairs of value rows: v_tile[j * dim + d] = (v_{2j}[d], v_{2j+1}[d]); missing rows

@@ -98,6 +98,15 @@ inline void interleave_bf16(__m512i a, __m512i b, __m512i& low, __m512i& high) {
 }
 #endif
 
+// Element offset of the K row of token `pos` for one KV head in a paged cache half laid out
+// [blocks, block_size, num_kv_heads, head_dim]; the block comes from the sequence's table.
+inline int64_t cache_row_offset(const int32_t* table, int64_t block_size, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t pos, int64_t kv_head) {
+  const int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size +
+                       pos % block_size;
+  return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
 // The bf16 attention kernels (flash and decode) need AVX512-BF16 and a head size of 64 or 128.
 inline bool bf16_attention_supported(int64_t head_dim) {
 #if defined(__AVX512BF16__)
