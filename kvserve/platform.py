@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
+from kvserve.kernels import isa
 
-@functools.lru_cache(maxsize=1)
+
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: oneDNN runs bf16 GEMMs natively (twice fp32's rate here)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """AVX512-BF16 or AMX, and KVSERVE_CPU_ISA not capping below it: oneDNN runs bf16 GEMMs
+    natively (twice fp32's rate on Zen 4/5); elsewhere torch emulates them, far slower than fp32,
+    so the default activations are float32 there (an `avx2` cap stands in for such a CPU)."""
+    return isa.has_native_bf16() and isa.selected_level() == "avx512_bf16"
 
 
 def default_dtype(device: str) -> torch.dtype:

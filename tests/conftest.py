@@ -8,10 +8,21 @@ import textwrap
 import pytest
 import torch
 
+from kvserve.kernels import get_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session", params=isa.machine_levels())
+def kernels(request):
+    """The compiled kernels built for each instruction-set level this CPU can execute (AVX2 and
+    scalar everywhere on x86), so every vector variant is tested on any machine."""
+    ops = get_ops(True, request.param)
+    if not ops.compiled:
+        pytest.skip(f"C++ CPU kernels ({request.param}) did not build")
+    return ops
 
 
 @pytest.fixture(scope="session")

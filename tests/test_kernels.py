@@ -1,6 +1,7 @@
 """The compiled CPU kernels against their torch reference versions (kvserve/kernels/reference.py):
 bit-exact or within rounding in float32, within bf16 rounding in bfloat16, on ragged batches that
-mix decode rows, chunked rows with cached context and fresh prompts."""
+mix decode rows, chunked rows with cached context and fresh prompts; at every instruction-set
+level the machine can execute."""
 
 import pytest
 import torch
@@ -8,8 +9,13 @@ import torch
 from kvserve.attention import build_attention_metadata
 from kvserve.kernels import get_ops, reference
 
-compiled = get_ops(True)
-pytestmark = pytest.mark.skipif(not compiled.compiled, reason="C++ CPU kernels did not build")
+
+
+@pytest.fixture
+def compiled(kernels):
+    """Every test here runs once per instruction-set level (conftest's `kernels`)."""
+    return kernels
+
 
 HEADS, KV_HEADS, DIM = 6, 2, 32
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -20,7 +26,7 @@ def _close(actual, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_and_activation(dtype):
+def test_norms_and_activation(dtype, compiled):
     torch.manual_seed(0)
     x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
     weight = torch.rand(96, dtype=dtype) + 0.5
@@ -49,7 +55,7 @@ def _batch(dtype, query_lens, seq_lens, block_size=4, dim=DIM):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_and_cache_write(dtype):
+def test_rope_and_cache_write(dtype, compiled):
     metadata, positions, kv_cache, qkv = _batch(dtype, [3, 1, 5], [3, 9, 12])
     table = torch.randn(64, DIM)
     qkv2, cache2 = qkv.clone(), kv_cache.clone()
@@ -63,7 +69,7 @@ def test_rope_and_cache_write(dtype):
 
 @pytest.mark.parametrize("dim", [32, 64, 128])  # 64 and 128 take the register-blocked passes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_ragged_causal(dtype, dim):
+def test_paged_attention_ragged_causal(dtype, dim, compiled):
     # decode rows, a chunk with cached context, a fresh prompt, a long decode
     query_lens, seq_lens = [1, 4, 6, 1, 1], [7, 10, 6, 33, 1]
     metadata, _, kv_cache, qkv = _batch(dtype, query_lens, seq_lens, dim=dim)
@@ -77,7 +83,7 @@ def test_paged_attention_ragged_causal(dtype, dim):
     _close(out, expected, dtype)
 
 
-def test_paged_attention_only_touches_selected_sequences():
+def test_paged_attention_only_touches_selected_sequences(compiled):
     metadata, _, kv_cache, qkv = _batch(torch.float32, [1, 1, 1], [5, 6, 7])
     out = torch.full((3, HEADS * DIM), 7.0)
     compiled.paged_attention_(qkv, kv_cache, out, torch.tensor([1], dtype=torch.int32),
@@ -87,12 +93,13 @@ def test_paged_attention_only_touches_selected_sequences():
     assert not torch.all(out[1] == 7.0)
 
 
-@pytest.mark.skipif(not compiled.flash_attention_supported(64), reason="no AVX512-BF16")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("block_size", [4, 16])  # key tiles of 16 span blocks of 4
-def test_flash_attention_ragged_causal(dim, block_size):
+def test_flash_attention_ragged_causal(dim, block_size, compiled):
     """Fresh prompts, chunks over cached context (tile-aligned or not), a decode row and a long
     chunk spanning many query and key tiles, against the float reference."""
+    if not compiled.flash_attention_supported(dim):
+        pytest.skip(f"no flash kernel in the {compiled.isa} build")
     query_lens, seq_lens = [17, 40, 1, 33, 128, 4], [17, 100, 50, 70, 1500, 9]
     metadata, _, kv_cache, qkv = _batch(torch.bfloat16, query_lens, seq_lens,
                                         block_size=block_size, dim=dim)
@@ -107,8 +114,9 @@ def test_flash_attention_ragged_causal(dim, block_size):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not compiled.flash_attention_supported(64), reason="no AVX512-BF16")
-def test_flash_attention_only_touches_selected_sequences_and_checks_inputs():
+def test_flash_attention_only_touches_selected_sequences_and_checks_inputs(compiled):
+    if not compiled.flash_attention_supported(64):
+        pytest.skip(f"no flash kernel in the {compiled.isa} build")
     metadata, _, kv_cache, qkv = _batch(torch.bfloat16, [20, 30, 20], [20, 40, 25], dim=64)
     out = torch.full((70, HEADS * 64), 7.0, dtype=torch.bfloat16)
     args = (metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables, HEADS,
@@ -128,7 +136,7 @@ def test_reference_fallback_when_disabled():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_quantize_and_dequantize(dtype):
+def test_w8a8_quantize_and_dequantize(dtype, compiled):
     torch.manual_seed(3)
     x = torch.randn(9, 64, dtype=dtype) * 4
     x[3] = 0  # an all-zero row gets scale 1, not a division by zero
@@ -143,7 +151,7 @@ def test_w8a8_quantize_and_dequantize(dtype):
                reference.dequantize_int32(acc, scales, weight_scale, b, dtype), dtype)
 
 
-def test_argmax_rows_matches_torch_including_ties_and_nan():
+def test_argmax_rows_matches_torch_including_ties_and_nan(compiled):
     torch.manual_seed(4)
     logits = torch.randn(6, 1000)
     logits[1, 10] = logits[1, 500] = 99.0  # tie: the first index wins

@@ -54,8 +54,6 @@ def test_weight_only_kernel_equals_its_dense_weights(cls, bias):
     torch.testing.assert_close(batched[:3].float(), dense.float(), atol=2e-2, rtol=2e-2)
 
 
-compiled = get_ops(True)
-needs_kernels = pytest.mark.skipif(not compiled.compiled, reason="C++ CPU kernels did not build")
 
 
 def _int4_weights(rows, cols, seed=0):
@@ -77,11 +75,10 @@ def test_int4_pack_round_trips():
         assert torch.equal(reference.unpack_int4(packed, 37), expected)
 
 
-@needs_kernels
 @pytest.mark.parametrize("shape", [(37, 64), (96, 1536), (130, 576)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias):
+def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias, kernels):
     """Against the fp32 linear of the dequantized weights, 1..17 rows (row blocks of 8 and their
     remainders), both metadata dtypes. bf16: the output's rounding (<= 2^-9 relative) plus float
     accumulation-order noise; float32: accumulation order only (the kernel adds 128 to every code
@@ -98,7 +95,7 @@ def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias):
             x = torch.randn(m, cols, generator=generator).to(dtype)
             expected = nn.functional.linear(x.float(), weight,
                                             None if bias_values is None else bias_values.float())
-            got = compiled.int4_linear(x, packed, bias_values, rows)
+            got = kernels.int4_linear(x, packed, bias_values, rows)
             assert got.dtype == dtype and got.shape == (m, rows)
             torch.testing.assert_close(got.float(), expected, rtol=tolerance,
                                        atol=tolerance * expected.abs().max().item())
@@ -107,15 +104,17 @@ def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias):
                                        atol=tolerance * expected.abs().max().item())
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int4_layer_with_compiled_ops_matches_reference_ops(dtype):
-    """Compiled ops: our kernel up to INT4_KERNEL_MAX_ROWS, the dense copy above, no torch int4
-    buffers. Reference ops: torch's int4 kernel / the dense copy, as before. Same outputs."""
+def test_int4_layer_with_compiled_ops_matches_reference_ops(dtype, kernels):
+    """Compiled ops with a vectorised int4 kernel (every level but scalar): our kernel up to
+    INT4_KERNEL_MAX_ROWS, the dense copy above, no torch int4 buffers. Reference ops: torch's
+    int4 kernel / the dense copy, as before. Same outputs."""
+    if not kernels.int4_linear_fast():
+        pytest.skip(f"the {kernels.isa} build has no vectorised int4 kernel")
     linear = _linear(bias=True)
-    ours = Int4WeightOnlyLinear(linear, dtype, compiled)
+    ours = Int4WeightOnlyLinear(linear, dtype, kernels)
     theirs = Int4WeightOnlyLinear(linear, dtype, get_ops(False))
-    assert ours.ops is compiled and not hasattr(ours, "packed")
+    assert ours.ops is kernels and not hasattr(ours, "packed")
     assert theirs.ops is None and not hasattr(theirs, "panels")
     assert ours.max_rows == INT4_KERNEL_MAX_ROWS
     torch.testing.assert_close(ours.dense_weight, theirs.dense_weight, rtol=0, atol=0)
@@ -126,9 +125,9 @@ def test_int4_layer_with_compiled_ops_matches_reference_ops(dtype):
                                    atol=tolerance)
 
 
-def test_w8a8_close_to_its_int8_weights():
+def test_w8a8_close_to_its_int8_weights(kernels):
     linear = _linear(bias=True)
-    layer = W8A8Linear(linear, torch.bfloat16, get_ops(True))
+    layer = W8A8Linear(linear, torch.bfloat16, kernels)
     x = torch.randn(32, 128, dtype=torch.bfloat16)
     dense = nn.functional.linear(x.float(), layer.codes.float() * layer.weight_scale[:, None],
                                  layer.bias.float())

@@ -1,10 +1,13 @@
-"""Build (once) and load the C++ CPU kernels in kvserve/kernels/csrc with torch's JIT extension
-builder. The build lands in the kvserve cache directory, keyed by a hash of every source and
-header, the torch version and the CPU's instruction-set flags, so later starts only load a .so
-(~0.1 s).
+"""Build (once per instruction-set level) and load the C++ CPU kernels in kvserve/kernels/csrc
+with torch's JIT extension builder.
 
-`make install` builds it ahead of time; if no compiler is present the engine falls back to the
-torch reference ops (kvserve/kernels/reference.py) and says why in the log.
+Every level of `isa.LEVELS` the machine can execute is a separate build of the same sources with
+its own -march flags (x86-64-v3 for AVX2, v4 for AVX-512, plus BF16/VNNI), so the AVX2 variants
+can be built, tested and benchmarked on any AVX-512 machine. A build lands in the kvserve cache
+directory, keyed by a hash of every source and header, the torch version and the level's flags,
+so later starts only load a .so (~0.1 s). `make install` builds the selected level ahead of time;
+if no compiler is present the engine falls back to the torch reference ops
+(kvserve/kernels/reference.py) and says why in the log.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvserve.kernels import isa
 from kvserve.weights.cache import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -27,25 +31,18 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
+# -fvisibility=hidden: several levels' modules live in one process; each must bind to its own
+# copies of the kernels, never to another level's symbols of the same name.
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden"]
 _lock = threading.Lock()
-_loaded: ModuleType | None = None
-_failure: str | None = None
+_loaded: dict[str, ModuleType] = {}
+_failures: dict[str, str] = {}
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_name() -> str:
+def _build_name(level: str) -> str:
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    key = "|".join(texts + [torch.__version__, _cpu_flags()])
-    return "kvserve_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    key = "|".join(texts + [torch.__version__, level, *_COMMON_FLAGS, *isa.compiler_flags(level)])
+    return f"kvserve_cpu_{level}_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _put_environment_bin_on_path() -> None:
@@ -56,28 +53,42 @@ def _put_environment_bin_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def load_cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None (with the reason in `build_failure()`) if it cannot build."""
-    global _loaded, _failure
+def load_cpu_kernels(level: str | None = None) -> ModuleType | None:
+    """The compiled module for `level` (default: `isa.selected_level()`), or None (with the
+    reason in `build_failure(level)`) if it cannot build or the CPU cannot execute it."""
+    level = level or isa.selected_level()
     with _lock:
-        if _loaded is not None or _failure is not None:
-            return _loaded
-        from torch.utils import cpp_extension
-
-        _put_environment_bin_on_path()
-        name = _build_name()
-        build_dir = cache_dir() / "kernels" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            _loaded = cpp_extension.load(
-                name=name, sources=[str(path) for path in SOURCES], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as error:  # no compiler, no headers: run the reference ops instead
-            _failure = f"{type(error).__name__}: {error}"
-            logger.warning("CPU kernels unavailable, using torch ops: %s", _failure)
-        return _loaded
+        if level in _loaded or level in _failures:
+            return _loaded.get(level)
+        if level not in isa.machine_levels():
+            _failures[level] = f"this CPU cannot execute {level} code"
+            return None
+        _loaded_or_failure(level)
+        return _loaded.get(level)
 
 
-def build_failure() -> str | None:
-    return _failure
+def _loaded_or_failure(level: str) -> None:
+    from torch.utils import cpp_extension
+
+    _put_environment_bin_on_path()
+    name = _build_name(level)
+    build_dir = cache_dir() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=name, sources=[str(path) for path in SOURCES], build_directory=str(build_dir),
+            extra_cflags=_COMMON_FLAGS + isa.compiler_flags(level),
+            extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler, no headers: run the reference ops instead
+        _failures[level] = f"{type(error).__name__}: {error}"
+        logger.warning("CPU kernels (%s) unavailable, using torch ops: %s", level,
+                       _failures[level])
+        return
+    module.isa = level
+    _loaded[level] = module
+    logger.info("CPU kernels: %s build loaded in %.1fs", level, time.perf_counter() - start)
+
+
+def build_failure(level: str | None = None) -> str | None:
+    return _failures.get(level or isa.selected_level())

@@ -21,9 +21,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using kvserve::exp16;
-#endif
+using namespace kvserve;  // vf, vload, vfma, ... (vec.h): one source for AVX2 and AVX-512
 using kvserve::exp_shifted_sum;
 using kvserve::max_of;
 
@@ -43,12 +41,8 @@ inline void load_row(const float* src, float* dst, int64_t n) {
 
 inline void load_row(const BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(wide));
-  }
+#if KVSERVE_VEC
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -80,12 +74,10 @@ template <typename T> struct RoundScratch {
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  }
-  total = _mm512_reduce_add_ps(acc);
+#if KVSERVE_VEC
+  vf acc = vzero();
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  total = vsum(acc);
 #endif
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
@@ -93,11 +85,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 a = _mm512_set1_ps(alpha);
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  }
+#if KVSERVE_VEC
+  const vf a = vset1(alpha);
+  for (; i + kLanes <= n; i += kLanes) vstore(y + i, vfma(a, vload(x + i), vload(y + i)));
 #endif
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
@@ -106,12 +96,11 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 // values[i] = silu(values[i]) = v / (1 + exp(-v))
 inline void silu_row(float* values, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_loadu_ps(values + i);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
-    _mm512_storeu_ps(values + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+#if KVSERVE_VEC
+  const vf one = vset1(1.f);
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf v = vload(values + i);
+    vstore(values + i, vdiv(v, vadd(one, vexp(vsub(vzero(), v)))));
   }
 #endif
   for (; i < n; ++i) values[i] = values[i] / (1.f + std::exp(-values[i]));
@@ -286,58 +275,52 @@ struct PagedArgs {
   float scale;
 };
 
-#if defined(__AVX512F__)
-inline void load16x(const float* src, __m512* dst, int chunks) {
-  for (int c = 0; c < chunks; ++c) dst[c] = _mm512_loadu_ps(src + 16 * c);
-}
-inline void load16x(const BFloat16* src, __m512* dst, int chunks) {
-  for (int c = 0; c < chunks; ++c) {
-    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c));
-    dst[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-}
-
-// Scores of R query rows (kept in registers) against every key row; DIM / 16 vectors per row.
+#if KVSERVE_VEC
+// Scores of R query rows (kept in registers) against every key row; DIM / kLanes vectors per row,
+// each key chunk loaded once and used by all R rows.
 template <typename T, int DIM, int R, typename ForEachRow>
 void score_block(ForEachRow& for_each_row, const float* queries, float scale, float* scores,
                  int64_t stride) {
-  constexpr int C = DIM / 16;
-  __m512 q[R][C];
-  for (int r = 0; r < R; ++r) load16x(queries + r * DIM, q[r], C);
+  constexpr int C = DIM / kLanes;
+  vf q[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) q[r][c] = vload(queries + r * DIM + c * kLanes);
   for_each_row(0, [&](const T* row, int64_t pos, int64_t) {
-    __m512 k[C];
-    load16x(row, k, C);
-    for (int r = 0; r < R; ++r) {
-      __m512 acc = _mm512_mul_ps(q[r][0], k[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[r][c], k[c], acc);
-      scores[r * stride + pos] = _mm512_reduce_add_ps(acc) * scale;
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    for (int c = 0; c < C; ++c) {
+      const vf k = vload(row + c * kLanes);
+      for (int r = 0; r < R; ++r) acc[r] = vfma(q[r][c], k, acc[r]);
     }
+    for (int r = 0; r < R; ++r) scores[r * stride + pos] = vsum(acc[r]) * scale;
   });
 }
 
 // acc rows += sum over keys of probability * value row, for R rows held in registers.
 template <typename T, int DIM, int R, typename ForEachRow>
 void weigh_block(ForEachRow& for_each_row, const float* probs, float* acc, int64_t stride) {
-  constexpr int C = DIM / 16;
-  __m512 sum[R][C];
+  constexpr int C = DIM / kLanes;
+  vf sum[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) sum[r][c] = vzero();
   for_each_row(1, [&](const T* row, int64_t pos, int64_t) {
-    __m512 v[C];
-    load16x(row, v, C);
-    for (int r = 0; r < R; ++r) {
-      __m512 p = _mm512_set1_ps(probs[r * stride + pos]);
-      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_fmadd_ps(p, v[c], sum[r][c]);
+    vf p[R];
+    for (int r = 0; r < R; ++r) p[r] = vset1(probs[r * stride + pos]);
+    for (int c = 0; c < C; ++c) {
+      const vf v = vload(row + c * kLanes);
+      for (int r = 0; r < R; ++r) sum[r][c] = vfma(p[r], v, sum[r][c]);
     }
   });
-  for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * DIM + 16 * c, sum[r][c]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) vstore(acc + r * DIM + c * kLanes, sum[r][c]);
 }
 
-// Rows in chunks of up to R_MAX (registers: R_MAX * DIM / 16 of the 32 zmm for queries).
+// Rows in chunks of up to R_MAX: the queries (or sums) of R_MAX rows fill about half the vector
+// registers (AVX-512 head dim 64: 4 rows; AVX2 or head dim 128: fewer).
 template <typename T, int DIM, bool SCORES, typename ForEachRow>
 void blocked_rows(ForEachRow& for_each_row, const float* src, int64_t rows, float scale,
                   float* dst, int64_t stride) {
-  constexpr int R_MAX = DIM == 64 ? 4 : 2;
+  constexpr int R_MAX = std::max(1, std::min(4, kVecRegisters / 2 / (DIM / kLanes)));
   for (int64_t r0 = 0; r0 < rows; r0 += R_MAX) {
     const int64_t n = std::min<int64_t>(R_MAX, rows - r0);
     auto run = [&](auto r_const) {
@@ -360,11 +343,12 @@ void blocked_rows(ForEachRow& for_each_row, const float* src, int64_t rows, floa
 }
 #endif
 
-// Register-blocked QK pass for head_dim 64 or 128 on AVX-512; false: caller runs the generic one.
+// Register-blocked QK pass for head_dim 64 or 128 on vector builds; false: caller runs the
+// generic one.
 template <typename T, typename ForEachRow>
 bool score_rows_fast(ForEachRow& for_each_row, const float* queries, int64_t rows, int64_t dim,
                      float scale, float* scores, int64_t stride) {
-#if defined(__AVX512F__)
+#if KVSERVE_VEC
   if (dim == 64) return blocked_rows<T, 64, true>(for_each_row, queries, rows, scale, scores, stride), true;
   if (dim == 128) return blocked_rows<T, 128, true>(for_each_row, queries, rows, scale, scores, stride), true;
 #endif
@@ -374,7 +358,7 @@ bool score_rows_fast(ForEachRow& for_each_row, const float* queries, int64_t row
 template <typename T, typename ForEachRow>
 bool weigh_values_fast(ForEachRow& for_each_row, const float* probs, int64_t rows, int64_t dim,
                        float* acc, int64_t stride) {
-#if defined(__AVX512F__)
+#if KVSERVE_VEC
   if (dim == 64) return blocked_rows<T, 64, false>(for_each_row, probs, rows, 0.f, acc, stride), true;
   if (dim == 128) return blocked_rows<T, 128, false>(for_each_row, probs, rows, 0.f, acc, stride), true;
 #endif
@@ -524,10 +508,10 @@ void quantize_per_token_impl(const at::Tensor& x, at::Tensor& codes, at::Tensor&
       load_row(x.data_ptr<T>() + r * x.stride(0), row.data(), cols);
       float absmax = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 peak = _mm512_setzero_ps();
-      for (; i + 16 <= cols; i += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(&row[i])));
-      absmax = _mm512_reduce_max_ps(peak);
+#if KVSERVE_VEC
+      vf peak = vzero();
+      for (; i + kLanes <= cols; i += kLanes) peak = vmax(peak, vabs(vload(&row[i])));
+      absmax = vmaxall(peak);
 #endif
       for (; i < cols; ++i) absmax = std::max(absmax, std::fabs(row[i]));
       float scale = absmax > 0.f ? absmax / 127.f : 1.f;
@@ -543,6 +527,16 @@ void quantize_per_token_impl(const at::Tensor& x, at::Tensor& codes, at::Tensor&
         q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+      }
+#elif KVSERVE_VEC == 8
+      const __m256 divisor = _mm256_set1_ps(scale);
+      for (; i + 8 <= cols; i += 8) {
+        __m256 q = vround(_mm256_div_ps(_mm256_loadu_ps(&row[i]), divisor));
+        q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+        const __m256i ints = _mm256_cvtps_epi32(q);
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints),
+                                              _mm256_extracti128_si256(ints, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packs_epi16(words, words));
       }
 #endif
       for (; i < cols; ++i) {
@@ -584,6 +578,15 @@ void dequantize_int32_impl(const at::Tensor& acc, const float* token_scale,
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias_row.data() + c));
         _mm512_storeu_ps(row.data() + c, v);
       }
+#elif KVSERVE_VEC == 8
+      const __m256 s = _mm256_set1_ps(scale);
+      for (; c + 8 <= cols; c += 8) {
+        const __m256i ints = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c));
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(ints), s);
+        v = _mm256_mul_ps(v, _mm256_loadu_ps(weight_scale + c));
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias_row.data() + c));
+        _mm256_storeu_ps(row.data() + c, v);
+      }
 #endif
       for (; c < cols; ++c) {
         row[c] = static_cast<float>(src[c]) * scale * weight_scale[c];
@@ -622,16 +625,14 @@ inline int64_t argmax_row(const float* row, int64_t cols) {
   bool has_nan = false;
   float best = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 peak = _mm512_set1_ps(best);
-  __mmask16 nan_lanes = 0;
-  for (; i + 16 <= cols; i += 16) {
-    __m512 v = _mm512_loadu_ps(row + i);
-    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    peak = _mm512_max_ps(peak, v);
+#if KVSERVE_VEC
+  vf peak = vset1(best);
+  for (; i + kLanes <= cols; i += kLanes) {
+    const vf v = vload(row + i);
+    has_nan |= vany_nan(v);
+    peak = vmax(peak, v);
   }
-  best = _mm512_reduce_max_ps(peak);
-  has_nan = nan_lanes != 0;
+  best = vmaxall(peak);
 #endif
   for (; i < cols; ++i) {
     has_nan |= std::isnan(row[i]);

@@ -66,7 +66,7 @@ inline int code_at(const uint8_t* block, int64_t n, int64_t k) {
   return (bits >> (4 * j)) & 0xF;
 }
 
-// Plain loops over the same layout, for builds without AVX-512.
+// Plain loops over the same layout, for the portable scalar build.
 template <typename T, typename S>
 void int4_linear_scalar(const T* x, int64_t rows, int64_t ldx, const uint8_t* packed,
                         const T* bias, int64_t out_features, int64_t groups, T* y) {
@@ -89,17 +89,34 @@ void int4_linear_scalar(const T* x, int64_t rows, int64_t ldx, const uint8_t* pa
   });
 }
 
-#if defined(__AVX512F__)
+#if KVSERVE_VEC
+
+template <typename S> inline void prefetch_block(const uint8_t* block) {
+  for (int64_t line = 0; line < Block<S>::kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + line), _MM_HINT_T0);
+}
+
+// Sum of each group of 32 values of each row: xsum[m][g], float.
+template <typename T>
+void group_sums(const T* x, int64_t rows, int64_t ldx, int64_t groups, float* xsum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* src = x + m * ldx + g * kGroup;
+      float sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) sum += widen(src[i]);
+      xsum[m * groups + g] = sum;
+    }
+  }
+}
+
+#endif
+
+#if KVSERVE_VEC == 16
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-template <typename S> inline void prefetch_block(const uint8_t* block) {
-  for (int64_t line = 0; line < Block<S>::kBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + line), _MM_HINT_T0);
 }
 
 // One chunk (64 bytes) -> 4 vectors of 32 bf16 holding 128 + q: 7 integer ops, no shuffles.
@@ -183,19 +200,6 @@ void panel_rows(int rows, const T* x, int64_t ldx, const uint8_t* panel, const f
   }
 }
 
-// Sum of each group of 32 values of each row: xsum[m][g], float.
-template <typename T>
-void group_sums(const T* x, int64_t rows, int64_t ldx, int64_t groups, float* xsum) {
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* src = x + m * ldx + g * kGroup;
-      float sum = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) sum += widen(src[i]);
-      xsum[m * groups + g] = sum;
-    }
-  }
-}
-
 // 16 floats (+ bias) -> y's dtype; only the first `count` lanes are written (the last panel).
 inline void store_panel(const float* values, const float* bias, int count, float* dst) {
   const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
@@ -212,8 +216,75 @@ inline void store_panel(const float* values, const float* bias, int count, BFloa
   std::memcpy(dst, bits, count * sizeof(uint16_t));
 }
 
+#elif KVSERVE_VEC == 8
+
+// AVX2: each 64-byte chunk is two 32-byte halves, output rows 0-7 and 8-15 of the panel, one
+// float lane each; a half's 32-bit lane n holds (even k, odd k) codes of row n. With the same
+// 0x000F / 0x4300 masks as the AVX-512 path, nibble j of both words becomes bf16 128 + q; a shift
+// and a mask make them two float vectors, scaled once per group (exact: (128 + q) * a bf16 scale
+// fits in a float's mantissa) and then shared by up to 8 rows of x, each broadcast per k.
+template <int R, typename S>
+void half_panel_rows(const float* x, int64_t ldx, const uint8_t* panel, const float* xsum,
+                     int64_t groups, int half, float* out) {
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F), exponent = _mm256_set1_epi32(0x43004300);
+  const __m256i high_word = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 total[R];
+  for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = panel + g * Block<S>::kBytes;
+    if (half == 0) prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
+    const __m256 scale = vload(Block<S>::scales(block) + 8 * half);
+    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(kCodeOffset), scale,
+                                           vload(Block<S>::zeros(block) + 8 * half));
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m256i words = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(block + chunk * kChunkBytes + 32 * half));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i w = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi32(words, 4 * j), low4), exponent);
+        const __m256 even = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), scale);
+        const __m256 odd = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w, high_word)),
+                                         scale);
+        const int64_t k = g * kGroup + chunk * 8 + 2 * j;
+        for (int m = 0; m < R; ++m) {
+          total[m] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + m * ldx + k), total[m]);
+          total[m] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + m * ldx + k + 1), total[m]);
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m)
+      total[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), total[m]);
+  }
+  for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * kPanel + 8 * half, total[m]);
+}
+
 template <typename T, typename S>
-void int4_linear_avx512(const T* x, int64_t rows, int64_t ldx, const uint8_t* packed,
+void panel_rows(int rows, const T* x, int64_t ldx, const uint8_t* panel, const float* xsum,
+                int64_t groups, float* out) {
+  static_assert(std::is_same<T, float>::value, "AVX2 int4: bf16 x is widened by the caller");
+  for (int half = 0; half < 2; ++half) {
+    switch (rows) {
+#define KVSERVE_ROWS_CASE(R) \
+  case R: half_panel_rows<R, S>(x, ldx, panel, xsum, groups, half, out); break;
+      KVSERVE_ROWS_CASE(1) KVSERVE_ROWS_CASE(2) KVSERVE_ROWS_CASE(3) KVSERVE_ROWS_CASE(4)
+      KVSERVE_ROWS_CASE(5) KVSERVE_ROWS_CASE(6) KVSERVE_ROWS_CASE(7) KVSERVE_ROWS_CASE(8)
+#undef KVSERVE_ROWS_CASE
+      default: TORCH_CHECK(false, "int4_linear: bad row block ", rows);
+    }
+  }
+}
+
+// 16 floats (+ bias) -> y; only the first `count` lanes are written (the last panel).
+inline void store_panel(const float* values, const float* bias, int count, float* dst) {
+  for (int i = 0; i < count; ++i) dst[i] = values[i] + (bias ? bias[i] : 0.f);
+}
+
+#endif
+
+#if KVSERVE_VEC
+
+template <typename T, typename S>
+void int4_linear_vec(const T* x, int64_t rows, int64_t ldx, const uint8_t* packed,
                         const T* bias, int64_t out_features, int64_t groups, T* y) {
   std::vector<float> xsum(rows * groups);
   group_sums(x, rows, ldx, groups, xsum.data());
@@ -240,7 +311,7 @@ void int4_linear_avx512(const T* x, int64_t rows, int64_t ldx, const uint8_t* pa
   });
 }
 
-#endif  // __AVX512F__
+#endif  // KVSERVE_VEC
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasBf16Dot = true;
@@ -253,7 +324,7 @@ void int4_linear_typed(const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t rows = x.size(0), groups = x.size(1) / kGroup, out_features = y.size(1);
   const T* bias_ptr = bias ? bias->data_ptr<T>() : nullptr;
-#if defined(__AVX512F__)
+#if KVSERVE_VEC
   if constexpr (std::is_same<T, BFloat16>::value && !kHasBf16Dot) {
     // no vdpbf16ps: the float loop on float copies of x and bias (small next to the weights)
     at::Tensor y_float = at::empty(y.sizes(), y.options().dtype(at::kFloat));
@@ -261,7 +332,7 @@ void int4_linear_typed(const at::Tensor& x, const at::Tensor& packed,
     int4_linear_typed<float, S>(x.to(at::kFloat), packed, bias_float, y_float);
     y.copy_(y_float);
   } else {
-    int4_linear_avx512<T, S>(x.data_ptr<T>(), rows, x.stride(0), packed.data_ptr<uint8_t>(),
+    int4_linear_vec<T, S>(x.data_ptr<T>(), rows, x.stride(0), packed.data_ptr<uint8_t>(),
                              bias_ptr, out_features, groups, y.data_ptr<T>());
   }
 #else
@@ -306,7 +377,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 bool int4_linear_fast() {
-#if defined(__AVX512F__)
+#if KVSERVE_VEC
   return true;
 #else
   return false;

@@ -13,7 +13,7 @@ namespace kvserve {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const c10::optional<at::Tensor>& bias, int64_t out_features);
 
-// Whether int4_linear runs vectorised on this build (AVX-512); otherwise it is a scalar loop.
+// Whether int4_linear runs vectorised on this build (AVX2 or AVX-512); otherwise a scalar loop.
 bool int4_linear_fast();
 
 }  // namespace kvserve

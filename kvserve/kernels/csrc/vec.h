@@ -1,4 +1,10 @@
-// AVX-512 helpers shared by the kernel sources.
+// Vector helpers shared by the kernel sources, for every instruction-set level a build targets.
+//
+// `vf` is the widest float vector of the build: 16 lanes (__m512) with AVX-512, 8 lanes (__m256)
+// with AVX2 + FMA; KVSERVE_VEC is 0 for the portable scalar build. Kernels written against these
+// helpers get their AVX2 and AVX-512 variants from one source (kvserve/kernels/isa.py builds each
+// level with its own -march); only code that needs an instruction with no AVX2 equivalent
+// (vdpbf16ps, masked stores) is written per level.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -9,45 +15,125 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define KVSERVE_VEC 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVSERVE_VEC 8
+#else
+#define KVSERVE_VEC 0
 #endif
 
 namespace kvserve {
 
-#if defined(__AVX512F__)
-// exp on 16 floats: Cephes' polynomial for e^r on [-ln2/2, ln2/2] scaled by 2^n; ~1 ulp, far
-// faster than 16 calls to std::exp (which dominated softmax and SiLU when scalar).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
+#if KVSERVE_VEC == 16
+constexpr int kLanes = 16;
+constexpr int kVecRegisters = 32;
+using vf = __m512;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {  // bf16 -> float is a 16-bit shift
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset1(float v) { return _mm512_set1_ps(v); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vf vround(vf a) {  // to nearest, ties to even
+  return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline float vmaxall(vf a) { return _mm512_reduce_max_ps(a); }
+inline bool vany_nan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+inline vf vpow2(vf y, vf n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+constexpr float kExpLow = -88.3762626647949f;  // scalef takes exponents into the denormals
+constexpr float kExpHigh = 88.3762626647949f;
+#elif KVSERVE_VEC == 8
+constexpr int kLanes = 8;
+constexpr int kVecRegisters = 16;
+using vf = __m256;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset1(float v) { return _mm256_set1_ps(v); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vmaxall(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline bool vany_nan(vf a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+inline vf vpow2(vf y, vf n) {  // y * 2^n for integral n in [-126, 127], through the exponent bits
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+constexpr float kExpLow = -87.0f;  // keeps 2^n normal: e^-87 ~ 1.6e-38 stands for 0
+constexpr float kExpHigh = 88.0f;  // 2^127 at most
+#endif
+
+#if KVSERVE_VEC
+// e^x per lane: Cephes' polynomial for e^r on [-ln2/2, ln2/2] scaled by 2^n; ~1 ulp, far faster
+// than a call to std::exp per lane (which dominated softmax and SiLU when scalar).
+inline vf vexp(vf x) {
+  x = vmax(vmin(x, vset1(kExpHigh)), vset1(kExpLow));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = vfma(y, r, vset1(1.3981999507e-3f));
+  y = vfma(y, r, vset1(8.3334519073e-3f));
+  y = vfma(y, r, vset1(4.1665795894e-2f));
+  y = vfma(y, r, vset1(1.6666665459e-1f));
+  y = vfma(y, r, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset1(1.f)));
+  return vpow2(y, n);
+}
+#endif
+
+#if KVSERVE_VEC == 16
+inline __m512 exp16(__m512 x) { return vexp(x); }  // the AVX-512-only kernels' name for it
 #endif
 
 // values[i] = exp(values[i] - shift); returns their sum.
 inline float exp_shifted_sum(float* values, int64_t n, float shift) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps(), s = _mm512_set1_ps(shift);
-  for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(values + i), s));
-    _mm512_storeu_ps(values + i, e);
-    acc = _mm512_add_ps(acc, e);
+#if KVSERVE_VEC
+  vf acc = vzero(), s = vset1(shift);
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf e = vexp(vsub(vload(values + i), s));
+    vstore(values + i, e);
+    acc = vadd(acc, e);
   }
-  total = _mm512_reduce_add_ps(acc);
+  total = vsum(acc);
 #endif
   for (; i < n; ++i) {
     values[i] = std::exp(values[i] - shift);
@@ -59,14 +145,36 @@ inline float exp_shifted_sum(float* values, int64_t n, float shift) {
 inline float max_of(const float* values, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_set1_ps(best);
-  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(values + i));
-  best = _mm512_reduce_max_ps(acc);
+#if KVSERVE_VEC
+  vf acc = vset1(best);
+  for (; i + kLanes <= n; i += kLanes) acc = vmax(acc, vload(values + i));
+  best = vmaxall(acc);
 #endif
   for (; i < n; ++i) best = std::max(best, values[i]);
   return best;
 }
+
+#if KVSERVE_VEC == 16
+// float bits -> bf16 bits in the low half of each 32-bit lane, round to nearest even; NaN -> 0x7FC0
+// (as c10::BFloat16), for builds without vcvtneps2bf16.
+inline __m512i bf16_round_bits(__m512i bits) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(bits),
+                                           _mm512_castsi512_ps(bits), _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+}
+#elif KVSERVE_VEC == 8
+inline __m256i bf16_round_bits(__m256i bits) {
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(bits),
+                                   _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+}
+#endif
 
 // float -> bf16 bits, rounding to nearest even (as c10::BFloat16).
 inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
@@ -75,6 +183,18 @@ inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(packed));
+  }
+#elif KVSERVE_VEC == 16
+  for (; i + 16 <= n; i += 16) {
+    const __m512i rounded = bf16_round_bits(_mm512_castps_si512(_mm512_loadu_ps(src + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
+  }
+#elif KVSERVE_VEC == 8
+  for (; i + 8 <= n; i += 8) {
+    const __m256i rounded = bf16_round_bits(_mm256_castps_si256(_mm256_loadu_ps(src + i)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
+                                            _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
   }
 #endif
   for (; i < n; ++i) {
