@@ -44,6 +44,9 @@ class EngineConfig:
                              choices=["auto", "none", "int4", "int8", "w8a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
+    autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape on "
+                          "first start on a machine (cached on disk) and use each where it wins; "
+                          "--no-autotune uses fixed row limits")
     num_threads: int | None = _opt(None, "torch intra-op threads for the engine's kernels "
                                    "(default: one per core)")
     seed: int = _opt(0, "seed for requests that sample without their own seed")

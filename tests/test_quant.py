@@ -135,9 +135,12 @@ def test_w8a8_close_to_its_int8_weights(kernels):
     assert error < 0.02  # per-token int8 activations: ~0.5% here
 
 
-def test_auto_picks_int4_only_for_four_bit_sources_in_bfloat16():
+def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
     assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "int4"
     assert resolve_quantization("auto", "Q4_1", torch.float32) == "none"  # the exact reference
+    # float32 as the machine's default (no native bf16): the weights stay 4-bit
+    assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "int4"
+    assert resolve_quantization("auto", "F32", torch.float32, dtype_is_default=True) == "none"
     assert resolve_quantization("auto", "BF16", torch.bfloat16) == "none"
     assert resolve_quantization("auto", None, torch.bfloat16) == "none"
     assert resolve_quantization("w8a8", None, torch.float32) == "w8a8"
@@ -175,3 +178,40 @@ def test_perplexity_bounds_on_smollm2(smollm_source):
     assert results["int4"] <= results["none"] * 1.01
     assert results["int8"] <= results["none"] * 1.01
     assert results["w8a8"] <= results["none"] * 1.05
+
+
+def test_int8_groupwise_recovers_q8_0_exactly_and_packs_round_trip():
+    """A Q8_0 block is d * q with an fp16 d and its absmax code at +-127."""
+    generator = torch.Generator().manual_seed(5)
+    rows, groups = 21, 4
+    codes = torch.randint(-127, 128, (rows, groups, 32), generator=generator).to(torch.int8)
+    codes[..., 0] = 127
+    d = (torch.rand(rows, groups, generator=generator) * 0.01 + 1e-4).half().float()
+    weight = (codes.float() * d[..., None]).view(rows, -1)
+    got_codes, scale = reference.quantize_int8_groupwise(weight)
+    assert torch.equal(got_codes.view(rows, groups, 32), codes)
+    assert torch.equal(scale, d)
+    packed = reference.pack_int8(got_codes, scale)
+    assert packed.shape == (2, groups, 576)
+    assert torch.equal(reference.unpack_int8(packed, rows), weight)
+
+
+@pytest.mark.parametrize("shape", [(37, 64), (130, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_matches_dequantized_linear(shape, dtype, kernels):
+    """1..17 rows (blocks of 8 and remainders), a partial last panel, with and without bias."""
+    rows, cols = shape
+    generator = torch.Generator().manual_seed(cols)
+    weight = torch.randn(rows, cols, generator=generator) * 0.05
+    packed = reference.pack_int8(*reference.quantize_int8_groupwise(weight))
+    dense = reference.unpack_int8(packed, rows)
+    bias = torch.randn(rows, generator=generator).to(dtype)
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    for m in range(1, 18):
+        x = torch.randn(m, cols, generator=generator).to(dtype)
+        for b in (None, bias):
+            expected = nn.functional.linear(x.float(), dense, None if b is None else b.float())
+            got = kernels.int8_linear(x, packed, b, rows)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item())

@@ -19,6 +19,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
+from kvserve.kernels import autotune
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, resolve_dtype
 from kvserve.outputs import RequestOutput
@@ -54,13 +55,16 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         threads = configure_threads(config.num_threads)
+        if not config.autotune:
+            autotune.set_enabled(False)
         self.source = resolve_model(config.model)
         dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
             config.dtype)
         self.model, self.model_config = load_model(self.source, dtype, config.device,
                                                    config.attention_backend,
                                                    use_cpu_kernels=config.cpu_kernels,
-                                                   quantization=config.quantization)
+                                                   quantization=config.quantization,
+                                                   dtype_is_default=config.dtype == "auto")
         self.tokenizer = load_tokenizer(self.source)
         self.dtype = dtype
         num_blocks = self._num_kv_blocks(dtype)

@@ -154,3 +154,56 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 def int4_linear_fast() -> bool:
     """The reference dequantizes the whole matrix per call: never the fast path."""
     return False
+
+
+# ---- int8 groupwise weight-only GEMM (csrc/int8_gemm.cpp): GGUF Q8_0's blocks in panels
+
+INT8_GROUP, INT8_PANEL, INT8_CODE_BYTES = 32, 16, 512
+
+
+def quantize_int8_groupwise(weight: torch.Tensor, group_size: int = INT8_GROUP):
+    """float [N, K] -> codes int8 [N, K], scales float32 [N, K / group]: symmetric absmax / 127
+    per group, as GGUF's Q8_0. Re-quantizing a Q8_0 tensor's dequantized values this way gives
+    back its codes and fp16 scales exactly (its absmax code is +-127 by construction)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // group_size, group_size)
+    scale = groups.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (groups / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.view(rows, cols), scale
+
+
+def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes int8 [N, K], scales [N, K / 32] -> uint8 [P, G, 576]: per (panel of 16 rows, group
+    of 32 along K) 8 chunks of 64 bytes, chunk c holding k = 4c..4c+3 of row n at bytes
+    4n..4n+3, then the 16 rows' float32 scales. Rows past N are zero."""
+    rows, cols = codes.shape
+    groups, panels = cols // INT8_GROUP, -(-rows // INT8_PANEL)
+    padded = torch.zeros(panels * INT8_PANEL, cols, dtype=torch.int8)
+    padded[:rows] = codes
+    # [p, lane, g, chunk, byte] -> [p, g, chunk, lane, byte]
+    q = padded.view(panels, INT8_PANEL, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    parts = [q.reshape(panels, groups, INT8_CODE_BYTES).view(torch.uint8)]
+    padded_scale = torch.zeros(panels * INT8_PANEL, groups, dtype=torch.float32)
+    padded_scale[:rows] = scale.float()
+    per_block = padded_scale.view(panels, INT8_PANEL, groups).transpose(1, 2).contiguous()
+    parts.append(per_block.view(torch.uint8).view(panels, groups, -1))
+    return torch.cat(parts, -1).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The panel layout back to float32 weights [N, K] = q * scale."""
+    panels, groups, _ = packed.shape
+    codes = packed[..., :INT8_CODE_BYTES].contiguous().view(torch.int8)
+    q = codes.view(panels, groups, 8, INT8_PANEL, 4).permute(0, 3, 1, 2, 4)
+    q = q.reshape(panels * INT8_PANEL, groups, INT8_GROUP)
+    scale = packed[..., INT8_CODE_BYTES:].contiguous().view(torch.float32)  # [p, g, 16]
+    scale = scale.transpose(1, 2).reshape(panels * INT8_PANEL, groups, 1)
+    return (q.float() * scale).view(panels * INT8_PANEL, -1)[:out_features]
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    weight = unpack_int8(packed, out_features)
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)

@@ -81,8 +81,11 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], devic
 
 def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
                attention_backend: str = "torch_ref", use_cache: bool = True,
-               use_cpu_kernels: bool = True, quantization: str = "none"):
-    """Return (model, config) with the source's weights loaded."""
+               use_cpu_kernels: bool = True, quantization: str = "none",
+               dtype_is_default: bool = False):
+    """Return (model, config) with the source's weights loaded. `dtype_is_default`: the dtype is
+    the machine's default rather than the user's choice, which lets `quantization="auto"` keep a
+    4-bit checkpoint 4-bit in float32 (see resolve_quantization)."""
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     config = load_config(source, use_cache)
@@ -101,11 +104,21 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         if cached is not None:
             cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
         how = f"from {source.path}"
-    quantization = resolve_quantization(quantization, config.source_weight_type, torch_dtype)
+    quantization = resolve_quantization(
+        quantization, config.source_weight_type, torch_dtype,
+        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels))
     model = _finish(model, torch_dtype, quantization)
     logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
                 quantization, how, time.perf_counter() - start)
     return model, config
+
+
+def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
+    """Our vectorised int4/int8 kernels are loaded (else torch's int4 op, slower than a float32
+    GEMV on AVX2, would serve the 4-bit layers)."""
+    from kvserve.kernels import get_ops
+
+    return device == "cpu" and get_ops(use_cpu_kernels).int4_linear_fast()
 
 
 def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,

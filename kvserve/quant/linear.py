@@ -22,17 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.reference import pack_int4
+from kvserve.kernels import autotune
+from kvserve.kernels.reference import pack_int4, pack_int8, quantize_int8_groupwise
 
 QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")  # plus "auto", see resolve_quantization
 INT4_GROUP_SIZE = 32
-# Row counts at which the low-bit kernels stop winning (measured, see the module docstring).
-WEIGHT_ONLY_MAX_ROWS = 4
-INT4_KERNEL_MAX_ROWS = 64  # our int4 kernel (with compiled ops); at 96 rows the bf16 GEMM ties
+# Row counts at which the low-bit kernels stop winning. Our kernels' limits are measured per
+# shape on the machine at start-up (kvserve/kernels/autotune.py); these fixed values apply with
+# autotuning off and were chosen to be safe on every CPU measured (SmolLM2 shapes: the AVX2
+# float32 int4 kernel beats the dense GEMM up to 16 rows, the AVX512-BF16 one up to 128+; the
+# int8 LM head kernel beats the dense copy up to 16 rows in bf16 and 128+ in float32).
+WEIGHT_ONLY_MAX_ROWS = 4  # torch's int4/int8 weight-only kernels (no kvserve kernels built)
+INT4_KERNEL_MAX_ROWS = 16
 INT_MM_MIN_ROWS = 16
 # The LM head's shape [49152, 576]: torch's int8 kernel beats the bf16 copy up to 8 rows (1.85 vs
-# 2.34 ms at 8, 3.7 vs 2.9 ms at 16, measured)
+# 2.34 ms at 8, 3.7 vs 2.9 ms at 16, measured on Zen 5)
 LM_HEAD_WEIGHT_ONLY_MAX_ROWS = 8
+LM_HEAD_INT8_KERNEL_MAX_ROWS = 16
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
@@ -61,7 +67,8 @@ def quantize_int8_per_channel(weight: torch.Tensor):
 
 class Int4WeightOnlyLinear(nn.Module):
     """With compiled ops (`ops.int4_linear_fast()`): our int4 kernel (kernels/csrc/int4_gemm.cpp)
-    for up to INT4_KERNEL_MAX_ROWS rows, on weights in its panel layout. Otherwise (torch
+    up to the row count the autotuner measured for this shape (INT4_KERNEL_MAX_ROWS with it off),
+    on weights in its panel layout. Otherwise (torch
     reference ops, no ops, float16): torch's int4 kernel for up to WEIGHT_ONLY_MAX_ROWS rows.
     Larger batches (prefill) take the dense copy either way."""
 
@@ -80,10 +87,12 @@ class Int4WeightOnlyLinear(nn.Module):
         self.out_features = rows
         self.ops = ops if _has_int4_kernel(ops, dtype) else None
         if self.ops is not None:
-            self.max_rows = INT4_KERNEL_MAX_ROWS
             # scales and zeros as exact as the activation dtype, in half the bytes for bf16
             meta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
             self.register_buffer("panels", pack_int4(codes, scale_t, zero_t, meta_dtype))
+            self.max_rows = autotune.max_rows("int4", ops.int4_linear, self.panels,
+                                              self.dense_weight, dtype, ops.isa,
+                                              INT4_KERNEL_MAX_ROWS)
         else:
             self.max_rows = WEIGHT_ONLY_MAX_ROWS
             self.register_buffer("packed",
@@ -100,11 +109,14 @@ class Int4WeightOnlyLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def _has_vector_kernels(ops) -> bool:
+    """Our low-bit kernels, compiled for a vector level (AVX2 or AVX-512); the torch reference
+    versions dequantize the whole matrix per call and the scalar build is slower than torch."""
+    return ops is not None and ops.int4_linear_fast()
+
+
 def _has_int4_kernel(ops, dtype: torch.dtype) -> bool:
-    """Our kernel, where it is compiled and vectorised and takes this activation dtype; the torch
-    reference version dequantizes the whole matrix per call (slower than torch's int4 kernel)."""
-    return (ops is not None and ops.int4_linear_fast()
-            and dtype in (torch.bfloat16, torch.float32))
+    return _has_vector_kernels(ops) and dtype in (torch.bfloat16, torch.float32)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -153,6 +165,32 @@ class W8A8Linear(Int8WeightOnlyLinear):
                                          x.dtype)
 
 
+class Int8GroupwiseLinear(nn.Module):
+    """int8 per group of 32 along K with a float32 scale: GGUF's Q8_0 exactly (SmolLM2's tied
+    embedding is Q8_0, so the LM head computes with the checkpoint's own weights). Up to
+    `max_rows` rows our kernel (kernels/csrc/int8_gemm.cpp, float FMAs on the widened codes);
+    larger batches the dense copy of the same values in the activation dtype (the limit is
+    measured by the autotuner; `max_rows` applies with it off)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops, max_rows: int):
+        super().__init__()
+        codes, scale = quantize_int8_groupwise(linear.weight.data)
+        self.register_buffer("panels", pack_int8(codes, scale))
+        self.register_buffer("dense_weight",
+                             (codes.float().view(codes.shape[0], -1, 32) * scale[..., None])
+                             .view(codes.shape).to(dtype))
+        self.register_buffer("bias", _bias(linear, dtype))
+        self.out_features = codes.shape[0]
+        self.ops = ops
+        self.max_rows = autotune.max_rows("int8", ops.int8_linear, self.panels, self.dense_weight,
+                                          dtype, ops.isa, max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense_weight, self.bias)
+        return self.ops.int8_linear(x, self.panels, self.bias, self.out_features)
+
+
 def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.data.to(dtype)
 
@@ -161,12 +199,17 @@ def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
 FOUR_BIT_SOURCE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype) -> str:
-    """`auto`: int4 when the checkpoint is already 4-bit and we run in bfloat16 (measured: same
-    perplexity as bf16 on SmolLM2's Q4_1, 2.5x faster GEMVs); float32 stays the exact reference."""
+def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,
+                         dtype_is_default: bool = False) -> str:
+    """`auto`: int4 when the checkpoint is already 4-bit (its weights stay 4-bit: the int4 codes
+    are the GGUF's Q4_1 codes) and we run in bfloat16, or in float32 because this CPU has no
+    native bf16 (`dtype_is_default`: AVX2 CPUs, where fp32 dense GEMVs read 8x the bytes).
+    A float32 the user asked for stays the exact reference: no quantization."""
     if mode != "auto":
         return mode
-    if dtype == torch.bfloat16 and source_weight_type in FOUR_BIT_SOURCE_TYPES:
+    if source_weight_type not in FOUR_BIT_SOURCE_TYPES:
+        return "none"
+    if dtype == torch.bfloat16 or (dtype == torch.float32 and dtype_is_default):
         return "int4"
     return "none"
 
@@ -193,14 +236,17 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) ->
 
 
 def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> nn.Module:
-    """The LM head in int8 (per channel) in every quantized mode: at one row it is a third of
-    the bytes a step reads once the layers are int4 (0.9 ms instead of 2.9 ms measured), and
-    torch's int8 kernel serves it up to 8 rows; w8a8 also runs it on int8 units for batches."""
+    """The LM head in int8 in every quantized mode: at one row it is a third of the bytes a step
+    reads once the layers are int4. With a vectorised kernel build, groupwise (Q8_0-exact, our
+    kernel); otherwise per channel on torch's int8 kernel; w8a8 also runs it on int8 units for
+    batches."""
     head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
     linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
     if mode == "w8a8":
         return W8A8Linear(linear, dtype, ops)
+    if _has_vector_kernels(ops) and linear.in_features % 32 == 0:
+        return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS)
     return Int8WeightOnlyLinear(linear, dtype, max_rows=LM_HEAD_WEIGHT_ONLY_MAX_ROWS)
 
 

@@ -17,6 +17,7 @@
 #include "decode_attention.h"
 #include "flash_attention.h"
 #include "int4_gemm.h"
+#include "int8_gemm.h"
 #include "vec.h"
 
 namespace {
@@ -688,6 +689,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear", &kvserve::int4_linear,
         "x @ W.T (+ bias) with groupwise int4 W in the panel layout (few-row GEMMs)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear", &kvserve::int8_linear,
+        "x @ W.T (+ bias) with groupwise int8 W (GGUF Q8_0) in the panel layout (few rows)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");

@@ -1,7 +1,7 @@
 // Paged attention over bf16 K/V for few new tokens per sequence (decode_attention.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: halves the compile time of each source
 
 #include <vector>
 

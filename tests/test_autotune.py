@@ -1,0 +1,78 @@
+"""The autotuner: it times our kernel against the dense GEMM on this machine, keeps the largest
+row count up to which ours wins, caches the table on disk per machine fingerprint, and steps aside
+when switched off. Both of its choices are tested equal to the reference elsewhere
+(tests/test_quant.py, every level); here only the choosing."""
+
+import json
+
+import pytest
+import torch
+
+from kvserve.kernels import autotune, reference
+from kvserve.quant.linear import quantize_int4_groupwise
+
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(autotune, "STREAM_BYTES", 1 << 20)  # small copies: a fast test
+    autotune._tables.clear()
+    yield tmp_path
+    autotune._tables.clear()
+
+
+def test_max_winning_rows_stops_at_the_first_loss():
+    rows = [1, 2, 4, 8, 16]
+    assert autotune._max_winning_rows(rows, [1, 1, 1, 9, 1], [2, 2, 2, 2, 2]) == 4
+    assert autotune._max_winning_rows(rows, [3] * 5, [2] * 5) == 0
+    assert autotune._max_winning_rows(rows, [1] * 5, [2] * 5) == 16
+
+
+def _int4_weights(rows=64, cols=128):
+    weight = torch.randn(rows, cols) * 0.05
+    codes, scale, low = quantize_int4_groupwise(weight)
+    packed = reference.pack_int4(codes, scale, low + 8 * scale, torch.float32)
+    return packed, reference.unpack_int4(packed, rows)
+
+
+def test_measures_once_then_reads_the_table(tuning, kernels, monkeypatch):
+    if not kernels.int4_linear_fast():
+        pytest.skip(f"no vectorised int4 kernel in the {kernels.isa} build")
+    packed, dense = _int4_weights()
+    limit = autotune.max_rows("int4", kernels.int4_linear, packed, dense, torch.float32,
+                              kernels.isa, fallback=-1)
+    assert limit in (0, *autotune.ROW_BUCKETS)
+    table = json.loads(autotune.table_path().read_text())
+    (key, entry), = table.items()
+    assert key == f"int4:64x128:float32:{kernels.isa}" and entry["max_rows"] == limit
+    assert len(entry["kernel_us"]) == len(entry["dense_us"]) == len(entry["rows"]) >= 2
+    assert all(t > 0 for t in entry["kernel_us"] + entry["dense_us"])
+
+    def no_more_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(autotune, "measure", no_more_timing)
+    autotune._tables.clear()  # a new process: the table comes from disk
+    assert autotune.max_rows("int4", kernels.int4_linear, packed, dense, torch.float32,
+                             kernels.isa, fallback=-1) == limit
+    assert key in autotune.describe()
+
+
+def test_switched_off_uses_the_fixed_limit(tuning, monkeypatch):
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "0")
+    packed, dense = _int4_weights()
+    assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 16
+    assert not autotune.table_path().exists()
+    assert "off" in autotune.describe()
+
+
+def test_corrupt_table_is_measured_again(tuning, monkeypatch):
+    path = autotune.table_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    monkeypatch.setattr(autotune, "measure", lambda *args: autotune.Choice(
+        "int4", 64, 128, "float32", "avx2", [1, 2], [1.0, 3.0], [2.0, 2.0], 1))
+    packed, dense = _int4_weights()
+    assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
+    assert json.loads(path.read_text())["int4:64x128:float32:avx2"]["max_rows"] == 1
