@@ -1,12 +1,16 @@
 """Run kvserve and its peers one after another on the standard scenarios and write
-benchmarks/results/<date>.md (machine, versions, configs, table, ratios, plots).
+benchmarks/results/<cpu-slug>/<name>.md (machine, CPU and kernel ISA level, versions, configs,
+table, ratios, plots) beside <cpu-slug>/<name>/ (records.json, JSON per scenario), then
+BENCHMARKS.md with the latest run of every CPU. Runs on other CPUs, or at a capped ISA level
+(KVSERVE_CPU_ISA, passed on to the servers), accumulate under their own slug.
 
-Usage: .venv/bin/python benchmarks/run.py [--systems kvserve,llama.cpp,vllm-cpu] [--quick]
+Usage: .venv/bin/python benchmarks/run.py [--systems kvserve,llama.cpp,vllm-cpu] [--name NAME]
 The standard scenarios are fixed so numbers compare across time:
   s1: 1 stream, 6 requests, 256 prompt / 128 output tokens, ignore_eos
   s2: 64 requests at concurrency 32, 256 / 128
   s3: 32 requests at concurrency 8 sharing a 1,024-token prefix, 64 unique / 32 output
   s4: multi-turn, 8 sessions x 6 turns, 128-token user turns, 64-token answers
+  s5: s2 sampled with temperature 0.8, top_p 0.95, as real clients send
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
+RESULTS = ROOT / "benchmarks" / "results"
 
 SCENARIOS = {
     "s1": ["--workload", "random", "--num-prompts", "6", "--max-concurrency", "1",
@@ -34,6 +39,9 @@ SCENARIOS = {
            "--prefix-len", "1024", "--input-len", "64", "--output-len", "32"],
     "s4": ["--workload", "multi-turn", "--num-prompts", "8", "--turns", "6",
            "--max-concurrency", "8", "--input-len", "128", "--output-len", "64"],
+    "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
+           "--input-len", "256", "--output-len", "128", "--temperature", "0.8",
+           "--top-p", "0.95"],
 }
 
 SYSTEMS = {
@@ -95,16 +103,6 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str]) -> dic
     return record
 
 
-def _cpu_model() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    return model + (" (AVX-512 BF16)" if "avx512_bf16" in info else "")
-
-
 def _versions() -> dict:
     import torch
 
@@ -114,49 +112,11 @@ def _versions() -> dict:
             "python": platform.python_version()}
 
 
-def _cell(summary: dict | None, key: str, sub: str | None = None, scale: float = 1.0) -> str:
-    if not summary:
-        return "-"
-    value = summary[key][sub] if sub else summary[key]
-    return f"{value * scale:.1f}"
-
-
 def measure_roofline(out_dir: Path) -> dict | None:
     path = out_dir / "roofline.json"
     subprocess.run([PY, "-m", "kvserve.cli", "bench", "roofline", "--output-json", str(path)],
                    check=False, capture_output=True)
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
-    """s1 and s2 output rates as fractions of the bf16 decode roof at their concurrency."""
-    if not roof:
-        return []
-    from kvserve.bench.roofline import MachineRoof, ModelCost, roof_fractions
-
-    machine = MachineRoof(**roof["machine"])
-    cost = ModelCost(**roof["model"])
-    lines = ["", f"Roof (measured here): {machine.memory_gbps:.0f} GB/s read, "
-             f"{machine.gemm_gflops['bfloat16']:.0f} GFLOP/s bf16 and "
-             f"{machine.gemm_gflops['float32']:.0f} fp32 GEMM at the model's MLP shape. "
-             "Fractions of the bf16 roof (decode: min of bandwidth and GEMM bounds at the "
-             "scenario's concurrency; prefill: TTFT p50 of s1 against the GEMM bound):", "",
-             "| system | s1 decode | s1 prefill | s2 decode |", "|---|---|---|---|"]
-    for record in records:
-        cells = []
-        for scenario, concurrency, key in (("s1", 1, "output_fraction_of_roof"),
-                                           ("s1", 1, "single_prefill_fraction_of_roof"),
-                                           ("s2", 32, "output_fraction_of_roof")):
-            summary = record["scenarios"].get(scenario)
-            if not summary:
-                cells.append("-")
-                continue
-            if scenario == "s1":  # one stream: its output rate is 1 / TPOT
-                summary = dict(summary, output_throughput=1 / summary["tpot_s"]["p50"])
-            fractions = roof_fractions(summary, cost, machine, concurrency, 256, 128)
-            cells.append(f"{fractions[key]:.0%}")
-        lines.append(f"| {record['system']} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def draw_plots(records: list[dict], out_dir: Path) -> list[str]:
@@ -177,112 +137,87 @@ def draw_plots(records: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
-def write_markdown(records: list[dict], out_path: Path, machine: str, roof: dict | None = None,
-                   plots: list[str] | None = None) -> str:
-    lines = [f"# Benchmarks {time.strftime('%Y-%m-%d')}", "",
-             f"Machine: {machine}. Versions: {json.dumps(_versions())}.",
-             "Client: `kvserve bench serve` (streaming /v1/completions, greedy, ignore_eos), "
-             "loopback, one system at a time. Prompts cut from the Python standard library's "
-             "source. Scenarios: s1 1 stream x 6, 256/128; s2 64 requests at concurrency 32, "
-             "256/128; s3 32 at concurrency 8 sharing a 1,024-token prefix, 64/32; s4 "
-             "multi-turn, 8 sessions x 6 turns, 128-token turns, 64-token answers.", "",
-             "Configurations: kvserve = defaults (bfloat16, `--quantization auto` = int4 "
-             "weights recovered exactly from the Q4_1 GGUF, int8 LM head, fused C++ CPU kernels, "
-             "paged attention); kvserve-w8a8 = `--quantization w8a8` (int8 weights, int8 "
-             "activations on batched steps; +4% perplexity); llama.cpp = the same Q4_1 GGUF, "
-             "32 slots, unified KV; vLLM-CPU = bf16 HF directory made from the GGUF.", "",
-             "| system | cold start s | s1 TPOT p50 ms | s1 TTFT p50 ms | s2 out tok/s | "
-             "s2 TPOT p50 ms | s3 TTFT p50 ms | s3 out tok/s | s4 out tok/s | s4 TTFT p50 ms |",
-             "|" + "---|" * 10]
-    for record in records:
-        s = record["scenarios"]
-        lines.append(
-            f"| {record['system']} | {record.get('cold_start_s', float('nan')):.1f} | "
-            f"{_cell(s.get('s1'), 'tpot_s', 'p50', 1000)} | "
-            f"{_cell(s.get('s1'), 'ttft_s', 'p50', 1000)} | "
-            f"{_cell(s.get('s2'), 'output_throughput')} | "
-            f"{_cell(s.get('s2'), 'tpot_s', 'p50', 1000)} | "
-            f"{_cell(s.get('s3'), 'ttft_s', 'p50', 1000)} | "
-            f"{_cell(s.get('s3'), 'output_throughput')} | "
-            f"{_cell(s.get('s4'), 'output_throughput')} | "
-            f"{_cell(s.get('s4'), 'ttft_s', 'p50', 1000)} |")
-    lines += ["", _ratios(records)]
-    lines += roof_lines(records, roof)
-    failed = ", ".join(f"{r['system']} {k}: {v['failed']}" for r in records
-                       for k, v in r["scenarios"].items() if v["failed"])
-    lines += ["", f"Failed requests: {failed or 'none'}."]
-    if plots:
-        lines += ["", "Latency CDFs: " + ", ".join(f"[{Path(p).stem}]({p})" for p in plots)]
-    text = "\n".join(lines) + "\n"
-    out_path.write_text(text)
+def kernel_release() -> str:
+    return subprocess.run(["uname", "-r"], capture_output=True, text=True).stdout.strip()
+
+
+def run_all(systems: list[str], port: int, out_dir: Path, scenarios: list[str]) -> list[dict]:
+    records = []
+    for offset, name in enumerate(systems):
+        try:
+            records.append(run_system(name, port + offset, out_dir, scenarios))
+        except Exception as exc:  # a peer that cannot start is reported, not fatal
+            print(f"{name}: {exc}", file=sys.stderr)
+            records.append({"system": name, "scenarios": {}, "error": str(exc)})
+    return records
+
+
+def write_benchmarks_md() -> None:
+    """BENCHMARKS.md: the latest run of every CPU under benchmarks/results/."""
+    from kvserve.bench.results import latest_runs
+    from kvserve.bench.run_report import benchmarks_markdown
+
+    runs = latest_runs(RESULTS)
+    (ROOT / "BENCHMARKS.md").write_text(benchmarks_markdown(runs, ROOT))
+
+
+def measure_run(args, header: dict, out_dir: Path) -> dict:
+    """Roofline, then every system on every scenario; records.json as written."""
+    from kvserve.bench.results import records_payload
+
+    written_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    measure_roofline(out_dir)
+    records = run_all(args.systems.split(","), args.port, out_dir, args.scenarios.split(","))
+    saved = records_payload(header, records, written_at, _versions())
+    (out_dir / "records.json").write_text(json.dumps(saved, indent=1))
+    return saved
+
+
+def write_run_markdown(saved: dict, out_dir: Path) -> str:
+    """results/<cpu-slug>/<name>.md from the saved records (and roofline.json, if measured)."""
+    from kvserve.bench.run_report import machine_line, run_markdown
+
+    roof_path = out_dir / "roofline.json"
+    roof = json.loads(roof_path.read_text()) if roof_path.exists() else None
+    machine = machine_line(saved["machine"], kernel_release(), saved["versions"])
+    text = run_markdown(saved["records"], f"Benchmarks {saved['written_at'][:10]}", machine,
+                        roof, draw_plots(saved["records"], out_dir))
+    (out_dir.parent / f"{out_dir.name}.md").write_text(text)
     return text
 
 
-def _ratios(records: list[dict]) -> str:
-    lines = ["Ratios, kvserve / peer (throughput: higher is better for kvserve; latency: lower "
-             "is better for kvserve):", ""]
-    for ours in records:
-        if ours["system"].startswith("kvserve"):
-            lines += _ratio_lines(ours, [r for r in records
-                                         if not r["system"].startswith("kvserve")])
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
-def _ratio_lines(ours: dict, peers: list[dict]) -> list[str]:
-    lines = []
-    for peer in peers:
-        parts = []
-        for scenario, key, sub in (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
-                                   ("s2", "output_throughput", None),
-                                   ("s3", "ttft_s", "p50"), ("s3", "output_throughput", None),
-                                   ("s4", "output_throughput", None)):
-            a, b = ours["scenarios"].get(scenario), peer["scenarios"].get(scenario)
-            if a and b:
-                va = a[key][sub] if sub else a[key]
-                vb = b[key][sub] if sub else b[key]
-                parts.append(f"{scenario} {key.replace('_s', '')}{' ' + sub if sub else ''}: "
-                             f"{va / vb:.2f}x")
-        lines.append(f"- {ours['system']} vs {peer['system']}: " + "; ".join(parts))
-    return lines
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--systems", default="kvserve,kvserve-w8a8,llama.cpp,vllm-cpu")
     parser.add_argument("--name", default=time.strftime("%Y-%m-%d"),
-                        help="results/<name>.md and results/<name>/ (default: today's date)")
-    parser.add_argument("--scenarios", default="s1,s2,s3,s4")
+                        help="results/<cpu-slug>/<name>.md and <name>/ (default: today's date)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--report-only", action="store_true",
-                        help="rewrite the markdown from today's saved records")
-    args = parser.parse_args()
-    date = args.name
-    out_dir = ROOT / "benchmarks" / "results" / date
+                        help="rewrite the markdown from this CPU's saved records of --name")
+    parser.add_argument("--benchmarks-md-only", action="store_true",
+                        help="only regenerate BENCHMARKS.md from benchmarks/results/")
+    return parser.parse_args()
+
+
+def main() -> None:
+    from kvserve.bench.machine import cpu_slug, machine_header
+    from kvserve.bench.results import run_directory
+
+    args = parse_args()
+    if args.benchmarks_md_only:
+        write_benchmarks_md()
+        return
+    header = machine_header()  # the servers inherit this environment, KVSERVE_CPU_ISA included
+    out_dir = run_directory(RESULTS, cpu_slug(header), args.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        records = json.loads((out_dir / "records.json").read_text())
-        roof_path = out_dir / "roofline.json"
-        roof = json.loads(roof_path.read_text()) if roof_path.exists() else None
+        saved = json.loads((out_dir / "records.json").read_text())
     else:
-        roof = measure_roofline(out_dir)
-        records = []
-        for offset, name in enumerate(args.systems.split(",")):
-            try:
-                records.append(run_system(name, args.port + offset, out_dir,
-                                          args.scenarios.split(",")))
-            except Exception as exc:  # a peer that cannot start is reported, not fatal
-                print(f"{name}: {exc}", file=sys.stderr)
-                records.append({"system": name, "scenarios": {}, "error": str(exc)})
-        (out_dir / "records.json").write_text(json.dumps(records, indent=1))
-    machine = (f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} cores, "
-               f"{subprocess.run(['uname', '-r'], capture_output=True, text=True).stdout.strip()}")
-    text = write_markdown(records, ROOT / "benchmarks" / "results" / f"{date}.md", machine,
-                          roof, draw_plots(records, out_dir))
-    (ROOT / "BENCHMARKS.md").write_text(
-        "# Latest benchmark\n\nFrom `benchmarks/results/" + f"{date}.md" + "`, written by "
-        "`make bench` (`benchmarks/run.py`).\n\n" + text.split("\n", 2)[2].replace(
-            "](" + date, "](benchmarks/results/" + date))
+        saved = measure_run(args, header, out_dir)
+    text = write_run_markdown(saved, out_dir)
+    write_benchmarks_md()
     print(text)
 
 

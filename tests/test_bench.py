@@ -95,3 +95,206 @@ def test_decode_roof_is_min_of_memory_and_compute():
     roof = roofline.MachineRoof(memory_gbps=40.0, gemm_gflops={"bfloat16": 400.0}, threads=2)
     assert roofline.decode_roof_tokens_per_s(cost, roof, 1, 0) == pytest.approx(200.0)
     assert roofline.decode_roof_tokens_per_s(cost, roof, 1000, 0) == pytest.approx(2000.0)
+
+
+# --- s5 sampling, per-CPU results, roofline formats, BENCHMARKS.md (no test assumes this CPU) ---
+
+def _run_script():
+    """benchmarks/run.py as a module (its constants; nothing runs on import)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_serve_args(extra: list[str]):
+    import argparse
+
+    from kvserve.bench.cli import add_bench_parser
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "serve", *extra])
+
+
+def _body(args) -> dict:
+    import asyncio
+
+    from kvserve.bench.client import BenchClient
+
+    client = BenchClient("http://127.0.0.1:1", "m", temperature=args.temperature,
+                         top_p=args.top_p)
+    try:
+        return client.request_body("hello", 16)
+    finally:
+        asyncio.run(client.close())
+
+
+def test_s5_is_s2_sampled_and_its_body_carries_temperature_and_top_p():
+    scenarios = _run_script().SCENARIOS
+    assert list(scenarios) == ["s1", "s2", "s3", "s4", "s5"]
+    assert [a for a in scenarios["s5"] if a not in scenarios["s2"]] == [
+        "--temperature", "0.8", "--top-p", "0.95"]
+    body = _body(_bench_serve_args(scenarios["s5"]))
+    assert body["temperature"] == 0.8 and body["top_p"] == 0.95
+    assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == 16
+    greedy = _body(_bench_serve_args(scenarios["s2"]))
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy
+
+
+def _header(name="AMD EPYC", family="25", model="17", level="avx512_bf16",
+            levels=("scalar", "avx2", "avx512", "avx512_bf16"), cap=None):
+    return {"cpu_model_name": name, "cpu_family": family, "cpu_model": model,
+            "isa_level": level, "kvserve_cpu_isa": cap, "machine_isa_levels": list(levels),
+            "native_bf16": "avx512_bf16" in levels, "arch": "x86_64", "cores": 2}
+
+
+def test_cpu_slug_names_model_family_and_a_capped_isa_level():
+    from kvserve.bench.machine import cpu_label, cpu_slug
+
+    assert cpu_slug(_header()) == "amd-epyc-f25-m17"
+    assert cpu_slug(_header("AMD EPYC 7B13 64-Core Processor", "25", "1", "avx2",
+                            ("scalar", "avx2"))) == "amd-epyc-7b13-64-core-processor-f25-m1"
+    capped = _header(level="avx2", cap="avx2")
+    assert cpu_slug(capped) == "amd-epyc-f25-m17-isa-avx2"
+    label = cpu_label(capped)
+    assert "family 25, model 17" in label and "kernels avx2 of avx512_bf16" in label
+    assert "KVSERVE_CPU_ISA=avx2" in label
+
+
+def test_machine_header_follows_the_isa_cap_in_the_environment(monkeypatch):
+    from kvserve.bench import machine
+    from kvserve.kernels import isa
+
+    monkeypatch.setattr(isa, "machine_levels", lambda: ("scalar", "avx2"))
+    monkeypatch.setattr(isa, "cpu_description",
+                        lambda: {"model_name": "Some CPU", "family": "6", "model": "85"})
+    monkeypatch.delenv(isa.ISA_ENV, raising=False)
+    assert machine.cpu_slug(machine.machine_header()) == "some-cpu-f6-m85"
+    monkeypatch.setenv(isa.ISA_ENV, "scalar")
+    header = machine.machine_header()
+    assert header["isa_level"] == "scalar" and header["kvserve_cpu_isa"] == "scalar"
+    assert machine.cpu_slug(header) == "some-cpu-f6-m85-isa-scalar"
+
+
+def _summary(output_throughput=100.0, tpot=0.01, ttft=0.1, failed=0):
+    return {"requests": 4, "completed": 4 - failed, "failed": failed,
+            "output_throughput": output_throughput, "ttft_s": {"p50": ttft},
+            "tpot_s": {"p50": tpot}}
+
+
+def _save_run(results_root, slug, name, header, written_at, throughput):
+    import json
+
+    from kvserve.bench import results, run_report
+
+    directory = results.run_directory(results_root, slug, name)
+    assert directory == results_root / slug / name
+    directory.mkdir(parents=True)
+    records = [{"system": "kvserve", "cold_start_s": 1.0,
+                "scenarios": {s: _summary(throughput) for s in ("s1", "s2", "s5")}},
+               {"system": "llama.cpp", "cold_start_s": 1.0,
+                "scenarios": {s: _summary(throughput / 2) for s in ("s1", "s2", "s5")}}]
+    payload = results.records_payload(header, records, written_at)
+    (directory / "records.json").write_text(json.dumps(payload))
+    text = run_report.run_markdown(records, f"Benchmarks {written_at[:10]}",
+                                   run_report.machine_line(header, "6.1", {}), None,
+                                   [f"{name}/plots/s1_ttft.png"])
+    (directory.parent / f"{name}.md").write_text(text)
+
+
+def test_runs_accumulate_per_cpu_and_benchmarks_md_shows_the_latest_of_each(tmp_path):
+    import json
+
+    from kvserve.bench import results
+    from kvserve.bench.run_report import benchmarks_markdown
+
+    root = tmp_path / "benchmarks" / "results"
+    zen3 = _header("AMD EPYC 7B13", "25", "1", "avx2", ("scalar", "avx2"))
+    _save_run(root, "amd-epyc-f25-m17", "2027-01-01", _header(), "2027-01-01T10:00:00", 111.0)
+    _save_run(root, "amd-epyc-f25-m17", "later", _header(), "2027-01-02T10:00:00", 240.0)
+    _save_run(root, "amd-epyc-7b13-f25-m1", "2027-01-01", zen3, "2027-01-01T12:00:00", 330.0)
+    old = root / "2026-11-22"  # before per-CPU results: a bare list, no machine header
+    old.mkdir()
+    (old / "records.json").write_text(json.dumps([{"system": "kvserve", "scenarios": {}}]))
+    (root / "2026-11-22.md").write_text("# Benchmarks\n\nMachine: AMD EPYC (AVX-512 BF16).\n"
+                                        "[s1_ttft](2026-11-22/plots/s1_ttft.png)\n")
+    (root / "2026-11-22.notes.md").write_text("A hand-written note.\n")
+
+    latest = results.latest_runs(root)
+    assert [(run.slug, run.name) for run in latest] == [
+        ("amd-epyc-f25-m17", "later"), ("amd-epyc-7b13-f25-m1", "2027-01-01"),
+        (results.LEGACY_SLUG, "2026-11-22")]
+    text = benchmarks_markdown(latest, tmp_path)
+    assert text.count("\n## ") == 3 and "## AMD EPYC (Zen 5, before per-CPU results)" in text
+    assert "## AMD EPYC (family 25, model 17), kernels avx512_bf16" in text
+    assert "## AMD EPYC 7B13 (family 25, model 1), kernels avx2" in text
+    assert "| 240.0 |" in text and "| 330.0 |" in text and "| 111.0 |" not in text
+    assert "s5 out tok/s" in text and "s5 output_throughput: 2.00x" in text
+    assert "(benchmarks/results/amd-epyc-f25-m17/later/plots/s1_ttft.png)" in text
+    assert "(benchmarks/results/2026-11-22/plots/s1_ttft.png)" in text
+    assert text.rstrip().endswith("A hand-written note.")
+
+
+def test_roofline_bytes_per_weight_of_each_format():
+    from kvserve.model_source import resolve_model
+    from kvserve.weights import load_config
+
+    int4 = roofline.weight_format("bfloat16", "int4")
+    assert int4.layer_bytes_per_weight == 0.5 + 4 / 32  # codes + bf16 scale and zero per 32
+    assert int4.head_bytes_per_weight == 1.0  # the int8 LM head
+    assert roofline.weight_format("float32", "int4").layer_bytes_per_weight == 0.75
+    assert roofline.weight_format("bfloat16", "w8a8").layer_bytes_per_weight == 1.0
+    none = roofline.weight_format("float32", "none")
+    assert (none.layer_bytes_per_weight, none.head_bytes_per_weight) == (4, 4)
+    config = load_config(resolve_model())
+    dense = roofline.format_cost(config, roofline.weight_format("bfloat16", "none"))
+    assert dense == roofline.model_cost(config)  # bf16 everywhere, as before
+    quantized = roofline.format_cost(config, int4)
+    head_params = config.hidden_size * config.vocab_size
+    layer_params = (dense.weight_bytes - 2 * head_params) / 2
+    assert quantized.weight_bytes == pytest.approx(layer_params * 0.625 + head_params)
+    assert roofline.format_cost(config, none).kv_bytes_per_token == 2 * dense.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_roofline_dtype_follows_native_bf16(monkeypatch, native_bf16):
+    import kvserve.platform
+    from kvserve.kernels import isa
+    from kvserve.model_source import resolve_model
+    from kvserve.quant import resolve_quantization
+    from kvserve.weights import load_config
+
+    monkeypatch.delenv(isa.ISA_ENV, raising=False)
+    monkeypatch.setattr(isa, "has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(kvserve.platform, "cpu_has_native_bf16", lambda: native_bf16)
+    expected = "bfloat16" if native_bf16 else "float32"
+    assert roofline.engine_dtype() == expected
+    config = load_config(resolve_model())
+    fmt = roofline.resolve_format(config)
+    # the machine's default dtype keeps a 4-bit checkpoint 4-bit, float32 included
+    assert fmt.dtype == expected and fmt.quantization == resolve_quantization(
+        "auto", config.source_weight_type, roofline.GEMM_DTYPES[expected], True) == "int4"
+    assert roofline.resolve_format(config, "float32").quantization == "none"  # asked for: exact
+    assert roofline.resolve_format(config, "bfloat16", "int4").layer_bytes_per_weight == 0.625
+    # bf16 asked for where it is emulated: the roof takes the fp32 rate, never the emulated one
+    machine = roofline.MachineRoof(40.0, {"float32": 100.0, "bfloat16": 3.0}, 2, native_bf16)
+    payload = roofline.roof_payload(machine, config, roofline.weight_format("bfloat16", "int4"),
+                                    _header())
+    assert payload["roof_gemm_dtype"] == ("bfloat16" if native_bf16 else "float32")
+    summary = "\n".join(roofline.roof_summary(payload))
+    assert ("emulated" in summary) != native_bf16 and "quantization int4" in summary
+
+
+def test_bench_kernels_streams_past_the_cache_and_shows_the_autotune_table(monkeypatch):
+    from kvserve.bench import kernels
+    from kvserve.kernels import autotune
+
+    for matrix_bytes in (576 * 576 * 2, 576 * 3072 * 4, 576 * 49152 * 4):
+        assert kernels.stream_copies(matrix_bytes) * matrix_bytes > 64 * 2**20
+    monkeypatch.setattr(autotune, "describe", lambda: "int4:960x576: ours up to 16 rows")
+    assert kernels.autotune_description() == "int4:960x576: ours up to 16 rows"

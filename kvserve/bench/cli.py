@@ -1,4 +1,4 @@
-"""`kvserve bench {serve,offline,roofline}` argument parsing and drivers."""
+"""`kvserve bench {serve,offline,perplexity,roofline,kernels}` argument parsing and drivers."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import asyncio
 import json
 import time
 
-from kvserve.bench import report, roofline, workloads
+from kvserve.bench import machine, report, roofline, workloads
 from kvserve.bench.stats import SLO, summarize
 
 
 def add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: serve, offline, roofline")
+    bench = commands.add_parser("bench", help="benchmarks: serve, offline, perplexity, "
+                                "roofline, kernels")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser("serve", help="load an OpenAI-compatible server")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -36,6 +37,10 @@ def add_bench_parser(commands) -> None:
     serve.add_argument("--long-len", type=int, default=2048, help="long-prompt: long length")
     serve.add_argument("--turns", type=int, default=6, help="multi-turn: turns per session")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="sent in every request body (default 0: greedy)")
+    serve.add_argument("--top-p", type=float, default=None,
+                       help="sent in every request body when given")
     serve.add_argument("--slo-ttft-ms", type=float, default=None)
     serve.add_argument("--slo-tpot-ms", type=float, default=None)
     serve.add_argument("--slo-e2e-ms", type=float, default=None)
@@ -61,14 +66,25 @@ def add_bench_parser(commands) -> None:
     ppl.add_argument("--max-windows", type=int, default=None)
     ppl.add_argument("--output-json", default=None)
 
-    roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates")
+    roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates, and the "
+                            "model's decode and prefill roofs")
     roof.add_argument("--model", default="smollm2-135m-instruct")
+    roof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                      help="the model's dtype (auto: the engine's on this CPU, bfloat16 only "
+                      "with native bf16)")
+    roof.add_argument("--quantization", default="auto",
+                      choices=["auto", "none", "int4", "int8", "w8a8"],
+                      help="weight format whose bytes a decode step reads (auto: as the engine)")
     roof.add_argument("--output-json", default=None)
+
+    kernels = kinds.add_parser("kernels", help="kernel ISA level, CPU, autotune table, and "
+                               "F.linear at one row on SmolLM2's shapes")
+    kernels.add_argument("--output-json", default=None)
 
 
 def run_bench(args) -> int:
     commands = {"serve": _serve, "offline": _offline, "roofline": _roofline,
-                "perplexity": _perplexity}
+                "perplexity": _perplexity, "kernels": _kernels}
     return commands[args.bench_command](args)
 
 
@@ -96,7 +112,8 @@ def _build_workload(args, source: workloads.TextSource):
 async def _drive(args, specs):
     from kvserve.bench.client import BenchClient, run_requests, run_sessions
 
-    client = BenchClient(args.base_url, args.model, args.api_key)
+    client = BenchClient(args.base_url, args.model, args.api_key,
+                         temperature=args.temperature, top_p=args.top_p)
     try:
         start = client.now()
         if args.workload == "multi-turn":
@@ -139,7 +156,8 @@ def _serve_once(args) -> int:
         slo = SLO(*(None if v is None else v / 1000
                     for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
     summary = summarize(results, duration, slo)
-    row = {"system": args.label, "scenario": args.workload, "summary": summary,
+    row = {"system": args.label, "scenario": args.workload, "machine": machine.machine_header(),
+           "summary": summary,
            "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
            "errors": sorted({r.error for r in results if r.error})[:5],
            "per_request": [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
@@ -207,13 +225,20 @@ def _roofline(args) -> int:
     from kvserve.weights import load_config
 
     config = load_config(resolve_model(args.model))
+    fmt = roofline.resolve_format(config, args.dtype, args.quantization)
     roof = roofline.measure_roof(config)
-    cost = roofline.model_cost(config)
-    payload = roofline.roof_as_dict(roof, cost)
-    payload["decode_roof_tok_s"] = {
-        f"batch {b}": roofline.decode_roof_tokens_per_s(cost, roof, b, 384) for b in (1, 8, 32)}
-    payload["prefill_roof_tok_s"] = roofline.prefill_roof_tokens_per_s(cost, roof)
-    print(json.dumps(payload, indent=1))
+    payload = roofline.roof_payload(roof, config, fmt, machine.machine_header())
+    print("\n".join(roofline.roof_summary(payload)))
     if args.output_json:
         report.write_json(args.output_json, payload)
+    return 0
+
+
+def _kernels(args) -> int:
+    from kvserve.bench import kernels
+
+    result = kernels.kernels_report()
+    kernels.print_kernels_report(result)
+    if args.output_json:
+        report.write_json(args.output_json, {"machine": machine.machine_header(), **result})
     return 0

@@ -1,5 +1,6 @@
 """An async client for any OpenAI-compatible server: streaming /v1/completions requests under a
-concurrency limit or a Poisson arrival rate, timing every chunk."""
+concurrency limit or a Poisson arrival rate, timing every chunk. Greedy by default; temperature and
+top_p go in the body as OpenAI's API has them, which kvserve, llama.cpp's server and vLLM accept."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from kvserve.bench.workloads import RequestSpec, Session
 
 class BenchClient:
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, temperature: float = 0.0, top_p: float | None = None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
+        self.temperature = temperature
+        self.top_p = top_p  # None: not sent (the server's default, 1.0)
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
                                       timeout=timeout,
                                       limits=httpx.Limits(max_connections=1024,
@@ -33,7 +36,7 @@ class BenchClient:
         return time.perf_counter() - self.start
 
     async def complete(self, prompt: str, max_tokens: int) -> RequestResult:
-        """One streaming completion with ignore_eos, greedy; never raises. A request whose
+        """One streaming completion with ignore_eos; never raises. A request whose
         pooled connection the server had already closed (no response at all) is sent once more
         on a fresh connection, timed from the resend."""
         result = await self._complete_once(prompt, max_tokens)
@@ -43,12 +46,10 @@ class BenchClient:
 
     async def _complete_once(self, prompt: str, max_tokens: int) -> RequestResult:
         result = RequestResult(sent=self.now())
-        payload = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                   "temperature": 0.0, "stream": True, "ignore_eos": True,
-                   "stream_options": {"include_usage": True}}
         chunks = 0
         try:
-            async with self.http.stream("POST", "/v1/completions", json=payload) as response:
+            async with self.http.stream("POST", "/v1/completions",
+                                        json=self.request_body(prompt, max_tokens)) as response:
                 if response.status_code != 200:
                     body = await response.aread()
                     result.error = f"HTTP {response.status_code}: {body[:200]!r}"
@@ -62,6 +63,16 @@ class BenchClient:
         if not result.output_tokens:
             result.output_tokens = chunks
         return result
+
+    def request_body(self, prompt: str, max_tokens: int) -> dict:
+        """The /v1/completions body: streamed with usage, ignore_eos so every request generates
+        max_tokens, and the client's sampling settings."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": self.temperature, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
+        return body
 
     def _consume(self, line: str, result: RequestResult) -> int:
         """Parse one SSE line; returns 1 if it carried generated text."""

@@ -3,7 +3,9 @@ place, so every benchmark result can be stated as a fraction of what the hardwar
 
 Decode at batch B streams every weight once per step and each sequence's KV once per token, so
 its roof is min(bandwidth / bytes per token, GEMM rate / FLOPs per token); prefill is
-compute-bound, its roof is the GEMM rate / FLOPs per token.
+compute-bound, its roof is the GEMM rate / FLOPs per token. Both are stated for the engine's
+default format on this CPU (dtype, quantization) unless asked for another: bf16 only where the
+CPU runs it natively, bytes per weight of the quantized layout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve import platform
+
+GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+INT4_GROUP_SIZE = 32  # as kvserve.quant.linear (GGUF Q4_1 blocks)
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,17 @@ class MachineRoof:
     memory_gbps: float
     gemm_gflops: dict[str, float]  # dtype name -> GFLOP/s at the model's shapes
     threads: int
+    native_bf16: bool = True  # False: the bf16 rate is torch's emulation, never a roof
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Bytes a decode step reads per weight: decoder layers and LM head apart, since every
+    quantized mode keeps the LM head in int8."""
+    dtype: str
+    quantization: str
+    layer_bytes_per_weight: float
+    head_bytes_per_weight: float
 
 
 @dataclass(frozen=True)
@@ -31,8 +49,55 @@ class ModelCost:
     kv_bytes_per_token: float
 
 
+def weight_format(dtype: str, quantization: str) -> WeightFormat:
+    """int4: 4-bit codes plus a scale and a zero per group of 32, both in the activation dtype
+    (bf16: 0.5 + 4/32 = 0.625 bytes); int8/w8a8: 1 byte (per-channel scales add < 1%); the LM
+    head of every quantized mode is int8; none: the dtype's width."""
+    element = DTYPE_BYTES[dtype]
+    if quantization == "none":
+        return WeightFormat(dtype, quantization, element, element)
+    if quantization == "int4":
+        layer = 0.5 + 2 * element / INT4_GROUP_SIZE
+    elif quantization in ("int8", "w8a8"):
+        layer = 1.0
+    else:
+        raise ValueError(f"unknown quantization {quantization!r}")
+    return WeightFormat(dtype, quantization, layer, 1.0)
+
+
+def engine_dtype() -> str:
+    """The dtype the engine picks on this CPU (kvserve.platform.default_dtype)."""
+    from kvserve.platform import default_dtype
+
+    return str(default_dtype("cpu")).removeprefix("torch.")
+
+
+def engine_quantization(config: ModelConfig, dtype: str, dtype_is_default: bool = True) -> str:
+    """What `--quantization auto` resolves to for this checkpoint and dtype."""
+    from kvserve.quant import resolve_quantization
+
+    return resolve_quantization("auto", config.source_weight_type, GEMM_DTYPES[dtype],
+                                dtype_is_default)
+
+
+def resolve_format(config: ModelConfig, dtype: str = "auto", quantization: str = "auto"
+                   ) -> WeightFormat:
+    dtype_is_default = dtype == "auto"
+    dtype = engine_dtype() if dtype_is_default else dtype
+    if quantization == "auto":
+        quantization = engine_quantization(config, dtype, dtype_is_default)
+    return weight_format(dtype, quantization)
+
+
+def roof_gemm_dtype(dtype: str, native_bf16: bool) -> str:
+    """The GEMM rate that bounds the roof: the model's dtype, except emulated bf16 (a measure of
+    torch's fallback, not of the hardware), where fp32 is what the CPU can do."""
+    return "float32" if dtype == "bfloat16" and not native_bf16 else dtype
+
+
 def model_cost(config: ModelConfig, bytes_per_weight: float = 2.0,
-               bytes_per_kv_value: float = 2.0) -> ModelCost:
+               bytes_per_kv_value: float = 2.0, head_bytes_per_weight: float | None = None
+               ) -> ModelCost:
     hidden, inter = config.hidden_size, config.intermediate_size
     per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden \
         + 3 * hidden * inter
@@ -41,9 +106,16 @@ def model_cost(config: ModelConfig, bytes_per_weight: float = 2.0,
     return ModelCost(
         layer_flops_per_token=2.0 * layer_params,
         lm_head_flops_per_token=2.0 * head_params,
-        weight_bytes=(layer_params + head_params) * bytes_per_weight,
+        weight_bytes=layer_params * bytes_per_weight + head_params * (
+            bytes_per_weight if head_bytes_per_weight is None else head_bytes_per_weight),
         kv_bytes_per_token=2.0 * config.num_hidden_layers * config.kv_size * bytes_per_kv_value,
     )
+
+
+def format_cost(config: ModelConfig, fmt: WeightFormat) -> ModelCost:
+    """The model's cost per token in a weight format (the KV cache is in the model's dtype)."""
+    return model_cost(config, fmt.layer_bytes_per_weight, DTYPE_BYTES[fmt.dtype],
+                      fmt.head_bytes_per_weight)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -57,7 +129,7 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def measure_memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """GB/s of a streaming read (a float32 sum over a buffer far larger than cache)."""
+    """GB/s of a streaming read (a float32 sum over a buffer far larger than any L3)."""
     data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     seconds = _best_time(lambda: data.sum(), repeats)
     return data.numel() * 4 / seconds / 1e9
@@ -72,11 +144,12 @@ def measure_gemm(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -
 
 
 def measure_roof(config: ModelConfig, batch_tokens: int = 256) -> MachineRoof:
-    """Bandwidth plus GEMM rates at the model's MLP shape (batch_tokens x hidden x 2*ffn)."""
+    """Bandwidth plus fp32 and bf16 GEMM rates at the model's MLP shape (batch_tokens x hidden x
+    2*ffn); bf16 is measured even where emulated, and marked so."""
     shape = (batch_tokens, config.hidden_size, 2 * config.intermediate_size)
-    rates = {name: measure_gemm(*shape, dtype) for name, dtype in
-             (("bfloat16", torch.bfloat16), ("float32", torch.float32))}
-    return MachineRoof(measure_memory_bandwidth(), rates, torch.get_num_threads())
+    rates = {name: measure_gemm(*shape, dtype) for name, dtype in GEMM_DTYPES.items()}
+    return MachineRoof(measure_memory_bandwidth(), rates, torch.get_num_threads(),
+                       platform.cpu_has_native_bf16())
 
 
 def decode_roof_tokens_per_s(cost: ModelCost, roof: MachineRoof, batch: int, context: int,
@@ -112,3 +185,43 @@ def roof_fractions(summary: dict, cost: ModelCost, roof: MachineRoof, concurrenc
 
 def roof_as_dict(roof: MachineRoof, cost: ModelCost) -> dict:
     return {"machine": asdict(roof), "model": asdict(cost)}
+
+
+DECODE_BATCHES = (1, 8, 32)
+DECODE_CONTEXT = 384  # s1/s2's mean context: a 256-token prompt plus half of 128 outputs
+
+
+def roof_payload(roof: MachineRoof, config: ModelConfig, fmt: WeightFormat, header: dict
+                 ) -> dict:
+    """The measured machine, the model's cost in `fmt`, and the decode and prefill roofs."""
+    gemm_dtype = roof_gemm_dtype(fmt.dtype, roof.native_bf16)
+    cost = format_cost(config, fmt)
+    payload = roof_as_dict(roof, cost)
+    payload.update(cpu=header, weight_format=asdict(fmt), roof_gemm_dtype=gemm_dtype)
+    payload["decode_roof_tok_s"] = {
+        f"batch {batch}": decode_roof_tokens_per_s(cost, roof, batch, DECODE_CONTEXT, gemm_dtype)
+        for batch in DECODE_BATCHES}
+    payload["prefill_roof_tok_s"] = prefill_roof_tokens_per_s(cost, roof, gemm_dtype)
+    return payload
+
+
+def roof_summary(payload: dict) -> list[str]:
+    """The payload as lines for a terminal: what was measured and which format the roof is for."""
+    from kvserve.bench.machine import cpu_label
+
+    machine, fmt = payload["machine"], payload["weight_format"]
+    bf16_kind = "native" if machine.get("native_bf16", True) else "emulated, never a roof"
+    decode = ", ".join(f"{key} {value:.0f}" for key, value in payload["decode_roof_tok_s"].items())
+    return [
+        f"CPU: {cpu_label(payload['cpu'])}; {machine['threads']} threads",
+        f"memory: {machine['memory_gbps']:.1f} GB/s streaming read (512 MB)",
+        f"GEMM at the model's MLP shape: float32 {machine['gemm_gflops']['float32']:.0f} GFLOP/s, "
+        f"bfloat16 {machine['gemm_gflops']['bfloat16']:.0f} GFLOP/s ({bf16_kind})",
+        f"roof for: dtype {fmt['dtype']}, quantization {fmt['quantization']} "
+        f"({fmt['layer_bytes_per_weight']:g} bytes/weight in the layers, "
+        f"{fmt['head_bytes_per_weight']:g} in the LM head), {payload['roof_gemm_dtype']} GEMM "
+        f"rate, kernels {payload['cpu']['isa_level']}",
+        f"weights read per decode step: {payload['model']['weight_bytes'] / 1e6:.1f} MB",
+        f"decode roof at context {DECODE_CONTEXT}, tok/s: {decode}",
+        f"prefill roof: {payload['prefill_roof_tok_s']:.0f} tok/s",
+    ]

