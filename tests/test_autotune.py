@@ -71,8 +71,19 @@ def test_corrupt_table_is_measured_again(tuning, monkeypatch):
     path = autotune.table_path()
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    monkeypatch.setattr(autotune, "measure", lambda *args: autotune.Choice(
-        "int4", 64, 128, "float32", "avx2", [1, 2], [1.0, 3.0], [2.0, 2.0], 1))
+    monkeypatch.setattr(autotune, "measure", lambda *args: (autotune.Choice(
+        "int4", 64, 128, "float32", "avx2", [1, 2], [1.0, 3.0], [2.0, 2.0], 1), False))
     packed, dense = _int4_weights()
     assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
     assert json.loads(path.read_text())["int4:64x128:float32:avx2"]["max_rows"] == 1
+
+
+def test_contended_timings_are_used_but_not_cached(tuning, monkeypatch):
+    stalled = [10.0] * 5 + [8000.0] * 25  # a neighbour's time slices on most calls
+    assert autotune._typical_us(sorted(stalled)) == 10.0
+    assert autotune._contended(sorted(stalled)) and not autotune._contended([10.0] * 30)
+    monkeypatch.setattr(autotune, "measure", lambda *args: (autotune.Choice(
+        "int4", 64, 128, "float32", "avx2", [1], [1.0], [2.0], 1), True))
+    packed, dense = _int4_weights()
+    assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
+    assert not autotune.table_path().exists()

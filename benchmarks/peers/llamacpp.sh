@@ -3,21 +3,33 @@
 # llama-cpp-python source distribution (PyPI), CPU only, -DGGML_NATIVE=ON. Nothing is committed.
 #   benchmarks/peers/llamacpp.sh build
 #   benchmarks/peers/llamacpp.sh start PORT [SLOTS]   # serves the bundled GGUF as-is (Q4_1)
+# With KVSERVE_CPU_ISA=avx2 (an AVX-512 machine standing in for an AVX2-only one) it builds and
+# runs a separate AVX2 + FMA + F16C build, as llama.cpp would be on such a CPU.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 WORK="${PEERS_DIR:-$ROOT/benchmarks/peers/work}"
 PY="$ROOT/.venv/bin/python"
-BIN="$WORK/llama.cpp/build/bin"
+if [ "${KVSERVE_CPU_ISA:-}" = "avx2" ]; then
+  BUILD="build-avx2"
+  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+             -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+else
+  BUILD="build"
+  ISA_FLAGS=(-DGGML_NATIVE=ON)
+fi
+BIN="$WORK/llama.cpp/$BUILD/bin"
 
 build() {
   [ -x "$BIN/llama-server" ] && return
   mkdir -p "$WORK" && cd "$WORK"
-  "$PY" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python -d sdist
-  tar xzf sdist/llama_cpp_python-*.tar.gz
-  rm -rf llama.cpp && mv llama_cpp_python-*/vendor/llama.cpp llama.cpp && rm -rf llama_cpp_python-*
-  cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  if [ ! -d llama.cpp ]; then
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python -d sdist
+    tar xzf sdist/llama_cpp_python-*.tar.gz
+    mv llama_cpp_python-*/vendor/llama.cpp llama.cpp && rm -rf llama_cpp_python-*
+  fi
+  cmake -S llama.cpp -B "llama.cpp/$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_CUDA=OFF
-  cmake --build llama.cpp/build --target llama-server llama-bench -j "$(nproc)"
+  cmake --build "llama.cpp/$BUILD" --target llama-server llama-bench -j "$(nproc)"
 }
 
 gguf() {

@@ -13,7 +13,8 @@ from kvserve.kernels.cpu_ext import build_failure, load_cpu_kernels
 
 OP_NAMES = ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_", "paged_attention_",
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
-            "dequantize_int32", "argmax_rows", "int4_linear", "int4_linear_fast", "int8_linear")
+            "dequantize_int32", "argmax_rows", "int4_linear", "int4_linear_fast", "int8_linear",
+            "bf16_linear")
 
 
 def get_ops(use_cpu_kernels: bool = True, level: str | None = None) -> SimpleNamespace:

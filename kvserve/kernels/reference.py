@@ -207,3 +207,37 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     weight = unpack_int8(packed, out_features)
     out = F.linear(x.float(), weight, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+# ---- bf16 weight GEMM (csrc/bf16_gemm.cpp): bf16 weights in panels of 16 rows
+
+BF16_GROUP, BF16_PANEL = 32, 16
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] (K divisible by 32) -> uint8 [P, K / 32, 1024]: the weights rounded to bf16;
+    per (panel of 16 rows, 32 along K) 16 chunks of 64 bytes, chunk c holding the pair
+    (w[n, 2c], w[n, 2c + 1]) of row n at bytes 4n..4n+3. Rows past N are zero."""
+    rows, cols = weight.shape
+    groups, panels = cols // BF16_GROUP, -(-rows // BF16_PANEL)
+    padded = torch.zeros(panels * BF16_PANEL, cols, dtype=torch.bfloat16)
+    padded[:rows] = weight.to(torch.bfloat16)
+    # [p, lane, g, pair, 2] -> [p, g, pair, lane, 2]
+    pairs = padded.view(panels, BF16_PANEL, groups, BF16_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    return pairs.contiguous().view(torch.uint8).view(panels, groups, -1)
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The panel layout back to float32 weights [N, K]."""
+    panels, groups, _ = packed.shape
+    pairs = packed.contiguous().view(torch.bfloat16).view(panels, groups, BF16_GROUP // 2,
+                                                          BF16_PANEL, 2)
+    weight = pairs.permute(0, 3, 1, 2, 4).reshape(panels * BF16_PANEL, groups * BF16_GROUP)
+    return weight.float()[:out_features]
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    weight = unpack_bf16(packed, out_features)
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)

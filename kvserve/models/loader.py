@@ -16,7 +16,7 @@ from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
-from kvserve.quant import quantize_model, resolve_quantization
+from kvserve.quant import quantize_model, resolve_quantization, use_bf16_panels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.weights import cache, load_config, load_hf_named_tensors
 
@@ -49,11 +49,13 @@ def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kern
         return _MODEL_CLASSES[config.architecture](config, backend)
 
 
-def _finish(model, dtype: torch.dtype, quantization: str = "none"):
-    """Quantize the projections (from the float32 weights still in place), cast the parameters
-    to dtype (buffers keep theirs: RoPE stays float32 as in HF, quantized layers chose their own)
-    and rebuild the RoPE table."""
+def _finish(model, dtype: torch.dtype, quantization: str = "none", weights_ready: bool = True):
+    """Quantize the projections (from the float32 weights still in place), or lay unquantized
+    bf16 ones out for our decode kernel, cast the parameters to dtype (buffers keep theirs: RoPE
+    stays float32 as in HF, quantized layers chose their own) and rebuild the RoPE table."""
     quantize_model(model, quantization, dtype, model.kernel_ops)
+    if quantization == "none" and weights_ready:
+        use_bf16_panels(model, dtype, model.kernel_ops)
     model.quantization = quantization
     for param in model.parameters():
         param.data = param.data.to(dtype)
@@ -67,7 +69,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cp
     model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device)
     model = model.to_empty(device=device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
-    return _finish(model, dtype)
+    return _finish(model, dtype, weights_ready=False)
 
 
 def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], device: str,

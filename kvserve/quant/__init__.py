@@ -1,5 +1,10 @@
 """Quantized linear layers (int4/int8 weight-only, W8A8) and the pass that swaps them in."""
 
-from kvserve.quant.linear import QUANTIZATION_MODES, quantize_model, resolve_quantization
+from kvserve.quant.linear import (
+    QUANTIZATION_MODES,
+    quantize_model,
+    resolve_quantization,
+    use_bf16_panels,
+)
 
-__all__ = ["QUANTIZATION_MODES", "quantize_model", "resolve_quantization"]
+__all__ = ["QUANTIZATION_MODES", "quantize_model", "resolve_quantization", "use_bf16_panels"]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import autotune
-from kvserve.kernels.reference import pack_int4, pack_int8, quantize_int8_groupwise
+from kvserve.kernels.reference import pack_bf16, pack_int4, pack_int8, quantize_int8_groupwise
 
 QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")  # plus "auto", see resolve_quantization
 INT4_GROUP_SIZE = 32
@@ -39,6 +39,7 @@ INT_MM_MIN_ROWS = 16
 # 2.34 ms at 8, 3.7 vs 2.9 ms at 16, measured on Zen 5)
 LM_HEAD_WEIGHT_ONLY_MAX_ROWS = 8
 LM_HEAD_INT8_KERNEL_MAX_ROWS = 16
+BF16_KERNEL_MAX_ROWS = 16  # our bf16 panel kernel vs oneDNN's bf16 GEMM, with autotuning off
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
@@ -189,6 +190,46 @@ class Int8GroupwiseLinear(nn.Module):
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense_weight, self.bias)
         return self.ops.int8_linear(x, self.panels, self.bias, self.out_features)
+
+
+class Bf16PanelLinear(nn.Module):
+    """Unquantized bf16 weights, for decode batches through our kernel
+    (kernels/csrc/bf16_gemm.cpp: oneDNN's bf16 GEMM read weights at ~7 GB/s at one row on
+    Zen 4) up to the row count the autotuner measured, the dense GEMM above: the same bf16
+    values either way, so the lossless mode stays lossless."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
+        super().__init__()
+        self.register_buffer("panels", pack_bf16(linear.weight.data))
+        self.register_buffer("dense_weight", linear.weight.data.to(dtype))
+        self.register_buffer("bias", _bias(linear, dtype))
+        self.out_features = linear.weight.shape[0]
+        self.ops = ops
+        self.max_rows = autotune.max_rows("bf16", ops.bf16_linear, self.panels, self.dense_weight,
+                                          dtype, ops.isa, BF16_KERNEL_MAX_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense_weight, self.bias)
+        return self.ops.bf16_linear(x, self.panels, self.bias, self.out_features)
+
+
+def use_bf16_panels(model: nn.Module, dtype: torch.dtype, ops) -> nn.Module:
+    """Unquantized bf16 models: projections and the LM head through Bf16PanelLinear, where our
+    vectorised kernels are built (in place). Called with the weights loaded, before the cast."""
+    if dtype != torch.bfloat16 or not _has_vector_kernels(ops):
+        return model
+    for parent in list(model.modules()):
+        for name in QUANTIZED_PROJECTIONS:
+            child = getattr(parent, name, None)
+            if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+                setattr(parent, name, Bf16PanelLinear(child, dtype, ops))
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    if head.weight.shape[1] % 32 == 0:
+        linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
+        model.logits_head = Bf16PanelLinear(linear, dtype, ops)
+    return model
 
 
 def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:

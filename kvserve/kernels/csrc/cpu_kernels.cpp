@@ -16,6 +16,7 @@
 
 #include "decode_attention.h"
 #include "flash_attention.h"
+#include "bf16_gemm.h"
 #include "int4_gemm.h"
 #include "int8_gemm.h"
 #include "vec.h"
@@ -689,6 +690,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear", &kvserve::int4_linear,
         "x @ W.T (+ bias) with groupwise int4 W in the panel layout (few-row GEMMs)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_linear", &kvserve::bf16_linear,
+        "x @ W.T (+ bias) with bf16 W in the panel layout (few-row GEMMs)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &kvserve::int8_linear,
         "x @ W.T (+ bias) with groupwise int8 W (GGUF Q8_0) in the panel layout (few rows)",
