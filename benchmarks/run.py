@@ -201,6 +201,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def cap_torch_to_avx2() -> None:
+    """With KVSERVE_CPU_ISA=avx2 (an AVX-512 machine standing in for an AVX2-only one), torch's
+    own CPU kernels (ATen's dispatch, oneDNN's GEMMs) are held to AVX2 too, in every server this
+    run starts (llama.cpp takes its AVX2 build). vLLM's own compiled ops are not: say so."""
+    if os.environ.get("KVSERVE_CPU_ISA", "").strip().lower() == "avx2":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+
 def main() -> None:
     from kvserve.bench.machine import cpu_slug, machine_header
     from kvserve.bench.results import run_directory
@@ -209,6 +218,7 @@ def main() -> None:
     if args.benchmarks_md_only:
         write_benchmarks_md()
         return
+    cap_torch_to_avx2()
     header = machine_header()  # the servers inherit this environment, KVSERVE_CPU_ISA included
     out_dir = run_directory(RESULTS, cpu_slug(header), args.name)
     out_dir.mkdir(parents=True, exist_ok=True)
