@@ -109,3 +109,285 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_invalid_params_raise_typed_errors(bad):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+# --- top-k / top-p without sorting, against the sort it replaced --------------------------------
+
+def reference_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                          stable: bool = False) -> torch.Tensor:
+    """The sampler's former top-k/top-p, which sorted every row, verbatim. torch's CPU sort is not
+    stable, so which of several tied logits survived a cut was arbitrary; stable=True makes it
+    the lowest token ids, the rule the sampler now follows."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=stable)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).unsqueeze(1)
+    remove = ranks >= k
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    remove = before >= torch.tensor(top_p).unsqueeze(1)
+    remove[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
+                             exact: bool = False, stable: bool = False) -> torch.Tensor:
+    """The former _filtered_probs, a row at a time (each as if alone in its batch).
+
+    exact=False is the former code bit for bit. exact=True runs its top-k/top-p in float64 and
+    lets top_p = 1.0 keep everything: the rule the sampler now computes. (The float32 sort's
+    softmax sums the row best first and drops the smallest tail terms, and its float32 running
+    sum drifts by ~1e-5 over thousands of tokens: cuts near p = 0.99 moved by tens of tokens, and
+    top_p = 1.0 cut the tail whenever the sum rounded past 1.0.)"""
+    probs = []
+    for row_logits, p in zip(logits, params):
+        row_logits = row_logits.unsqueeze(0) / torch.tensor([[p.temperature]])
+        if p.top_k > 0 or p.top_p < 1.0:
+            if exact:
+                top_p = p.top_p if p.top_p < 1.0 else float("inf")
+                kept = reference_top_k_top_p(row_logits.double(), [p.top_k], [top_p], stable)
+                row_logits = row_logits.masked_fill(torch.isneginf(kept), float("-inf"))
+            else:
+                row_logits = reference_top_k_top_p(row_logits, [p.top_k], [p.top_p], stable)
+        row_probs = torch.softmax(row_logits, dim=-1)
+        if p.min_p > 0:
+            threshold = p.min_p * row_probs.max(dim=-1, keepdim=True).values
+            row_probs = torch.where(row_probs < threshold, torch.zeros_like(row_probs), row_probs)
+        probs.append(row_probs[0])
+    return torch.stack(probs)
+
+
+def assert_same_distribution(new: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same kept tokens in every row, with the same probabilities: the softmax runs on the
+    same masked logits, so the same bits."""
+    for i in range(ref.shape[0]):
+        kept, ref_kept = new[i] > 0, ref[i] > 0
+        assert torch.equal(kept, ref_kept), (
+            f"row {i}: {int(kept.sum())} tokens kept, the reference keeps {int(ref_kept.sum())}")
+    assert torch.equal(new, ref)
+
+
+def model_like_logits(rows: int, vocab: int, spread: float, seed: int) -> torch.Tensor:
+    """Logits whose softmax falls off like a language model's (a few likely tokens, a Zipf tail)
+    in a random token order; `spread` scales them: 3 is peaked, 0.3 nearly flat."""
+    gen = torch.Generator().manual_seed(seed)
+    zipf = -torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    logits = spread * zipf + 0.5 * torch.randn(rows, vocab, generator=gen)
+    return torch.stack([r[torch.randperm(vocab, generator=gen)] for r in logits])
+
+
+def params_for(settings) -> list[SamplingParams]:
+    return [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in settings]
+
+
+TYPICAL = [  # (temperature, top_k, top_p, min_p) as requests set them
+    (1.0, 1, 1.0, 0.0),
+    (0.8, 50, 1.0, 0.0),
+    (0.8, 0, 0.95, 0.0),
+    (0.8, 50, 0.95, 0.0),
+    (0.7, 40, 0.9, 0.05),
+    (1.0, 0, 0.9, 0.1),
+    (1.3, 0, 1e-6, 0.0),
+    (1.0, 0, 0.5, 0.0),
+    (1.0, 0, 1.0, 0.2),  # min-p only
+]
+SETTINGS = TYPICAL + [
+    (1.0, 0, 0.99, 0.0),
+    (1.0, 0, 0.999, 0.0),
+    (0.5, 0, 0.9999999, 0.0),
+    (1.0, 1000, 0.99, 0.0),
+    (2.0, 5000, 1.0, 0.0),
+    (1.0, 300, 0.9999999, 0.0),
+    (1.0, 10**9, 0.8, 0.0),  # top_k past the vocabulary: no top-k
+]
+
+
+@pytest.mark.parametrize("vocab", [49152, 262144])
+@pytest.mark.parametrize("spread", [3.0, 1.5, 1.0, 0.3])
+def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
+    """Each setting alone and all of them in one batch, on peaked to flat rows (flat ones take
+    the histogram-sized window or the whole-row fallback): the sort's tokens, bit for bit."""
+    from kvserve.core.sampler import _filtered_probs
+
+    logits = model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab)
+    params = params_for(SETTINGS)
+    expected = reference_filtered_probs(logits, params, exact=True)
+    assert_same_distribution(_filtered_probs(logits, params), expected)
+    for i in range(0, len(SETTINGS), 3 if vocab > 100_000 else 1):
+        single = _filtered_probs(logits[i:i + 1], params[i:i + 1])
+        assert_same_distribution(single, expected[i:i + 1])
+
+
+@pytest.mark.parametrize("spread", [3.0, 1.5, 1.0])
+def test_typical_settings_equal_the_former_float32_sort(spread):
+    """The usual settings at the usual vocabulary: the former code's tokens and probabilities,
+    bit for bit (not a float64 rerun of it)."""
+    from kvserve.core.sampler import _filtered_probs
+
+    logits = model_like_logits(len(TYPICAL), 49152, spread, seed=int(spread * 100))
+    params = params_for(TYPICAL)
+    assert_same_distribution(_filtered_probs(logits, params),
+                             reference_filtered_probs(logits, params))
+
+
+@pytest.mark.parametrize("vocab", [49152, 262144])
+def test_the_float32_sort_differed_only_in_its_rounding(vocab):
+    """Where the former float32 code kept other tokens (top_p near 1, long tails, 262k rows):
+    its softmax of the sorted row summed best first and lost the tail's smallest terms (at 262k
+    its probabilities added up to 1.0001), so it cut early. The kept sets are nested, and they
+    and the probabilities differ by less than 2e-4."""
+    from kvserve.core.sampler import _filtered_probs
+
+    params = params_for(SETTINGS)
+    differing_rows = 0
+    for spread in (3.0, 1.5, 1.0, 0.3):
+        logits = model_like_logits(len(SETTINGS), vocab, spread, seed=5)
+        new = _filtered_probs(logits, params)
+        old = reference_filtered_probs(logits, params)
+        unfiltered = torch.softmax(logits / torch.tensor([[p.temperature] for p in params]), -1)
+        for i in range(len(params)):
+            if torch.equal(new[i], old[i]):
+                continue
+            differing_rows += 1
+            kept, old_kept = new[i] > 0, old[i] > 0
+            assert bool((kept & ~old_kept).sum() == 0) or bool((old_kept & ~kept).sum() == 0)
+            assert float(unfiltered[i][kept ^ old_kept].sum()) < 2e-4
+            both = kept & old_kept
+            torch.testing.assert_close(new[i][both], old[i][both], rtol=2e-4, atol=0)
+    assert differing_rows > 0  # the case is real: this test would otherwise prove nothing
+
+
+def test_every_window_path_is_taken(monkeypatch):
+    """The first window, the histogram-sized window and the whole row, each against the sort."""
+    from kvserve.core import sampler
+
+    windows: list[int] = []
+    real = sampler._nucleus_in_window
+
+    def spy(logits, probs, top_p, window):
+        windows.append(window)
+        return real(logits, probs, top_p, window)
+
+    monkeypatch.setattr(sampler, "_nucleus_in_window", spy)
+    vocab = 49152
+    for spread, top_p, widest in [(3.0, 0.9, 256), (1.1, 0.9, None), (0.2, 0.95, vocab)]:
+        windows.clear()
+        logits = model_like_logits(2, vocab, spread, seed=7)
+        params = params_for([(1.0, 0, top_p, 0.0)] * 2)
+        assert_same_distribution(sampler._filtered_probs(logits, params),
+                                 reference_filtered_probs(logits, params, exact=True))
+        if widest is None:
+            assert 256 < max(windows) < vocab, windows
+        else:
+            assert max(windows) == widest, windows
+
+
+@pytest.mark.parametrize("first_window", [1, 2, 5, 64])
+def test_small_first_windows(monkeypatch, first_window):
+    """Windows far smaller than the nucleus: every row widens, some twice, ties and -inf fall on
+    window edges, and a window's last token can be its cut (what follows it is then unknown)."""
+    from kvserve.core import sampler
+
+    monkeypatch.setattr(sampler, "_FIRST_WINDOW", first_window)
+    gen = torch.Generator().manual_seed(first_window)
+    rows = [model_like_logits(1, 500, spread, seed=first_window)[0] for spread in (3, 1, 0.3)]
+    rows.append(torch.randint(0, 4, (500,), generator=gen).float())
+    rows.append(torch.where(torch.rand(500, generator=gen) < 0.5, float("-inf"), rows[1]))
+    logits = torch.stack(rows)
+    for setting in SETTINGS + [(1.0, 3, 0.99, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 0.97, 0.0)]:
+        params = params_for([setting] * len(rows))
+        assert_same_distribution(sampler._filtered_probs(logits, params),
+                                 reference_filtered_probs(logits, params, True, True))
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
+    """Integer logits tie in big groups, so top-k and top-p cuts fall inside one: as many tokens
+    as the sort keeps, with the same probabilities, and of the tied ones the lowest ids (what a
+    stable sort keeps; torch's sort, not stable, keeps an arbitrary few)."""
+    from kvserve.core.sampler import _filtered_probs
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 6, (4, vocab), generator=gen).float()
+    logits[3] = 0.0  # one tie across the whole row
+    for k in (0, 1, 2, 3, vocab // 3, vocab - 1, vocab):
+        for p in (1.0, 0.6, 0.3, 0.05):
+            params = params_for([(1.0, k, p, 0.0)] * 4)
+            new = _filtered_probs(logits, params)
+            assert_same_distribution(new, reference_filtered_probs(logits, params, True, True))
+            unstable = reference_filtered_probs(logits, params, exact=True)
+            assert torch.equal((new > 0).sum(dim=-1), (unstable > 0).sum(dim=-1))
+            # the same values at other places: the softmax sums them in another order
+            torch.testing.assert_close(new.sort(dim=-1).values, unstable.sort(dim=-1).values)
+
+
+def test_masked_tokens_and_tiny_vocabularies():
+    """-inf logits (min_tokens, logit_bias) inside and at the edge of the first window; a row of
+    fewer tokens than the window."""
+    from kvserve.core.sampler import _filtered_probs
+
+    logits = model_like_logits(3, 2000, 2.0, seed=3)
+    logits[0, logits[0].topk(300).indices[1:]] = float("-inf")  # one finite token left near top
+    logits[1, logits[1].topk(700).indices[::2]] = float("-inf")
+    logits[2, torch.arange(0, 2000, 3)] = float("-inf")
+    short = torch.tensor([[0.5, 2.0, -1.0]])
+    for setting in SETTINGS:
+        params = params_for([setting] * 3)
+        assert_same_distribution(_filtered_probs(logits, params),
+                                 reference_filtered_probs(logits, params, exact=True))
+        assert_same_distribution(_filtered_probs(short, params[:1]),
+                                 reference_filtered_probs(short, params[:1], exact=True))
+
+
+def test_top_p_one_keeps_every_token_in_any_batch():
+    """The sort cut a top_p = 1.0 row's tail when another row of the batch filtered and its
+    float32 running sum rounded past 1.0; now such a row is left whole, as it was when alone."""
+    from kvserve.core.sampler import _filtered_probs
+
+    logits = torch.randint(0, 6, (2, 49152), generator=torch.Generator().manual_seed(0)).float()
+    params = params_for([(1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0)])
+    batched_before = torch.softmax(reference_top_k_top_p(logits, [0, 0], [1.0, 0.9]), dim=-1)
+    assert int((batched_before[0] > 0).sum()) < 49152  # the former quirk, for the record
+    assert torch.equal(_filtered_probs(logits, params)[0], torch.softmax(logits[0], dim=-1))
+
+
+def reference_tokens(logits: torch.Tensor, rows: list[SamplingRow], seeds: list[int | None],
+                     steps: int) -> list[list[int | None]]:
+    """What the former sampler drew for seeded rows: argmax(p / E), E ~ Exp(1) from each row's
+    own generator, one draw over the whole vocabulary per step; None for other rows."""
+    probs = reference_filtered_probs(logits, [r.params for r in rows])
+    generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+    tokens = []
+    for _ in range(steps):
+        step: list[int | None] = []
+        for i, gen in enumerate(generators):
+            if gen is None:
+                step.append(None)
+                continue
+            noise = torch.empty(logits.shape[-1]).exponential_(generator=gen)
+            step.append(int((probs[i] / noise).argmax()))
+        tokens.append(step)
+    return tokens
+
+
+def test_seeded_draws_match_the_former_sampler():
+    """Same seed, same probabilities, same noise: the tokens the sorting sampler drew, in a batch
+    that also holds greedy and unseeded rows."""
+    logits = model_like_logits(5, 49152, 1.2, seed=11)
+    specs = [  # (seed, params)
+        (42, dict(temperature=0.8, top_p=0.95)),
+        (None, dict(temperature=0.0)),
+        (7, dict(temperature=0.8, top_k=50)),
+        (None, dict(temperature=1.0, top_p=0.9)),
+        (123, dict(temperature=1.2, top_k=200, top_p=0.7, min_p=0.01)),
+    ]
+    rows = [row(seed=seed, **params) for seed, params in specs]
+    expected = reference_tokens(logits, rows, [seed for seed, _ in specs], steps=8)
+    sampler = Sampler(seed=0)
+    for step in expected:
+        got = sampler(logits, rows).token_ids
+        assert [got[i] for i, t in enumerate(step) if t is not None] == [
+            t for t in step if t is not None]
+    assert len({tuple(step) for step in expected}) > 1  # the draws do vary
