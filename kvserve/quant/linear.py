@@ -2,16 +2,19 @@
 
 Each layer keeps its low-bit weights for the cases the low-bit kernels win and a dense copy of the
 *dequantized* weights for the rest, so the model's weights are the same values whichever kernel
-runs; only the accumulation order differs. Measured on this machine (SmolLM2 shapes, bf16,
-FACTS.md and docs/performance.md): torch's int4/int8 weight-only kernels are 2.5x faster than a
-bf16 GEMM for 1-4 rows and 2-3x slower from 16 rows on; `torch._int_mm` (VNNI) is ~2x faster than
-bf16 from ~16 rows on. Our int4 kernel (kvserve/kernels/csrc/int4_gemm.cpp) is 1.5-2x faster than
-torch's at every row count and faster than the bf16 GEMM up to ~64-96 rows (1.2-1.8x at 64).
+runs; only the accumulation order differs. Where our kernels (kvserve/kernels/csrc/int4_gemm.cpp,
+int8_gemm.cpp, bf16_gemm.cpp) stop beating the dense GEMM depends on the CPU and is measured at
+start-up (kvserve/kernels/autotune.py): on a Zen 4 the bf16 int4 kernel wins up to 128 rows and
+beyond, the AVX2 float32 one up to 16. Without our kernels: torch's int4/int8 weight-only kernels
+beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2);
+`torch._int_mm` (VNNI) is ~2x faster than bf16 from ~16 rows on (Zen 5, FACTS.md).
 
 - `int4`: groupwise (32) asymmetric 4-bit, as GGUF's Q4_1: w = (q - 8) * scale + zero. Re-quantizing
   a Q4_1 GGUF's dequantized weights this way recovers its codes exactly (each Q4_1 block holds its
   min at code 0 and its max at code 15); scales are then rounded to the activation dtype.
 - `int8`: per-output-channel symmetric 8-bit weight-only.
+- every quantized mode: the LM head in int8, groupwise (GGUF Q8_0-exact) with our kernel.
+- unquantized bf16: projections and LM head laid out for our bf16 decode kernel (lossless).
 - `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
   runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
 """
