@@ -204,14 +204,21 @@ def test_int8_kernel_matches_dequantized_linear(shape, dtype, kernels):
     generator = torch.Generator().manual_seed(cols)
     weight = torch.randn(rows, cols, generator=generator) * 0.05
     packed = reference.pack_int8(*reference.quantize_int8_groupwise(weight))
-    dense = reference.unpack_int8(packed, rows)
+    _assert_kernel_matches_dense(kernels.int8_linear, packed, reference.unpack_int8(packed, rows),
+                                 dtype, generator)
+
+
+def _assert_kernel_matches_dense(kernel, packed, dense, dtype, generator):
+    """kernel(x, packed, bias, N) against F.linear of the same float weights, 1..17 rows of x,
+    with and without bias: within bf16 output rounding, or accumulation order in float32."""
+    rows, cols = dense.shape
     bias = torch.randn(rows, generator=generator).to(dtype)
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
     for m in range(1, 18):
         x = torch.randn(m, cols, generator=generator).to(dtype)
         for b in (None, bias):
             expected = nn.functional.linear(x.float(), dense, None if b is None else b.float())
-            got = kernels.int8_linear(x, packed, b, rows)
+            got = kernel(x, packed, b, rows)
             assert got.dtype == dtype and got.shape == (m, rows)
             torch.testing.assert_close(got.float(), expected, rtol=tolerance,
                                        atol=tolerance * expected.abs().max().item())
@@ -232,17 +239,8 @@ def test_bf16_kernel_matches_the_dense_linear(shape, dtype, kernels):
     generator = torch.Generator().manual_seed(cols + 1)
     weight = torch.randn(rows, cols, generator=generator) * 0.05
     packed = reference.pack_bf16(weight)
-    dense = reference.unpack_bf16(packed, rows)
-    bias = torch.randn(rows, generator=generator).to(dtype)
-    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
-    for m in range(1, 18):
-        x = torch.randn(m, cols, generator=generator).to(dtype)
-        for b in (None, bias):
-            expected = nn.functional.linear(x.float(), dense, None if b is None else b.float())
-            got = kernels.bf16_linear(x, packed, b, rows)
-            assert got.dtype == dtype and got.shape == (m, rows)
-            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
-                                       atol=tolerance * expected.abs().max().item())
+    _assert_kernel_matches_dense(kernels.bf16_linear, packed, reference.unpack_bf16(packed, rows),
+                                 dtype, generator)
 
 
 def test_unquantized_bf16_model_decodes_through_the_bf16_kernel_losslessly():

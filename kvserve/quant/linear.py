@@ -169,52 +169,57 @@ class W8A8Linear(Int8WeightOnlyLinear):
                                          x.dtype)
 
 
-class Int8GroupwiseLinear(nn.Module):
+class _PanelLinear(nn.Module):
+    """Weights in one of our kernels' panel layouts plus a dense copy of the same values: the
+    kernel serves batches up to the row count the autotuner measured for this shape (`fallback`
+    with it off), the dense GEMM larger ones."""
+
+    def __init__(self, kind: str, kernel, panels: torch.Tensor, dense: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype, isa: str, fallback: int):
+        super().__init__()
+        self.register_buffer("panels", panels)
+        self.register_buffer("dense_weight", dense.to(dtype))
+        self.register_buffer("bias", bias)
+        self.out_features = dense.shape[0]
+        self.kernel = kernel
+        self.max_rows = autotune.max_rows(kind, kernel, panels, self.dense_weight, dtype, isa,
+                                          fallback)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense_weight, self.bias)
+        return self.kernel(x, self.panels, self.bias, self.out_features)
+
+
+class Int8GroupwiseLinear(_PanelLinear):
     """int8 per group of 32 along K with a float32 scale: GGUF's Q8_0 exactly (SmolLM2's tied
-    embedding is Q8_0, so the LM head computes with the checkpoint's own weights). Up to
-    `max_rows` rows our kernel (kernels/csrc/int8_gemm.cpp, float FMAs on the widened codes);
-    larger batches the dense copy of the same values in the activation dtype (the limit is
-    measured by the autotuner; `max_rows` applies with it off)."""
+    embedding is Q8_0, so the LM head computes with the checkpoint's own weights), through our
+    kernel (kernels/csrc/int8_gemm.cpp, float FMAs on the widened codes) for decode batches."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops, max_rows: int):
-        super().__init__()
         codes, scale = quantize_int8_groupwise(linear.weight.data)
-        self.register_buffer("panels", pack_int8(codes, scale))
-        self.register_buffer("dense_weight",
-                             (codes.float().view(codes.shape[0], -1, 32) * scale[..., None])
-                             .view(codes.shape).to(dtype))
-        self.register_buffer("bias", _bias(linear, dtype))
-        self.out_features = codes.shape[0]
-        self.ops = ops
-        self.max_rows = autotune.max_rows("int8", ops.int8_linear, self.panels, self.dense_weight,
-                                          dtype, ops.isa, max_rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense_weight, self.bias)
-        return self.ops.int8_linear(x, self.panels, self.bias, self.out_features)
+        dense = (codes.float().view(codes.shape[0], -1, 32) * scale[..., None]).view(codes.shape)
+        super().__init__("int8", ops.int8_linear, pack_int8(codes, scale), dense,
+                         _bias(linear, dtype), dtype, ops.isa, max_rows)
 
 
-class Bf16PanelLinear(nn.Module):
-    """Unquantized bf16 weights, for decode batches through our kernel
-    (kernels/csrc/bf16_gemm.cpp: oneDNN's bf16 GEMM read weights at ~7 GB/s at one row on
-    Zen 4) up to the row count the autotuner measured, the dense GEMM above: the same bf16
-    values either way, so the lossless mode stays lossless."""
+class Bf16PanelLinear(_PanelLinear):
+    """Unquantized bf16 weights through our kernel (kernels/csrc/bf16_gemm.cpp: oneDNN's bf16
+    GEMM read weights at ~7 GB/s at one row on Zen 4) for decode batches: the same bf16 values
+    as the dense copy, so the lossless mode stays lossless."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
-        super().__init__()
-        self.register_buffer("panels", pack_bf16(linear.weight.data))
-        self.register_buffer("dense_weight", linear.weight.data.to(dtype))
-        self.register_buffer("bias", _bias(linear, dtype))
-        self.out_features = linear.weight.shape[0]
-        self.ops = ops
-        self.max_rows = autotune.max_rows("bf16", ops.bf16_linear, self.panels, self.dense_weight,
-                                          dtype, ops.isa, BF16_KERNEL_MAX_ROWS)
+        super().__init__("bf16", ops.bf16_linear, pack_bf16(linear.weight.data),
+                         linear.weight.data, _bias(linear, dtype), dtype, ops.isa,
+                         BF16_KERNEL_MAX_ROWS)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense_weight, self.bias)
-        return self.ops.bf16_linear(x, self.panels, self.bias, self.out_features)
+
+def _head_as_linear(model: nn.Module) -> nn.Linear:
+    """The LM head (or the tied embedding) as a float32 nn.Linear, for the layers above."""
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
+    return linear
 
 
 def use_bf16_panels(model: nn.Module, dtype: torch.dtype, ops) -> nn.Module:
@@ -227,10 +232,8 @@ def use_bf16_panels(model: nn.Module, dtype: torch.dtype, ops) -> nn.Module:
             child = getattr(parent, name, None)
             if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
                 setattr(parent, name, Bf16PanelLinear(child, dtype, ops))
-    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-    if head.weight.shape[1] % 32 == 0:
-        linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
+    linear = _head_as_linear(model)
+    if linear.in_features % 32 == 0:
         model.logits_head = Bf16PanelLinear(linear, dtype, ops)
     return model
 
@@ -284,9 +287,7 @@ def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> 
     reads once the layers are int4. With a vectorised kernel build, groupwise (Q8_0-exact, our
     kernel); otherwise per channel on torch's int8 kernel; w8a8 also runs it on int8 units for
     batches."""
-    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-    linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
+    linear = _head_as_linear(model)
     if mode == "w8a8":
         return W8A8Linear(linear, dtype, ops)
     if _has_vector_kernels(ops) and linear.in_features % 32 == 0:
