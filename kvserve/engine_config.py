@@ -31,6 +31,10 @@ class EngineConfig:
     max_num_seqs: int = _opt(256, "max sequences in one batch")
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    max_num_partial_prefills: int | None = _opt(
+        None, "prompts prefilled in one step at most (default: as many as the token budget "
+        "holds); 1 serves a burst of short prompts one after another, so each waits only for "
+        "those ahead of it")
     scheduling_policy: str = _opt("fcfs", "fcfs or priority (lower value runs first)",
                                   choices=["fcfs", "priority"])
     attention_backend: str = _opt("paged", "attention implementation: paged (fused layer ops, "

@@ -58,6 +58,29 @@ def test_max_num_seqs_limits_admission():
     assert len(output.scheduled) == 2 and scheduler.num_waiting == 1
 
 
+def test_max_num_partial_prefills_serves_a_burst_one_prompt_per_step():
+    """Three short prompts at once: one prefill per step (each gets its first token after its own
+    prefill, not everyone's), decodes of the earlier ones alongside; a prompt chunked over
+    several steps holds its slot until done."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, max_num_partial_prefills=1)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 5, seed_token=10 * i))
+    steps = [[(s.request.request_id, s.num_new_tokens) for s in fake_step(scheduler)[0].scheduled]
+             for _ in range(3)]
+    assert steps == [[("r0", 5)], [("r0", 1), ("r1", 5)], [("r0", 1), ("r1", 1), ("r2", 5)]]
+    chunked = make_scheduler(max_num_batched_tokens=8, max_num_partial_prefills=1)
+    chunked.add_request(make_request("long", 12))
+    chunked.add_request(make_request("next", 3))
+    first, _ = fake_step(chunked)
+    second, _ = fake_step(chunked)
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("long", 8)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("long", 4)]
+    unlimited = make_scheduler(max_num_batched_tokens=32)
+    for i in range(3):
+        unlimited.add_request(make_request(f"r{i}", 5, seed_token=10 * i))
+    assert len(fake_step(unlimited)[0].scheduled) == 3
+
+
 def test_priority_policy_orders_waiting_and_picks_victims():
     scheduler = make_scheduler(policy="priority", max_num_seqs=1)
     scheduler.add_request(make_request("low", 2, priority=5))
@@ -136,12 +159,14 @@ operations = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=operations, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
        budget=st.integers(1, 40), policy=st.sampled_from(["fcfs", "priority"]),
-       seed=st.integers(0, 1000))
-def test_random_sequences_lose_nothing(ops, num_blocks, block_size, budget, policy, seed):
+       prefills=st.sampled_from([None, 1, 2]), seed=st.integers(0, 1000))
+def test_random_sequences_lose_nothing(ops, num_blocks, block_size, budget, policy, prefills,
+                                       seed):
     rng = random.Random(seed)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget,
-                        max_model_len=num_blocks * block_size, policy=policy),
+                        max_model_len=num_blocks * block_size, policy=policy,
+                        max_num_partial_prefills=prefills),
         KVCacheManager(num_blocks, block_size))
     capacity = num_blocks * block_size
     added: dict[str, Request] = {}

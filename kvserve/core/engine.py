@@ -77,6 +77,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_partial_prefills=config.max_num_partial_prefills,
         ), self.kv_manager)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device,
                                   config.seed)

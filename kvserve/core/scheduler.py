@@ -26,6 +26,10 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_chunked_prefill: bool = True
+    # prompts that may be prefilled in one step (None: as many as the budget allows). One at a
+    # time serves a burst of short prompts in order: each gets its first token after its own
+    # prefill instead of everyone's (see docs/performance.md, s3).
+    max_num_partial_prefills: int | None = None
 
 
 @dataclass
@@ -101,7 +105,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(output, budget)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, self._prefill_slots(output))
         now = time.monotonic()
         for item in output.scheduled:
             if item.request.times.first_scheduled is None:
@@ -154,9 +158,20 @@ class Scheduler:
         self._push_front(request)
         return refund
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _prefill_slots(self, output: SchedulerOutput) -> int | None:
+        """How many waiting requests may still start a prefill in this step."""
+        limit = self.config.max_num_partial_prefills
+        if limit is None:
+            return None
+        prefilling = sum(1 for item in output.scheduled
+                         if item.start_position < item.request.num_prompt_tokens)
+        return max(0, limit - prefilling)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int,
+                          prefill_slots: int | None = None) -> None:
         skipped: list[tuple[tuple, Request]] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and prefill_slots != 0):
             key, request = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             if self.kv.is_computing_elsewhere(request, num_hit):
@@ -178,6 +193,8 @@ class Scheduler:
             self.running.append(request)
             self._record(output, request, num_new)
             budget -= num_new
+            if prefill_slots is not None:
+                prefill_slots -= 1
         for item in skipped:
             bisect.insort(self.waiting, item, key=lambda entry: entry[0])
 

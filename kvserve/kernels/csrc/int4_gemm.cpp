@@ -223,9 +223,15 @@ inline void store_panel(const float* values, const float* bias, int count, BFloa
 // 0x000F / 0x4300 masks as the AVX-512 path, nibble j of both words becomes bf16 128 + q; a shift
 // and a mask make them two float vectors, scaled once per group (exact: (128 + q) * a bf16 scale
 // fits in a float's mantissa) and then shared by up to 8 rows of x, each broadcast per k.
+//
+// The group's dot products accumulate unscaled (128 + q times x, exact enough in float: < 2^8 *
+// 32 terms of x) and are scaled once per group, not per weight: at one row the loop is bound by
+// vector ops per weight, and the two multiplies per 16 weights were a fifth of them. Rows are few,
+// so each row keeps dot chains for even and odd k, two of each with 1-2 rows, to keep FMAs in flight.
 template <int R, typename S>
 void half_panel_rows(const float* x, int64_t ldx, const uint8_t* panel, const float* xsum,
                      int64_t groups, int half, float* out) {
+  constexpr int C = R <= 2 ? 2 : 1;
   const __m256i low4 = _mm256_set1_epi32(0x000F000F), exponent = _mm256_set1_epi32(0x43004300);
   const __m256i high_word = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 total[R];
@@ -233,27 +239,36 @@ void half_panel_rows(const float* x, int64_t ldx, const uint8_t* panel, const fl
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * Block<S>::kBytes;
     if (half == 0) prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
-    const __m256 scale = vload(Block<S>::scales(block) + 8 * half);
-    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(kCodeOffset), scale,
-                                           vload(Block<S>::zeros(block) + 8 * half));
+    __m256 dot_even[R][C], dot_odd[R][C];
+    for (int m = 0; m < R; ++m)
+      for (int c = 0; c < C; ++c) dot_even[m][c] = dot_odd[m][c] = _mm256_setzero_ps();
     for (int chunk = 0; chunk < 4; ++chunk) {
       const __m256i words = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(block + chunk * kChunkBytes + 32 * half));
       for (int j = 0; j < 4; ++j) {
         const __m256i w = _mm256_or_si256(
             _mm256_and_si256(_mm256_srli_epi32(words, 4 * j), low4), exponent);
-        const __m256 even = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), scale);
-        const __m256 odd = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w, high_word)),
-                                         scale);
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high_word));
         const int64_t k = g * kGroup + chunk * 8 + 2 * j;
         for (int m = 0; m < R; ++m) {
-          total[m] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + m * ldx + k), total[m]);
-          total[m] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + m * ldx + k + 1), total[m]);
+          __m256& de = dot_even[m][j % C];
+          __m256& dd = dot_odd[m][j % C];
+          de = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + m * ldx + k), de);
+          dd = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + m * ldx + k + 1), dd);
         }
       }
     }
-    for (int m = 0; m < R; ++m)
+    const __m256 scale = vload(Block<S>::scales(block) + 8 * half);
+    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(kCodeOffset), scale,
+                                           vload(Block<S>::zeros(block) + 8 * half));
+    for (int m = 0; m < R; ++m) {
+      __m256 dot = _mm256_add_ps(dot_even[m][0], dot_odd[m][0]);
+      for (int c = 1; c < C; ++c)
+        dot = _mm256_add_ps(dot, _mm256_add_ps(dot_even[m][c], dot_odd[m][c]));
+      total[m] = _mm256_fmadd_ps(dot, scale, total[m]);
       total[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), total[m]);
+    }
   }
   for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * kPanel + 8 * half, total[m]);
 }
