@@ -53,6 +53,9 @@ class EngineConfig:
                           "--no-autotune uses fixed row limits")
     num_threads: int | None = _opt(None, "torch intra-op threads for the engine's kernels "
                                    "(default: one per core)")
+    adaptive_threads: bool = _opt(True, "while other processes keep some of our cores busy, "
+                                  "run the kernels on the cores left (checked once a second); "
+                                  "--no-adaptive-threads keeps the thread count fixed")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
 
     def kv_cache_bytes(self) -> int:

@@ -17,6 +17,8 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 # Kernel choices fixed (the documented limits) so tests do not time kernels; tests/test_autotune.py
 # runs the autotuner itself, and both choices are tested equal to the reference at every level.
 os.environ.setdefault("KVSERVE_AUTOTUNE", "0")
+# the thread governor would change thread counts mid-test when the suite runs beside other work
+os.environ.setdefault("KVSERVE_ADAPTIVE_THREADS", "0")
 
 
 @pytest.fixture(scope="session", params=isa.machine_levels())

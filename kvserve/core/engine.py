@@ -17,6 +17,8 @@ from kvserve.core.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.core.output_processor import RequestGroup, SampleState
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.threads import ThreadGovernor
+from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.kernels import autotune
@@ -55,6 +57,8 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         threads = configure_threads(config.num_threads)
+        self.thread_governor = ThreadGovernor(
+            threads, enabled=config.adaptive_threads and threads_env_allows())
         if not config.autotune:
             autotune.set_enabled(False)
         self.source = resolve_model(config.model)
@@ -234,6 +238,7 @@ class LLMEngine:
         find the culprit. An exception in scheduling or bookkeeping is not attributable and
         propagates to the caller.
         """
+        self.thread_governor.tick()
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
