@@ -24,11 +24,12 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="paged")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="--no-profile: plain wall times, no profiler overhead")
     args = parser.parse_args()
 
-    extra = {"quantization": args.quantization}
+    extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
               cpu_kernels=args.cpu_kernels, **extra)
     engine = llm.llm_engine

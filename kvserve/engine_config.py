@@ -41,6 +41,11 @@ class EngineConfig:
                                   "reads KV blocks in place), sdpa_batched (eager, batched "
                                   "decode) or torch_ref (the plain reference)",
                                   choices=["paged", "sdpa_batched", "torch_ref"])
+    kv_cache_dtype: str = _opt("auto", "K/V storage: auto (bfloat16 beside float32 activations "
+                               "when float32 is only the machine's default, else the "
+                               "activations' dtype), float32 or bfloat16 (bf16 with float32 "
+                               "activations: K/V rounded to bf16, perplexity in "
+                               "docs/performance.md)", choices=["auto", "float32", "bfloat16"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (int4 for "
                              "4-bit GGUFs in bfloat16, else none), none, int4 (groupwise, exact "
                              "for Q4_1 GGUFs), int8 (per channel) or w8a8 (int8 weights, int8 "

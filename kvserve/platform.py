@@ -20,6 +20,18 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def kv_cache_dtype(choice: str, activations: torch.dtype, dtype_is_default: bool,
+                   device: str) -> torch.dtype:
+    """`auto`: bf16 K/V beside float32 activations when float32 is only the machine's default
+    (CPUs without native bf16: half the KV bytes and twice the tokens; bf16 -> float is a shift),
+    else the activations' dtype, so an explicit `--dtype float32` stays the exact reference."""
+    if choice != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+    if activations == torch.float32 and dtype_is_default and not device.startswith("cuda"):
+        return torch.bfloat16
+    return activations
+
+
 def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op (OpenMP) threads for the engine; None keeps torch's default (one per
     core). The C++ kernels and torch's GEMMs share this pool; the server's event loop runs while

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import SamplingParams
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
@@ -149,3 +150,37 @@ def test_token_id_prompts_must_be_integers(tiny_llm):
                 {"prompt_token_ids": "123"}):
         with pytest.raises(InvalidRequestError, match="integers"):
             tiny_llm.generate(bad, use_tqdm=False)
+
+
+def test_kv_cache_dtype_choice():
+    from kvserve.platform import kv_cache_dtype
+
+    # bf16 K/V only where float32 is the machine's default, not the user's exact reference
+    assert kv_cache_dtype("auto", torch.float32, True, "cpu") == torch.bfloat16
+    assert kv_cache_dtype("auto", torch.float32, False, "cpu") == torch.float32
+    assert kv_cache_dtype("auto", torch.bfloat16, True, "cpu") == torch.bfloat16
+    assert kv_cache_dtype("float32", torch.float32, True, "cpu") == torch.float32
+
+
+def test_bf16_kv_cache_with_float32_activations(tiny_model_dir):
+    """Half the bytes per block (twice the blocks for the same memory); chunked and whole
+    prefills attend over the same stored K/V (identical tokens); close to the float32 cache."""
+    from kvserve import LLM
+
+    budget = 4 << 20
+    kwargs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=budget,
+                  block_size=16)
+    whole = LLM(kv_cache_dtype="bfloat16", **kwargs)
+    chunked = LLM(kv_cache_dtype="bfloat16", max_num_batched_tokens=16, **kwargs)
+    exact = LLM(kv_cache_dtype="float32", **kwargs)
+    assert whole.llm_engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert (whole.llm_engine.runner.kv_caches[0].shape[1]
+            == 2 * exact.llm_engine.runner.kv_caches[0].shape[1])
+    prompts = ["The weather today is " * 6, "def parse(text):\n    return", "Once upon"]
+    params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
+    runs = [llm.generate(prompts, params, use_tqdm=False) for llm in (whole, chunked, exact)]
+    for a, b, c in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        first = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
+        reference = c.outputs[0].logprobs[0][c.outputs[0].token_ids[0]].logprob
+        assert abs(first - reference) < 0.05

@@ -83,6 +83,33 @@ def test_paged_attention_ragged_causal(dtype, dim, compiled):
     _close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dim", [32, 64])
+def test_bf16_cache_beside_float32_activations(dim, compiled):
+    """CPUs without native bf16 keep float32 activations and a bf16 KV cache: the cache write
+    rounds K/V to bf16 (as the reference's cast), attention reads them back exactly."""
+    metadata, positions, kv_cache, qkv = _batch(torch.float32, [1, 4, 6, 1], [7, 10, 6, 33],
+                                                dim=dim)
+    kv_cache = kv_cache.to(torch.bfloat16)
+    table = torch.randn(64, dim)
+    qkv2, cache2 = qkv.clone(), kv_cache.clone()
+    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
+                             KV_HEADS, dim)
+    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
+                              KV_HEADS, dim)
+    _close(qkv, qkv2, torch.float32)
+    assert torch.equal(kv_cache, cache2)  # the same round-to-nearest-even
+    seq_ids = torch.arange(4, dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            HEADS, KV_HEADS, dim, dim**-0.5)
+    out = torch.zeros(qkv.shape[0], HEADS * dim)
+    expected = torch.zeros_like(out)
+    compiled.paged_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv, kv_cache, expected, *args)
+    _close(out, expected, torch.float32)
+    with pytest.raises(RuntimeError, match="KV cache"):  # bf16 activations, float cache
+        compiled.paged_attention_(qkv.bfloat16(), kv_cache.float(), out.bfloat16(), *args)
+
+
 def test_paged_attention_only_touches_selected_sequences(compiled):
     metadata, _, kv_cache, qkv = _batch(torch.float32, [1, 1, 1], [5, 6, 7])
     out = torch.full((3, HEADS * DIM), 7.0)

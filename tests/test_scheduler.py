@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +80,8 @@ def test_max_num_partial_prefills_serves_a_burst_one_prompt_per_step():
     for i in range(3):
         unlimited.add_request(make_request(f"r{i}", 5, seed_token=10 * i))
     assert len(fake_step(unlimited)[0].scheduled) == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        SchedulerConfig(max_num_partial_prefills=0)
 
 
 def test_priority_policy_orders_waiting_and_picks_victims():

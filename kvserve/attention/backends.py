@@ -95,14 +95,15 @@ class BatchedSDPABackend:
         queries = query[token_index].view(batch, num_kv_heads, -1, head_dim)
         flat_tables = tables.flatten()
         # index_select over whole blocks is ~1.7x faster than advanced indexing here
-        keys = kv_cache[0].index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim)
+        keys = kv_cache[0].index_select(0, flat_tables).view(
+            batch, -1, num_kv_heads, head_dim).to(query.dtype)
         scores = torch.matmul(queries, keys.transpose(1, 2).transpose(-1, -2)).float() * scale
         lengths = metadata.seq_lens[rows_t].unsqueeze(1)
         valid = torch.arange(scores.shape[-1], device=query.device).unsqueeze(0) < lengths
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         values = kv_cache[1].index_select(0, flat_tables).view(
-            batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
+            batch, -1, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)  # [B, KVH, L, D]
         output[token_index] = torch.matmul(probs, values).reshape(batch, -1, head_dim)
 
 

@@ -84,6 +84,9 @@ class PagedBackend:
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
             query, key, value = _split_heads(qkv[start:end], num_heads, num_kv_heads, head_dim)
+            if kv_cache.dtype != qkv.dtype:  # attend over the K/V as stored, as every other path
+                key, value = (key.to(kv_cache.dtype).to(qkv.dtype),
+                              value.to(kv_cache.dtype).to(qkv.dtype))
             # 4-D inputs: with 3-D ones torch takes a slow path (measured 50 ms vs 3 ms per
             # layer for 256 tokens, docs/performance.md)
             attended = F.scaled_dot_product_attention(query[None], key[None], value[None],

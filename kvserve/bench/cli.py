@@ -62,6 +62,8 @@ def add_bench_parser(commands) -> None:
     ppl.add_argument("--model", default="smollm2-135m-instruct")
     ppl.add_argument("--dtype", default="auto")
     ppl.add_argument("--quantization", default="none")
+    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                     help="K/V storage (auto: the engine's choice for --dtype)")
     ppl.add_argument("--window", type=int, default=512)
     ppl.add_argument("--max-windows", type=int, default=None)
     ppl.add_argument("--output-json", default=None)
@@ -204,16 +206,20 @@ def _perplexity(args) -> int:
     from kvserve.bench.perplexity import held_out_text, perplexity
     from kvserve.model_source import resolve_model
     from kvserve.models.loader import load_model
-    from kvserve.platform import default_dtype
+    from kvserve.models.loader import resolve_dtype
+    from kvserve.platform import default_dtype, kv_cache_dtype
     from kvserve.tokenizer import load_tokenizer
 
     source = resolve_model(args.model)
-    dtype = default_dtype("cpu") if args.dtype == "auto" else args.dtype
+    dtype = default_dtype("cpu") if args.dtype == "auto" else resolve_dtype(args.dtype)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype, args.dtype == "auto", "cpu")
     model, _ = load_model(source, dtype, attention_backend="paged",
                           quantization=args.quantization)
     tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
-    result = {"model": source.name, "dtype": str(dtype), "quantization": args.quantization,
-              **perplexity(model, tokens, args.window, max_windows=args.max_windows)}
+    result = {"model": source.name, "dtype": str(dtype), "kv_cache_dtype": str(kv_dtype),
+              "quantization": args.quantization,
+              **perplexity(model, tokens, args.window, max_windows=args.max_windows,
+                           kv_dtype=kv_dtype)}
     print(json.dumps(result, indent=1))
     if args.output_json:
         report.write_json(args.output_json, result)

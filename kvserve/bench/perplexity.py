@@ -38,13 +38,13 @@ def held_out_text() -> str:
 
 @torch.inference_mode()
 def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: int = 4,
-               max_windows: int | None = None) -> dict:
+               max_windows: int | None = None, kv_dtype: torch.dtype | None = None) -> dict:
     """exp(mean negative log-likelihood) over every predicted position of every window."""
     from kvserve.testing.paged_loop import PagedLoop
 
     windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
     windows = windows[:max_windows] if max_windows else windows
-    loop = PagedLoop(model, windows_per_batch, window)
+    loop = PagedLoop(model, windows_per_batch, window, kv_dtype=kv_dtype)
     total_nll, count = 0.0, 0
     for start in range(0, len(windows), windows_per_batch):
         batch = windows[start:start + windows_per_batch]

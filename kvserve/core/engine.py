@@ -11,21 +11,22 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+import torch
+
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.core.output_processor import RequestGroup, SampleState
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.core.threads import ThreadGovernor
-from kvserve.core.threads import env_allows as threads_env_allows
+from kvserve.core.threads import ThreadGovernor, env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.kernels import autotune
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, resolve_dtype
 from kvserve.outputs import RequestOutput
-from kvserve.platform import configure_threads, default_dtype
+from kvserve.platform import configure_threads, default_dtype, kv_cache_dtype
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing.faults import FaultInjector
 from kvserve.tokenizer import load_tokenizer
@@ -71,7 +72,12 @@ class LLMEngine:
                                                    dtype_is_default=config.dtype == "auto")
         self.tokenizer = load_tokenizer(self.source)
         self.dtype = dtype
-        num_blocks = self._num_kv_blocks(dtype)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",
+                                       config.device)
+        if self.kv_dtype not in (dtype, torch.bfloat16):
+            raise ValueError(f"a {self.kv_dtype} KV cache needs {self.kv_dtype} activations "
+                             f"(they are {dtype})")
+        num_blocks = self._num_kv_blocks(self.kv_dtype)
         self.max_model_len = self._max_model_len(num_blocks)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching)
@@ -84,7 +90,7 @@ class LLMEngine:
             max_num_partial_prefills=config.max_num_partial_prefills,
         ), self.kv_manager)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device,
-                                  config.seed)
+                                  config.seed, kv_dtype=self.kv_dtype)
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()

@@ -24,13 +24,13 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0):
+                 seed: int = 0, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.config = model.config
         self.block_size = block_size
         self.device = torch.device(device)
-        dtype = next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
+        kv_dtype = kv_dtype or next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype, device)
         model.bind_kv_cache(self.kv_caches)
         ops = model.kernel_ops
         self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None)

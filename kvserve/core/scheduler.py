@@ -31,6 +31,10 @@ class SchedulerConfig:
     # prefill instead of everyone's (see docs/performance.md, s3).
     max_num_partial_prefills: int | None = None
 
+    def __post_init__(self):
+        if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills must be at least 1 (or None: no cap)")
+
 
 @dataclass
 class ScheduledRequest:

@@ -41,10 +41,13 @@ def rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads: 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter K/V [T, KVH, D] into their cache slots."""
+    """Scatter K/V [T, KVH, D] into their cache slots (rounded to the cache's dtype: a bf16 cache
+    may hold float32 activations' K/V)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                              key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                              value.to(kv_cache.dtype))
 
 
 def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -53,8 +56,8 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     cached K/V, gathered from its blocks; causal. The reference algorithm -> [n, H, D]."""
     query_len, block_size = query.shape[0], kv_cache.shape[2]
     blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
-    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
+    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
     query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
     mask = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]
     attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
