@@ -54,15 +54,21 @@ def _batch(dtype, query_lens, seq_lens, block_size=4, dim=DIM):
     return metadata, positions, kv_cache, qkv
 
 
+def _rope_both(compiled, metadata, positions, kv_cache, qkv, dim):
+    """Rotate and cache with the compiled op in place; returns the reference's (qkv, cache)."""
+    table = torch.randn(64, dim)
+    qkv2, cache2 = qkv.clone(), kv_cache.clone()
+    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
+                             KV_HEADS, dim)
+    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
+                              KV_HEADS, dim)
+    return qkv2, cache2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_write(dtype, compiled):
     metadata, positions, kv_cache, qkv = _batch(dtype, [3, 1, 5], [3, 9, 12])
-    table = torch.randn(64, DIM)
-    qkv2, cache2 = qkv.clone(), kv_cache.clone()
-    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
-                             KV_HEADS, DIM)
-    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
-                              KV_HEADS, DIM)
+    qkv2, cache2 = _rope_both(compiled, metadata, positions, kv_cache, qkv, DIM)
     _close(qkv, qkv2, dtype)
     _close(kv_cache, cache2, dtype)
 
@@ -90,12 +96,7 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
     metadata, positions, kv_cache, qkv = _batch(torch.float32, [1, 4, 6, 1], [7, 10, 6, 33],
                                                 dim=dim)
     kv_cache = kv_cache.to(torch.bfloat16)
-    table = torch.randn(64, dim)
-    qkv2, cache2 = qkv.clone(), kv_cache.clone()
-    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
-                             KV_HEADS, dim)
-    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
-                              KV_HEADS, dim)
+    qkv2, cache2 = _rope_both(compiled, metadata, positions, kv_cache, qkv, dim)
     _close(qkv, qkv2, torch.float32)
     assert torch.equal(kv_cache, cache2)  # the same round-to-nearest-even
     seq_ids = torch.arange(4, dtype=torch.int32)
