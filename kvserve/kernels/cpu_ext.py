@@ -39,6 +39,12 @@ _loaded: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}
 
 
+def sources_digest() -> str:
+    """A digest of the kernels' C++ sources: what the autotuner's table was measured with."""
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    return hashlib.sha256("|".join(texts).encode()).hexdigest()[:16]
+
+
 def _build_name(level: str) -> str:
     texts = [path.read_text() for path in SOURCES + HEADERS]
     key = "|".join(texts + [torch.__version__, level, *_COMMON_FLAGS, *isa.compiler_flags(level)])
