@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import torch
 
 from kvserve.kernels import isa
@@ -30,6 +33,19 @@ def kv_cache_dtype(choice: str, activations: torch.dtype, dtype_is_default: bool
     if activations == torch.float32 and dtype_is_default and not device.startswith("cuda"):
         return torch.bfloat16
     return activations
+
+
+def die_with_parent() -> None:
+    """For `subprocess.Popen(preexec_fn=...)`: on Linux the child gets SIGKILL when the process
+    that started it dies, however it dies (kill -9 included), so no child outlives its parent.
+    Elsewhere a no-op (the parent's own shutdown path must stop its children)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def configure_threads(num_threads: int | None) -> int:

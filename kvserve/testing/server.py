@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvserve.platform import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -40,8 +42,10 @@ class ServerProcess:
         command = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
                    *self.args]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        # a test run killed mid-way (SIGTERM skips fixture finalizers) takes its servers along
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                                        preexec_fn=die_with_parent)
         self._wait_healthy()
         return self
 
