@@ -35,7 +35,8 @@ def run_case(label: str, flags: list[str], neighbour: bool, port: int, out_dir: 
             spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             time.sleep(3)  # the governor needs two one-second windows to agree
         for scenario in ("s1", "s2"):
-            path = out_dir / f"{label.replace(' ', '_').replace(',', '')}-{scenario}.json"
+            stem = label.replace(" ", "_").replace(",", "")
+            path = out_dir / f"{stem}-{scenario}.json"
             subprocess.run([PY, "-m", "kvserve.cli", "bench", "serve", "--base-url",
                             f"http://127.0.0.1:{port}", "--no-progress", "--label", label,
                             "--output-json", str(path), *SCENARIOS[scenario]], check=True,
@@ -64,7 +65,8 @@ def main() -> None:
                     f"{summary['s2']['output_throughput']:.1f} | "
                     f"{summary['s2']['tpot_s']['p50'] * 1e3:.1f} |")
     text = (f"# kvserve with a busy neighbour, {args.name}\n\n"
-            f"Machine: {cpu_label(header)}, {header['cores']} cores. The neighbour: `python -c 'while True: pass'` on one core, "
+            f"Machine: {cpu_label(header)}, {header['cores']} cores. The neighbour: "
+            "`python -c 'while True: pass'` on one core, "
             "started 3 s before the client. Client: `kvserve bench serve`, scenarios s1 and s2 "
             "of benchmarks/run.py.\n\n"
             "| case | s1 TPOT p50 ms | s2 out tok/s | s2 TPOT p50 ms |\n|---|---|---|---|\n"

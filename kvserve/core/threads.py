@@ -105,7 +105,7 @@ class ThreadGovernor:
         self.threads = max_threads
         self.cores = len(_allowed_cpus())
         self._sample, self._set_threads, self._interval = sample, set_threads, interval_s
-        self._ticks_per_second = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        self._ticks_per_second = float(os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._last = sample() if enabled and max_threads > 1 else None
         self._proposed: int | None = None
         self.enabled = self._last is not None
