@@ -12,6 +12,7 @@ if no compiler is present the engine falls back to the torch reference ops
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -39,15 +40,17 @@ _loaded: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}
 
 
+@functools.lru_cache(maxsize=1)
 def sources_digest() -> str:
-    """A digest of the kernels' C++ sources: what the autotuner's table was measured with."""
+    """A digest of the kernels' C++ sources: part of each build's name, and of the autotuner's
+    table key (what its timings were measured with)."""
     texts = [path.read_text() for path in SOURCES + HEADERS]
     return hashlib.sha256("|".join(texts).encode()).hexdigest()[:16]
 
 
 def _build_name(level: str) -> str:
-    texts = [path.read_text() for path in SOURCES + HEADERS]
-    key = "|".join(texts + [torch.__version__, level, *_COMMON_FLAGS, *isa.compiler_flags(level)])
+    key = "|".join([sources_digest(), torch.__version__, level, *_COMMON_FLAGS,
+                    *isa.compiler_flags(level)])
     return f"kvserve_cpu_{level}_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

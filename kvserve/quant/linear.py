@@ -5,7 +5,7 @@ Each layer keeps its low-bit weights for the cases the low-bit kernels win and a
 runs; only the accumulation order differs. Where our kernels (kvserve/kernels/csrc/int4_gemm.cpp,
 int8_gemm.cpp, bf16_gemm.cpp) stop beating the dense GEMM depends on the CPU and is measured at
 start-up (kvserve/kernels/autotune.py): on a Zen 4 the bf16 int4 kernel wins up to 128 rows and
-beyond, the AVX2 float32 one up to 16. Without our kernels: torch's int4/int8 weight-only kernels
+beyond, the AVX2 float32 one up to 16-32. Without our kernels: torch's int4/int8 weight-only kernels
 beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2);
 `torch._int_mm` (VNNI) is ~2x faster than bf16 from ~16 rows on (Zen 5, FACTS.md).
 
