@@ -16,7 +16,7 @@ from kvserve.testing.server import ServerProcess
 from tests.server_helpers import assert_idle, tiny_server_flags
 
 SMALL_POOL_BLOCKS = 16  # 256 tokens: room for about two of the requests below at a time
-MAX_TOKENS = 24
+MAX_TOKENS = 48  # long enough that the requests overlap even when they arrive spread out
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
