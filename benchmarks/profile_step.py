@@ -37,10 +37,10 @@ def main() -> None:
     for i in range(args.batch):
         prompt = [(i * 31 + j) % 40000 + 100 for j in range(args.context)]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.engine_core.scheduler.running) \
+            or engine.engine_core.scheduler.waiting:
         engine.step()
-    runner = engine.runner
+    runner = engine.engine_core.runner
     timings = {"forward+sample": 0.0, "step": 0.0}
     original = runner.execute
 

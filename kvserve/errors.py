@@ -39,3 +39,12 @@ class InvalidRequestError(KVServeError, ValueError):
 
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt plus the requested output does not fit the model's context."""
+
+
+class EngineDeadError(KVServeError):
+    """The engine failed to start or stopped (its core process died, or the server is
+    shutting down); requests cannot be served until it is back."""
+
+
+class RequestFailedError(KVServeError):
+    """The engine raised while running this request; other requests go on."""

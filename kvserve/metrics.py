@@ -53,15 +53,15 @@ class EngineMetrics:
         self.output_len = histogram("request_generation_tokens", "Output length", _TOKEN_BUCKETS)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0}
 
-    def record_engine_state(self, engine) -> None:
-        """Gauges and counter deltas from the engine (call from the engine thread)."""
-        scheduler, kv = engine.scheduler, engine.kv_manager
-        self.running.set(scheduler.num_running)
-        self.waiting.set(scheduler.num_waiting)
-        self.kv_usage.set(kv.usage)
-        for key, value, counter in (("queries", kv.stats.queries, self.prefix_queries),
-                                    ("hits", kv.stats.hits, self.prefix_hits),
-                                    ("preemptions", scheduler.num_preemptions, self.preemptions)):
+    def record_engine_state(self, stats) -> None:
+        """Gauges and counter deltas from the core's latest SchedulerStats. A restarted core
+        counts from zero again: the counters only ever move forward."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        for key, value, counter in (("queries", stats.prefix_queries, self.prefix_queries),
+                                    ("hits", stats.prefix_hits, self.prefix_hits),
+                                    ("preemptions", stats.num_preemptions, self.preemptions)):
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
             self._last[key] = value

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -46,6 +48,25 @@ def die_with_parent() -> None:
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def exit_when_parent_dies(parent_pid: int, poll_seconds: float = 0.5) -> None:
+    """For a child process: exit at once when `parent_pid` is no longer our parent (it died,
+    however it died, and we were re-parented). A daemon thread checks getppid() every
+    `poll_seconds`. Unlike PR_SET_PDEATHSIG it is not tied to the parent *thread* that started
+    us (a front-end may start the engine core from a thread that ends), and it works off
+    Linux too."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(poll_seconds)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
 
 
 def configure_threads(num_threads: int | None) -> int:

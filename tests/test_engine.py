@@ -68,7 +68,7 @@ def test_bad_requests_raise_and_queue_nothing(tiny_llm):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         tiny_llm.generate("hi", SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert engine.kv_manager.pool.num_used_blocks == 0
+    assert engine.engine_core.kv_manager.pool.num_used_blocks == 0
 
 
 def test_abort_frees_blocks_immediately(tiny_llm):
@@ -76,29 +76,29 @@ def test_abort_frees_blocks_immediately(tiny_llm):
     engine.add_request("to-abort", "some prompt " * 20, SamplingParams(max_tokens=50, n=2))
     engine.step()
     engine.step()
-    assert engine.kv_manager.pool.num_used_blocks > 0
+    assert engine.engine_core.kv_manager.pool.num_used_blocks > 0
     engine.abort_request("to-abort")
     assert not engine.has_unfinished_requests()
-    assert engine.kv_manager.pool.num_used_blocks == 0
+    assert engine.engine_core.kv_manager.pool.num_used_blocks == 0
     assert engine.step() == []
 
 
 def test_n_samples_share_the_prompt_blocks(tiny_llm):
     engine = tiny_llm.llm_engine
-    engine.kv_manager.reset_prefix_cache()
+    engine.engine_core.kv_manager.reset_prefix_cache()
     prompt = list(range(1000, 1040))  # 40 tokens: 2 full blocks + a partial one
     engine.add_request("fan", {"prompt_token_ids": prompt},
                        SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=7))
-    hits_before = engine.kv_manager.stats.hits
+    hits_before = engine.engine_core.kv_manager.stats.hits
     outputs = []
     while engine.has_unfinished_requests():
-        tables = [engine.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
+        tables = [engine.engine_core.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
         if all(tables):
             shared = {tuple(t[:2]) for t in tables}
             assert len(shared) == 1, "the prompt's full blocks are allocated once"
             assert len({t[2] for t in tables}) == 4, "each sample owns its partial block"
         outputs += engine.step()
-    assert engine.kv_manager.stats.hits - hits_before == 3 * 32
+    assert engine.engine_core.kv_manager.stats.hits - hits_before == 3 * 32
     final = outputs[-1]
     assert final.finished and len(final.outputs) == 4
     assert [o.index for o in final.outputs] == [0, 1, 2, 3]
@@ -173,9 +173,9 @@ def test_bf16_kv_cache_with_float32_activations(tiny_model_dir):
     whole = LLM(kv_cache_dtype="bfloat16", **kwargs)
     chunked = LLM(kv_cache_dtype="bfloat16", max_num_batched_tokens=16, **kwargs)
     exact = LLM(kv_cache_dtype="float32", **kwargs)
-    assert whole.llm_engine.runner.kv_caches[0].dtype == torch.bfloat16
-    assert (whole.llm_engine.runner.kv_caches[0].shape[1]
-            == 2 * exact.llm_engine.runner.kv_caches[0].shape[1])
+    assert whole.llm_engine.engine_core.runner.kv_caches[0].dtype == torch.bfloat16
+    assert (whole.llm_engine.engine_core.runner.kv_caches[0].shape[1]
+            == 2 * exact.llm_engine.engine_core.runner.kv_caches[0].shape[1])
     prompts = ["The weather today is " * 6, "def parse(text):\n    return", "Once upon"]
     params = SamplingParams(max_tokens=12, logprobs=1, **GREEDY)
     runs = [llm.generate(prompts, params, use_tqdm=False) for llm in (whole, chunked, exact)]

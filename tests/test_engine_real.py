@@ -61,7 +61,7 @@ def test_chunked_prefill_equals_unchunked(prompts, alone):
 def test_prefix_caching_on_equals_off_and_hits(prompts, alone):
     llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=1024)
     assert _greedy(llm, prompts) == alone
-    stats = llm.llm_engine.kv_manager.stats
+    stats = llm.llm_engine.engine_core.kv_manager.stats
     hits_after_first_pass = stats.hits
     # the second pass finds every prompt's full blocks cached (prompt and output kept)
     assert _greedy(llm, prompts) == alone
@@ -72,7 +72,7 @@ def test_tiny_pool_preempts_and_still_matches(prompts, alone):
     llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=256, num_kv_blocks=24,
               block_size=16)
     assert _greedy(llm, prompts) == alone
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
 def test_seed_gives_same_samples_alone_and_batched(prompts):
@@ -96,13 +96,13 @@ def test_n4_allocates_the_prompt_blocks_once(prompts):
                        SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=5))
     saw_all_four = False
     while engine.has_unfinished_requests():
-        tables = [engine.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
+        tables = [engine.engine_core.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
         if all(tables):
             saw_all_four = True
             assert len({tuple(t[:full_blocks]) for t in tables}) == 1
-            used = engine.kv_manager.pool.num_used_blocks
+            used = engine.engine_core.kv_manager.pool.num_used_blocks
             assert used == full_blocks + 4 * (len(tables[0]) - full_blocks)
         final = engine.step()
     assert saw_all_four
-    assert engine.kv_manager.stats.hits == 3 * full_blocks * 16
+    assert engine.engine_core.kv_manager.stats.hits == 3 * full_blocks * 16
     assert len(final[0].outputs) == 4

@@ -40,13 +40,13 @@ def expected(tiny_llm):
 
 def test_small_pool_preempts_and_matches_large_pool(small_llm, expected):
     engine = small_llm.llm_engine
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.engine_core.scheduler.num_preemptions
     outputs = small_llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY,
                                  use_tqdm=False)
-    assert engine.scheduler.num_preemptions > preemptions
+    assert engine.engine_core.scheduler.num_preemptions > preemptions
     assert any(o.metrics.num_preemptions for o in outputs)
     assert [o.outputs[0].token_ids for o in outputs] == [ids for ids, _ in expected]
-    assert engine.kv_manager.pool.num_used_blocks == 0
+    assert engine.engine_core.kv_manager.pool.num_used_blocks == 0
 
 
 def test_request_that_can_never_fit_is_rejected_up_front(small_llm):

@@ -1,15 +1,22 @@
-"""AsyncEngine: the LLMEngine on a background thread, fed and drained from asyncio.
+"""AsyncEngine: the LLMEngine fed and drained from asyncio, with the core on a thread or in a
+process of its own (`EngineConfig.engine_core`).
 
-The engine thread owns the LLMEngine: it takes add/abort commands from a queue, steps while work
-exists, and hands each RequestOutput to the request's asyncio queue. Callers `generate()` an async
-stream; when the stream is closed early (a client went away) the request is aborted right there,
-the one place cancellation is handled. Tokenization and validation run on the caller's thread
-(`prepare`), so a bad request is rejected before it reaches the loop.
+Callers `generate()` an async stream; when the stream is closed early (a client went away) the
+request is aborted right there, the one place cancellation is handled. Tokenization and
+validation run on the caller's thread (`prepare`), so a bad request is rejected before it
+reaches the core.
 
-Failures: a request that fails inside the engine gets a RequestFailedError and the rest go on
-(LLMEngine.step isolates it). If the engine thread itself ends for any reason, every waiting
-stream gets an EngineDeadError, and streams also poll the thread's liveness, so no caller waits
-on a dead engine.
+One "engine thread" drives it:
+- `thread` core: the thread owns the LLMEngine and its in-process core; it takes add/abort
+  commands from a queue and steps while work exists.
+- `process` core: adds and aborts go straight to the core's socket (under a lock); the thread
+  reads the core's outputs, turns them into RequestOutputs and hands them to the streams.
+
+Failures: a request that fails inside the engine gets a RequestFailedError and the rest go on.
+If the core dies (its thread or process ended, however), every waiting stream gets an
+EngineDeadError at once and /health turns 503; then the core is restarted
+(`restart_engine_on_failure`, at most `max_engine_restarts` times) or `fatal_error` is set so
+the server exits non-zero and an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from kvserve.core.engine import LLMEngine, PreparedRequest, PromptType, RequestFailedError
+from kvserve.core.engine import LLMEngine, PreparedRequest, PromptType
 from kvserve.engine_config import EngineConfig
-from kvserve.errors import KVServeError
+from kvserve.errors import EngineDeadError, KVServeError, RequestFailedError
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -36,10 +43,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
 
 LIVENESS_POLL_SECONDS = 0.5
-
-
-class EngineDeadError(KVServeError):
-    """The engine failed to start or stopped; requests cannot be served."""
 
 
 @dataclass
@@ -63,19 +66,26 @@ def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, model_name: str | None = None):
+    def __init__(self, config: EngineConfig, model_name: str | None = None,
+                 restart_on_failure: bool = False, max_restarts: int = 3):
         self.config = config
         self.engine: LLMEngine | None = None
         self.metrics = EngineMetrics(model_name or config.model)
         self.ready = threading.Event()
         self.startup_error: BaseException | None = None
+        self.fatal_error: BaseException | None = None  # the core died for good
+        self.restart_on_failure = restart_on_failure
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        self._in_process = config.engine_core == "process"
+        self._lock = threading.Lock()  # process core: the front-end state and the socket
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._last_token_time: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self.load_seconds: float | None = None
-        self._dead = False  # the engine thread ended (crash or stop)
+        self._serving = False  # a core is up and taking requests
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -83,27 +93,39 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.startup_error is None and not self._dead
+        return self._thread.is_alive() and self.startup_error is None \
+            and self.fatal_error is None
 
     @property
     def is_ready(self) -> bool:
-        return self.ready.is_set() and self.is_alive
+        return self.ready.is_set() and self.is_alive and self._serving
 
     def stop(self, timeout: float = 120.0) -> None:
-        """Stop after the current step (a thread killed inside torch aborts the process)."""
+        """Stop after the current step (a thread killed inside torch aborts the process), then
+        the core (its process is reaped)."""
         self._stop.set()
         self._commands.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every request in flight with `error` (on the engine thread, between steps);
-        used when the shutdown grace period runs out."""
-        self._commands.put(_FailAll(error))
+        """Fail every request in flight with `error`; used when the shutdown grace period runs
+        out."""
+        if self._in_process:
+            with self._lock:
+                self._fail_all(error)
+        else:
+            self._commands.put(_FailAll(error))
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id (None for a thread core, or none running)."""
+        engine = self.engine
+        return engine.core.ready.pid if engine is not None and self._in_process else None
 
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -120,7 +142,7 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = prepared.request_id
         self._streams[request_id] = (loop, outputs)
-        self._commands.put(_Add(prepared))
+        self._add(prepared)
         finished = False
         try:
             while True:
@@ -146,45 +168,103 @@ class AsyncEngine:
                 if not self._thread.is_alive() and outputs.empty():
                     return EngineDeadError("the engine stopped while serving this request")
 
+    def _add(self, prepared: PreparedRequest) -> None:
+        if not self._in_process:
+            self._commands.put(_Add(prepared))
+            return
+        with self._lock:
+            self._admit(prepared)
+
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        if not self._in_process:
+            self._commands.put(_Abort(request_id))
+            return
+        with self._lock:
+            self._apply_abort(request_id)
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        """Start a core, serve until it dies or we stop; restart while allowed."""
+        while not self._stop.is_set():
+            if not self._start_engine():
+                return
+            error = self._serve()
+            if self._stop.is_set():
+                break
+            if not self.restart_on_failure or self.num_restarts >= self.max_restarts:
+                logger.critical("engine core is dead and will not be restarted: %s", error)
+                self.fatal_error = error
+                break
+            self.num_restarts += 1
+            logger.warning("restarting the engine core (%d of at most %d)", self.num_restarts,
+                           self.max_restarts)
+        self._shutdown_engine()
+
+    def _start_engine(self) -> bool:
         try:
             start = time.perf_counter()
-            self.engine = LLMEngine(self.config)
-            self._warm_up()
+            self._shutdown_engine()
+            self.engine = LLMEngine(self.config, warm_up=True)
             self.load_seconds = time.perf_counter() - start
+            self._serving = True
             self.ready.set()
             logger.info("engine warmed up and ready (%.1fs)", self.load_seconds)
+            return True
         except BaseException as exc:  # surfaced through /health and startup logs
             logger.exception("engine failed to start")
-            self.startup_error = exc
+            if self.num_restarts:
+                self.fatal_error = exc
+            else:
+                self.startup_error = exc
             self.ready.set()
-            return
-        error = EngineDeadError("the server is shutting down")
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
-                self.metrics.record_engine_state(self.engine)
-                if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as exc:  # the thread is ending: nobody may wait on it
-            logger.critical("engine thread died: %s: %s", type(exc).__name__, exc,
-                            exc_info=not isinstance(exc, InjectedEngineDeath))
-            error = EngineDeadError(f"the engine stopped: {type(exc).__name__}")
-        finally:
-            self._dead = True
-            self._fail_all(error)
+            return False
 
-    def _warm_up(self) -> None:
+    def _shutdown_engine(self) -> None:
         engine = self.engine
-        engine.add_request("__warmup__", {"prompt_token_ids": [1, 2, 3, 4]},
-                           SamplingParams(max_tokens=2, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.kv_manager.reset_prefix_cache()
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine core shutdown failed")
+
+    def _serve(self) -> BaseException:
+        """Serve until the core dies or we are told to stop; returns what ended it. Every
+        stream waiting then has its error."""
+        error: BaseException = EngineDeadError("the server is shutting down")
+        try:
+            if self._in_process:
+                self._serve_process_core()
+            else:
+                self._serve_thread_core()
+        except BaseException as exc:  # the core is gone: nobody may wait on it
+            logger.critical("engine core died: %s: %s", type(exc).__name__, exc,
+                            exc_info=not isinstance(exc, (InjectedEngineDeath,
+                                                          EngineDeadError)))
+            error = exc if isinstance(exc, EngineDeadError) else \
+                EngineDeadError(f"the engine stopped: {type(exc).__name__}")
+        finally:
+            self._serving = False
+            with self._lock:
+                self._fail_all(error)
+        return error
+
+    def _serve_thread_core(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_commands(block=not engine.has_unfinished_requests())
+            if engine.has_unfinished_requests():
+                self._deliver_step(engine.step())
+            self.metrics.record_engine_state(engine.last_stats)
+
+    def _serve_process_core(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            core_outputs = engine.core.get_outputs(LIVENESS_POLL_SECONDS)
+            if core_outputs is None:
+                continue
+            with self._lock:
+                self._deliver_step(engine.process_outputs(core_outputs))
+            self.metrics.record_engine_state(engine.last_stats)
 
     def _drain_commands(self, block: bool) -> None:
         """Apply every queued command; when idle, wait briefly for one (None only wakes us)."""
@@ -203,34 +283,33 @@ class AsyncEngine:
     def _apply(self, command) -> None:
         if isinstance(command, _FailAll):
             self._fail_all(command.error)
-            return
-        if isinstance(command, _Abort):
-            if command.request_id in self.engine.groups:
-                self.engine.abort_request(command.request_id)
-                self.metrics.record_aborted()
-            self._last_token_time.pop(command.request_id, None)
-            return
-        prepared = command.prepared
+        elif isinstance(command, _Abort):
+            self._apply_abort(command.request_id)
+        else:
+            self._admit(command.prepared)
+
+    def _apply_abort(self, request_id: str) -> None:
+        engine = self.engine
+        if engine is not None and request_id in engine.groups:
+            engine.abort_request(request_id)
+            self.metrics.record_aborted()
+        self._last_token_time.pop(request_id, None)
+
+    def _admit(self, prepared: PreparedRequest) -> None:
         if prepared.request_id not in self._streams:
             self.metrics.record_aborted()  # the client left before the request was admitted
             return
         try:
+            if not self._serving:
+                raise EngineDeadError("the engine is not running")
             self.engine.add_prepared(prepared)
             self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         except KVServeError as exc:
             self._deliver(prepared.request_id, exc)
 
-    def _step(self) -> None:
-        engine = self.engine
-        engine.faults.maybe_raise("engine_thread", [g.prompt for g in engine.groups.values()])
-        try:
-            outputs = engine.step()
-        except Exception as exc:  # not attributable to one request (step isolates those)
-            logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(RequestFailedError(f"the engine failed while running this request: "
-                                              f"{type(exc).__name__}: {exc}"))
-            return
-        for request_id, error in engine.take_failures():
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs and failures to their streams, and count them."""
+        for request_id, error in self.engine.take_failures():
             self._last_token_time.pop(request_id, None)
             self.metrics.record_failed()
             self._deliver(request_id, error)
@@ -240,7 +319,6 @@ class AsyncEngine:
             if output.finished:
                 self.metrics.record_finished(output)
         self._deliver_many([(output.request_id, output) for output in outputs])
-        self.metrics.record_engine_state(self.engine)
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         count = sum(len(o.token_ids) for o in output.outputs)
@@ -280,6 +358,9 @@ class AsyncEngine:
         self._deliver_many([(request_id, error) for request_id in list(self._streams)])
         self._last_token_time.clear()
         engine = self.engine
-        if engine is not None:
+        if engine is None:
+            return
+        try:
             engine.abort_request(list(engine.groups))
-            self.metrics.record_engine_state(engine)
+        except EngineDeadError:  # its core is gone; the requests are forgotten here already
+            pass

@@ -1,8 +1,9 @@
-"""Turns sampled tokens into user-visible outputs: incremental text, stop strings, logprobs,
-and the grouping of n > 1 samples back into one RequestOutput.
+"""The front-end's half of a request: the core's token deltas become user-visible outputs
+(incremental text, stop strings, logprobs, timing) and n > 1 samples are grouped back into one
+RequestOutput.
 
-Stop strings are matched on text, so they live here rather than in the scheduler; a match
-finishes the request through the scheduler before its next step. While a request runs, the last
+Stop strings are matched on text, so they live here rather than in the core; a match finishes
+the sample here and the front-end tells the core to drop it. While a request runs, the last
 (longest stop string - 1) characters are held back so a stop string is never half-emitted.
 """
 
@@ -10,32 +11,78 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.core.request import Request
+from kvserve.core.messages import EngineCoreOutput
+from kvserve.core.request import RequestTimes
 from kvserve.core.sampler import TokenLogprobs
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
 class SampleState:
-    """Text and logprobs of one sample (one child request)."""
+    """Tokens, text and logprobs of one sample (one single-sample request in the core), built
+    from the core's deltas."""
 
-    def __init__(self, request: Request, group_id: str, index: int, tokenizer: Tokenizer):
-        self.request = request
+    def __init__(self, request_id: str, group_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer, arrival_time: float):
+        self.request_id = request_id
         self.group_id = group_id
         self.index = index
+        self.params = params
         self.tokenizer = tokenizer
-        params = request.sampling_params
-        self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens,
-                                                 request.prompt_token_ids)
+        self.detokenizer = tokenizer.detokenizer(params.skip_special_tokens, prompt_token_ids)
+        self.output_token_ids: list[int] = []
         self.text = ""
         self.stop_strings = params.stop or []
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.stopped_by_string: str | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.times = RequestTimes(arrival=arrival_time)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_delta(self, delta: EngineCoreOutput, now: float) -> bool:
+        """Apply one step's delta from the core. True if a stop string just finished the sample
+        here, in the front-end (the core still runs it until it hears so)."""
+        if delta.first_scheduled_time is not None:
+            self.times.first_scheduled = delta.first_scheduled_time
+        if delta.num_cached_tokens >= 0:
+            self.num_cached_tokens = delta.num_cached_tokens
+        self.num_preemptions = delta.num_preemptions
+        logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
+        for token_id, token_logprobs in zip(delta.new_token_ids, logprobs):
+            self.output_token_ids.append(token_id)
+            self.add_token(token_id, token_logprobs)
+        if delta.new_token_ids:
+            if self.times.first_token is None:
+                self.times.first_token = now
+            self.times.last_token = now
+        if self.stopped_by_string is not None:
+            # a stop string found on the last allowed token still ends the sample with "stop"
+            self._finish("stop", self.stopped_by_string, now)
+            return delta.finish_reason is None
+        if delta.finish_reason is not None:
+            self._finish(delta.finish_reason, delta.stop_reason, now)
+        return False
+
+    def _finish(self, reason: str, stop_reason: int | str | None, now: float) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.times.finished = now
+
+    def abort(self, now: float) -> None:
+        if not self.finished:
+            self._finish("abort", None, now)
 
     def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Append a token; returns the stop string it completed, if any."""
+        """Append a token's text and logprobs; returns the stop string it completed, if any."""
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(self._logprob_dict(logprobs))
             self.cumulative_logprob += logprobs.logprob
@@ -49,7 +96,7 @@ class SampleState:
         for stop in self.stop_strings:
             position = self.text.find(stop, search_from)
             if position != -1:
-                keep = self.request.sampling_params.include_stop_str_in_output
+                keep = self.params.include_stop_str_in_output
                 self.text = self.text[: position + (len(stop) if keep else 0)]
                 self.stopped_by_string = stop
                 return stop
@@ -65,20 +112,16 @@ class SampleState:
         return entries
 
     def output(self) -> CompletionOutput:
-        finished = self.request.is_finished
-        visible = self.text if finished or not self.stop_strings else \
+        visible = self.text if self.finished or not self.stop_strings else \
             self.text[: max(0, len(self.text) - self.holdback)]
         return CompletionOutput(
             index=self.index,
             text=visible,
-            token_ids=list(self.request.output_token_ids),
+            token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            # a stop string found on the last allowed token still ends the sample with "stop"
-            finish_reason="stop" if self.stopped_by_string is not None and finished
-            else self.request.finish_reason(),
-            stop_reason=self.stopped_by_string if self.stopped_by_string is not None
-            else self.request.stop_reason,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
         )
 
 
@@ -93,11 +136,11 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
+        return all(s.finished for s in self.samples)
 
     def output(self) -> RequestOutput:
-        requests = [s.request for s in self.samples]
-        cached = max(0, requests[0].num_cached_tokens)
+        samples = self.samples
+        cached = max(0, samples[0].num_cached_tokens)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -105,7 +148,7 @@ class RequestGroup:
             outputs=[s.output() for s in self.samples],
             finished=self.finished,
             num_cached_tokens=cached,
-            metrics=_group_metrics(requests),
+            metrics=_group_metrics(samples),
         )
 
 
@@ -119,8 +162,8 @@ def _latest(values):
     return max(present) if present else None
 
 
-def _group_metrics(requests: list[Request]) -> RequestMetrics:
-    times = [r.times for r in requests]
+def _group_metrics(samples: list[SampleState]) -> RequestMetrics:
+    times = [s.times for s in samples]
     finished = [t.finished for t in times]
     return RequestMetrics(
         arrival_time=times[0].arrival,
@@ -128,5 +171,5 @@ def _group_metrics(requests: list[Request]) -> RequestMetrics:
         first_token_time=_earliest(t.first_token for t in times),
         last_token_time=_latest(t.last_token for t in times),
         finished_time=max(finished) if all(f is not None for f in finished) else None,
-        num_preemptions=sum(r.num_preemptions for r in requests),
+        num_preemptions=sum(s.num_preemptions for s in samples),
     )

@@ -23,14 +23,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", [])]
         help_text = field.metadata.get("help", "")
         kind = _base_type(field.type)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                               help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction,
+                               default=field.default, help=help_text)
             continue
-        group.add_argument(flag, type=kind, default=field.default,
+        group.add_argument(*flags, type=kind, default=field.default,
                            choices=field.metadata.get("choices"),
                            help=f"{help_text} (default: {field.default})")
 

@@ -29,6 +29,17 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(**options))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, when it has one). Also happens when the LLM is
+        garbage-collected or the interpreter exits."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -41,12 +41,12 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def iter_hf_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(directory):
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SafetensorError) as exc:
             raise CorruptModelFileError(f"Cannot read {file}: {exc}") from exc

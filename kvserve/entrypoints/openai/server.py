@@ -54,6 +54,11 @@ class ServerConfig:
     max_request_body_bytes: int = _opt(16 * 2**20, "larger request bodies get 413")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM")
     disable_log_requests: bool = _opt(False, "do not log each request")
+    restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
+                                           "OOM kill), fail its requests and start a new core "
+                                           "instead of exiting non-zero")
+    max_engine_restarts: int = _opt(3, "with --restart-engine-on-failure: restarts allowed "
+                                    "before the server gives up and exits non-zero")
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -228,7 +233,7 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
         problem = check_ready_and_model(body.model)
         if problem:
             return problem
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
@@ -317,7 +322,9 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
     import uvicorn
 
     _GracefulServer = _graceful_server_class()
-    engine = AsyncEngine(engine_config, server_config.served_model_name)
+    engine = AsyncEngine(engine_config, server_config.served_model_name,
+                         restart_on_failure=server_config.restart_engine_on_failure,
+                         max_restarts=server_config.max_engine_restarts)
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level="info", access_log=not server_config.disable_log_requests,
@@ -331,6 +338,11 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
         while not server.should_exit:
             if engine.startup_error is not None:
                 logger.error("engine failed to start: %s", engine.startup_error)
+                exit_code = 1
+                server.should_exit = True
+            elif engine.fatal_error is not None:
+                # its streams have their errors already; exit so an orchestrator restarts us
+                logger.error("engine core died: %s; exiting", engine.fatal_error)
                 exit_code = 1
                 server.should_exit = True
             await asyncio.sleep(0.2)

@@ -1,0 +1,238 @@
+"""How the front-end reaches the engine core: in this process, or in a process of its own.
+
+Both clients speak the messages of core/messages.py: `add_request`, `abort_requests`,
+`get_outputs` (one EngineCoreOutputs per core step), `call_utility`, `shutdown`. The process
+client also watches the core: if it dies (segfault, kill -9, OOM kill) the next call raises
+EngineDeadError within LIVENESS_POLL_SECONDS, so nobody waits on a dead core.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvserve import errors
+from kvserve.core.messages import (
+    AbortRequests,
+    Codec,
+    CoreFailed,
+    CoreReady,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from kvserve.engine_config import EngineConfig
+from kvserve.errors import EngineDeadError
+from kvserve.processes import describe_exit, start_module_process, stop_process
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_SECONDS = 0.2
+STARTUP_TIMEOUT_SECONDS = 600.0
+# utilities whose results are structs (they cross as plain msgpack arrays)
+_UTILITY_RESULTS = {"stats": SchedulerStats}
+
+
+class InprocClient:
+    """The core as an object: `get_outputs` runs one step on the caller's thread."""
+
+    def __init__(self, config: EngineConfig, warm_up: bool = False):
+        from kvserve.core.engine_core import EngineCore
+
+        self.core = EngineCore(config)
+        if warm_up:
+            self.core.warm_up()
+        self.ready = self.core.ready_info(os.getpid())
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        if not self.core.has_unfinished():
+            return EngineCoreOutputs([], self.core.stats())
+        try:
+            return self.core.step()
+        except Exception as exc:  # no request owns it: fail them all, keep the core
+            logger.exception("engine step failed; failing the requests in flight")
+            return self.core.fail_all("running this request", exc)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        if method not in self.core.UTILITIES:
+            raise ValueError(f"no utility {method!r}")
+        return getattr(self.core, method)(*args)
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class MPClient:
+    """The core in a spawned process, over two ZeroMQ ipc sockets this side binds: PUSH for
+    requests and aborts, PULL for outputs. One thread at a time may call `get_outputs` /
+    `call_utility` (the reader); the senders may be called from another thread only under a
+    lock the caller holds (ZeroMQ sockets are not thread-safe)."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
+        self.codec = Codec()
+        self._socket_dir = tempfile.mkdtemp(prefix="kvserve-core-")
+        input_address = f"ipc://{self._socket_dir}/input"
+        output_address = f"ipc://{self._socket_dir}/output"
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(input_address)
+        self.output = self.context.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(output_address)
+        self._closed = False
+        self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._call_ids = itertools.count()
+        self.process = _start_core_process(config, input_address, output_address)
+        self._finalizer = weakref.finalize(self, _stop_process, self.process, self.context,
+                                           self._socket_dir)
+        try:
+            self.ready = self._wait_ready(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("engine core process %d ready (%.1fs to load)", self.process.pid,
+                    self.ready.load_seconds)
+
+    # ---- start -------------------------------------------------------------------------
+    def _wait_ready(self, timeout: float) -> CoreReady:
+        message = self._receive(timeout)
+        if message is None:
+            raise EngineDeadError(f"the engine core did not start within {timeout:.0f}s")
+        if isinstance(message, CoreFailed):
+            raise _startup_error(message.message)
+        if not isinstance(message, CoreReady):
+            raise EngineDeadError(f"the engine core sent {type(message).__name__} first")
+        return message
+
+    # ---- sending -----------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    def _send(self, message) -> None:
+        self._check_alive()
+        self.input.send(self.codec.encode(message), copy=False)
+
+    # ---- receiving ---------------------------------------------------------------------
+    def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """The next step's outputs; None if `timeout` seconds pass without any."""
+        if self._buffered:
+            return self._buffered.popleft()
+        while True:
+            message = self._receive(timeout)
+            if message is None or isinstance(message, EngineCoreOutputs):
+                return message
+            logger.warning("unexpected %s from the engine core", type(message).__name__)
+
+    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Call one of EngineCore.UTILITIES in the core; step outputs that arrive meanwhile are
+        kept for get_outputs."""
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._receive(max(0.0, deadline - time.monotonic()))
+            if message is None:
+                raise EngineDeadError(f"the engine core did not answer {method!r}")
+            if isinstance(message, EngineCoreOutputs):
+                self._buffered.append(message)
+            elif isinstance(message, UtilityResult) and message.call_id == call_id:
+                if message.error is not None:
+                    raise RuntimeError(f"{method} failed in the engine core: {message.error}")
+                return msgspec.convert(message.result, _UTILITY_RESULTS.get(method, Any))
+
+    def _receive(self, timeout: float | None):
+        """One decoded message, or None after `timeout`; raises EngineDeadError as soon as the
+        core process is gone and nothing it sent is left to read."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = LIVENESS_POLL_SECONDS if deadline is None else \
+                max(0.0, min(LIVENESS_POLL_SECONDS, deadline - time.monotonic()))
+            if self.output.poll(int(wait * 1000)):
+                return self.codec.decode_output(self.output.recv(copy=False).buffer)
+            self._check_alive()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return not self._closed and self.process.poll() is None
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine core was shut down")
+        if self.process.poll() is not None:
+            raise EngineDeadError(f"the engine core process died "
+                                  f"({describe_exit(self.process.returncode)})")
+
+    def shutdown(self) -> None:
+        """Ask the core to stop, then make sure: terminate, kill; reap it; close the sockets."""
+        if self._closed:
+            return
+        if self.process.poll() is None:
+            try:
+                self.input.send(self.codec.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._closed = True
+        self._finalizer()
+
+
+def _start_core_process(config: EngineConfig, input_address: str,
+                        output_address: str) -> subprocess.Popen:
+    args = [input_address, output_address, str(os.getpid()),
+            str(logging.getLogger().getEffectiveLevel())]
+    return start_module_process("kvserve.core.core_process", args, config)
+
+
+def _stop_process(process: subprocess.Popen, context: zmq.Context, socket_dir: str) -> None:
+    """Stop and reap the core process, close the sockets, remove their directory."""
+    stop_process(process)
+    context.destroy(linger=0)
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _startup_error(message: str) -> Exception:
+    """Re-raise the core's start-up failure as the same kvserve error type where it is one
+    (a corrupt model file stays a CorruptModelFileError), else ValueError/EngineDeadError."""
+    name, _, text = message.partition(": ")
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, errors.KVServeError):
+        return kind(text)
+    if name == "ValueError":
+        return ValueError(text)
+    return EngineDeadError(f"the engine core failed to start: {message}")
+
+
+def make_core_client(config: EngineConfig, warm_up: bool = False):
+    """The client `config.engine_core` asks for: `process` or `thread` (in this process)."""
+    if config.engine_core == "process":
+        return MPClient(config)
+    return InprocClient(config, warm_up)

@@ -1,0 +1,248 @@
+"""EngineCore: the scheduler, the KV manager and the executor; requests in, deltas out.
+
+It knows token ids only: no text, no tokenizer, no n > 1 (the front-end fans samples out into
+single-sample requests and detokenizes). `step()` is schedule -> execute -> update and returns
+one EngineCoreOutputs: for each request that sampled, its new token, and its finish if it
+finished. The same object runs on a thread of the front-end or in its own process
+(core/core_process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+from kvserve.attention.kv_tensors import kv_bytes_per_block
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.messages import (
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+from kvserve.core.model_runner import ModelRunnerOutput
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.threads import ThreadGovernor, env_allows as threads_env_allows
+from kvserve.engine_config import EngineConfig
+from kvserve.executor import Executor, make_executor
+from kvserve.kernels import autotune
+from kvserve.platform import configure_threads
+from kvserve.sampling_params import SamplingParams
+from kvserve.testing.faults import raise_tagged
+
+logger = logging.getLogger(__name__)
+
+WARMUP_REQUEST_ID = "__warmup__"
+
+
+class EngineCore:
+    # what a UtilityCall may invoke: state queries and resets, never arbitrary attributes
+    UTILITIES = ("reset_prefix_cache", "stats", "num_unfinished")
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        self.config = config
+        start = time.perf_counter()
+        threads = configure_threads(config.num_threads)
+        self.thread_governor = ThreadGovernor(
+            threads, enabled=config.adaptive_threads and threads_env_allows())
+        if not config.autotune:
+            autotune.set_enabled(False)
+        self.executor = executor or make_executor(config)
+        self.model_config = self.executor.model_config
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.max_model_len = self._max_model_len(self.num_kv_blocks)
+        self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+        ), self.kv_manager)
+        self._faults: dict[str, list[str]] = {}  # request id -> its test-only fault tags
+        self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
+        self.load_seconds = time.perf_counter() - start
+        logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
+                    "%d threads", self.load_seconds, self.executor.dtype,
+                    self.executor.quantization, self.max_model_len, threads)
+
+    @property
+    def runner(self):
+        """The model runner of a `uni` executor (tests and profiling look inside it)."""
+        return self.executor.runner
+
+    # ---- sizing --------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        dtype = self.executor.kv_dtype
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            num_blocks = self.config.kv_cache_bytes() // per_block
+        if num_blocks < 1:
+            raise ValueError("KV cache budget is smaller than one block")
+        tokens = num_blocks * self.config.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks,
+                    self.config.block_size, tokens, num_blocks * per_block / 2**20, dtype)
+        return num_blocks
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        context = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or context
+        if wanted > context:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's context {context}")
+        capacity = num_blocks * self.config.block_size
+        if wanted > capacity:
+            logger.warning("max_model_len lowered from %d to %d: the KV pool holds no more",
+                           wanted, capacity)
+            wanted = capacity
+        return wanted
+
+    def ready_info(self, pid: int) -> CoreReady:
+        return CoreReady(
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size,
+            dtype=str(self.executor.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.executor.kv_dtype).removeprefix("torch."),
+            quantization=self.executor.quantization, load_seconds=self.load_seconds, pid=pid)
+
+    def warm_up(self) -> None:
+        """One tiny request through every stage (first-call costs: kernel selection, allocator),
+        then forget its cached blocks."""
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        self.add_request(EngineCoreRequest(WARMUP_REQUEST_ID, [1, 2, 3, 4], params, 2))
+        while self.has_unfinished():
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the front-end validated. A duplicate id fails only the newcomer."""
+        if request.request_id in self.scheduler.requests:
+            self._failed.append(EngineCoreOutput(
+                request.request_id, finish_reason="error",
+                error=f"request id {request.request_id!r} is already in the engine"))
+            return
+        if request.faults:
+            self._faults[request.request_id] = request.faults
+        self.scheduler.add_request(Request(
+            request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
+            request.priority, request.arrival_time or time.monotonic()))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests wherever they are; their blocks are free at once."""
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self._faults.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._failed)
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        scheduler, kv = self.scheduler, self.kv_manager
+        return SchedulerStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            kv_usage=kv.usage, num_used_blocks=kv.pool.num_used_blocks,
+            prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
+            num_preemptions=scheduler.num_preemptions)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """One iteration of continuous batching.
+
+        Failure isolation: the forward and sampling are batched, so when they raise,
+        `_execute_isolated` re-runs each scheduled request alone to find the culprit; only it
+        fails (an output with finish_reason "error"). An exception in scheduling or bookkeeping
+        is not attributable and propagates to the caller.
+        """
+        self.thread_governor.tick()
+        scheduler_output = self.scheduler.schedule()
+        raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
+        runner_output = self._execute(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        outputs, self._failed = self._failed, []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            token = runner_output.sampled_token_ids.get(request.request_id)
+            if item.sample and token is not None:
+                outputs.append(self._delta(request, token,
+                                           runner_output.logprobs.get(request.request_id)))
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def _delta(self, request: Request, token: int, logprobs) -> EngineCoreOutput:
+        first = request.num_output_tokens == 1
+        output = EngineCoreOutput(
+            request.request_id, [token], [logprobs] if logprobs is not None else None,
+            num_preemptions=request.num_preemptions)
+        if first:
+            output.num_cached_tokens = request.num_cached_tokens
+            output.first_scheduled_time = request.times.first_scheduled
+        if request.is_finished:
+            output.finish_reason = request.finish_reason()
+            output.stop_reason = request.stop_reason
+            self._faults.pop(request.request_id, None)
+        return output
+
+    def _tags(self, scheduled) -> Iterable[list[str]]:
+        """Lazily: only walked when some request carries fault tags (tests)."""
+        if not self._faults:
+            return ()
+        return (self._faults.get(item.request.request_id, ()) for item in scheduled)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            raise_tagged("execute", self._tags(scheduler_output.scheduled))
+            return self.executor.execute(scheduler_output)
+        except Exception:
+            logger.exception("batched step of %d requests failed; re-running them one by one",
+                             len(scheduler_output.scheduled))
+            return self._execute_isolated(scheduler_output)
+
+    def _execute_isolated(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Re-run each scheduled request alone after the batch raised. Safe to repeat: KV slots
+        are allocated and `num_computed_tokens` has not moved, so a re-run rewrites the same
+        KV positions. Requests that raise alone fail; if none does, the batch as a whole was at
+        fault and everyone simply got their results the slow way. (A seeded request whose
+        generator was drawn from before the batch raised may sample differently.)"""
+        merged = ModelRunnerOutput({}, {})
+        for item in scheduler_output.scheduled:
+            try:
+                raise_tagged("execute", self._tags([item]))
+                result = self.executor.execute(SchedulerOutput(scheduled=[item]))
+            except Exception as exc:
+                self.fail_request(item.request.request_id, "running it", exc)
+                continue
+            merged.sampled_token_ids.update(result.sampled_token_ids)
+            merged.logprobs.update(result.logprobs)
+        return merged
+
+    def fail_request(self, request_id: str, stage: str, exc: BaseException) -> None:
+        """Abort one request and report why (in the next outputs)."""
+        logger.error("request %s failed while %s: %s: %s", request_id, stage,
+                     type(exc).__name__, exc)
+        self.abort_requests([request_id])
+        self._failed.append(EngineCoreOutput(
+            request_id, finish_reason="error",
+            error=f"the engine failed while {stage}: {type(exc).__name__}: {exc}"))
+
+    def fail_all(self, stage: str, exc: BaseException) -> EngineCoreOutputs:
+        """After an exception no request owns: fail every request in the core."""
+        for request_id in list(self.scheduler.requests):
+            self.fail_request(request_id, stage, exc)
+        outputs, self._failed = self._failed, []
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,135 @@
+"""The messages between the front-end and the engine core, as msgspec structs.
+
+The same structs serve the in-process core (passed as objects) and the core process (msgpack
+over ZeroMQ: the fastest and smallest codec measured, benchmarks/ipc_codec.py). A request
+crosses once; after that only deltas do: the new token ids of the requests that advanced, and
+finish events. `array_like` drops field names from the wire; `omit_defaults` drops the fields
+a delta does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvserve.core.sampler import TokenLogprobs
+from kvserve.sampling_params import SamplingParams
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+# ---- front-end -> core ---------------------------------------------------------------------
+class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
+    """One single-sample request (n > 1 is fanned out by the front-end). Stop strings stay in
+    the front-end; `params` still carries them, unused here."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    priority: int = 0
+    arrival_time: float = 0.0
+    # test-only fault kinds this request asks for (kvserve.testing.faults); the front-end sets
+    # them only when its fault injector is on, so no client field can
+    faults: list[str] = []
+
+
+class AbortRequests(msgspec.Struct, tag=True, **_WIRE):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True, **_WIRE):
+    """A call of one of EngineCore.UTILITIES, answered by a UtilityResult with the same id."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, **_WIRE):
+    pass
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+
+
+# ---- core -> front-end ---------------------------------------------------------------------
+class EngineCoreOutput(msgspec.Struct, **_WIRE):
+    """What one request did in one step: the token(s) it sampled, and how it ended if it did.
+    finish_reason "error" carries the message of an exception that belonged to this request."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = -1  # prefix-cache hit tokens, on the first output
+    first_scheduled_time: float | None = None  # on the first output
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, **_WIRE):
+    """The gauges and counters /metrics shows, after the step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+
+
+class UtilityResult(msgspec.Struct, tag=True, **_WIRE):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class CoreReady(msgspec.Struct, tag=True, **_WIRE):
+    """The core's handshake: what the front-end needs to validate requests, and the sizing."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str
+    load_seconds: float
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag=True, **_WIRE):
+    """The core could not start (bad model file, bad option): the message says why."""
+
+    message: str
+
+
+CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed
+
+
+class Codec:
+    """msgpack encoders/decoders for both directions (one of each per process: they keep
+    buffers)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.input_decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+    def encode(self, message) -> bytes:
+        return self.encoder.encode(message)
+
+    def decode_input(self, data) -> CoreInput:
+        return self.input_decoder.decode(data)
+
+    def decode_output(self, data) -> CoreOutput:
+        return self.output_decoder.decode(data)

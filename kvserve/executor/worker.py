@@ -1,0 +1,183 @@
+"""A worker process of the `mp` executor: one tensor-parallel rank's model shard, its KV
+tensors and a ModelRunner, driven step by step by the engine core.
+
+Started by the core as `python -m kvserve.executor.worker IN OUT RANK WORLD INIT PARENT LOG`
+with the EngineConfig as JSON on stdin. It joins the process group (torch.distributed, gloo on
+CPU), loads its shard, reports ready, then runs each ExecuteStep it receives. Any exception is
+fatal for the group (the other ranks would wait in a collective forever): it reports
+WorkerFailed and exits, and the core fails with it. It also exits when the core goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvserve.engine_config import EngineConfig
+from kvserve.executor.protocol import (
+    ExecuteStep,
+    FromWorker,
+    InitKVCache,
+    KVCacheReady,
+    StepResult,
+    StopWorker,
+    ToWorker,
+    WorkerFailed,
+    WorkerReady,
+)
+from kvserve.platform import exit_when_parent_dies
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class MirroredRequest:
+    """What the model runner reads of a request: its id, sampling parameters and the token ids
+    penalties look at. Rank 0 appends the tokens it samples."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerScheduled:
+    """ScheduledRequest's shape for the runner, with the token ids sent rather than derived."""
+
+    request: MirroredRequest
+    token_ids: list[int]
+    num_new_tokens: int
+    start_position: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class WorkerSchedulerOutput:
+    scheduled: list[WorkerScheduled]
+    finished_ids: list[str]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str):
+        from kvserve.executor.uni import load_engine_model
+        from kvserve.platform import configure_threads
+
+        self.config = config
+        self.rank = rank
+        configure_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
+        self.parallel = None
+        if world_size > 1:
+            from kvserve.distributed.parallel_state import init_distributed
+
+            self.parallel = init_distributed(rank, world_size, init_method,
+                                             device=config.device)
+        self.loaded = load_engine_model(config, self.parallel)
+        self.requests: dict[str, MirroredRequest] = {}
+        self.runner = None
+
+    def ready_message(self) -> WorkerReady:
+        loaded = self.loaded
+        return WorkerReady(self.rank, loaded.config, str(loaded.dtype).removeprefix("torch."),
+                           str(loaded.kv_dtype).removeprefix("torch."), loaded.quantization)
+
+    def init_kv_cache(self, message: InitKVCache) -> KVCacheReady:
+        from kvserve.core.model_runner import ModelRunner
+
+        self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,
+                                  self.config.device, self.config.seed,
+                                  kv_dtype=self.loaded.kv_dtype)
+        return KVCacheReady(self.rank)
+
+    def execute(self, step: ExecuteStep) -> StepResult | None:
+        for new in step.new_requests:
+            self.requests[new.request_id] = MirroredRequest(new.request_id,
+                                                            new.prompt_token_ids, new.params)
+        scheduled = [self._scheduled(item) for item in step.scheduled]
+        output = self.runner.execute(WorkerSchedulerOutput(scheduled, step.finished_ids))
+        for request_id in step.finished_ids:
+            self.requests.pop(request_id, None)
+        if self.rank != 0:
+            return None
+        for request_id, token in output.sampled_token_ids.items():
+            self.requests[request_id].output_token_ids.append(token)
+        return StepResult(output)
+
+    def _scheduled(self, item) -> WorkerScheduled:
+        request = self.requests[item.request_id]
+        if item.reset_blocks:
+            request.block_ids = list(item.new_block_ids)
+        else:
+            request.block_ids.extend(item.new_block_ids)
+        return WorkerScheduled(request, item.token_ids, len(item.token_ids),
+                               item.start_position, request.block_ids, item.sample)
+
+    def shutdown(self) -> None:
+        if self.parallel is not None:
+            from kvserve.distributed.parallel_state import destroy_distributed
+
+            destroy_distributed(self.parallel)
+
+
+def run_worker(config: EngineConfig, input_address: str, output_address: str, rank: int,
+               world_size: int, init_method: str) -> None:
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToWorker)
+    worker = None
+    try:
+        worker = Worker(config, rank, world_size, init_method)
+        outputs.send(encoder.encode(worker.ready_message()))
+        while True:
+            message = decoder.decode(inputs.recv(copy=False).buffer)
+            if isinstance(message, StopWorker):
+                break
+            if isinstance(message, InitKVCache):
+                reply = worker.init_kv_cache(message)
+            else:
+                reply = worker.execute(message)
+            if reply is not None:
+                outputs.send(encoder.encode(reply), copy=False)
+    except BaseException as exc:  # reported, then fatal: see the module docstring
+        logger.exception("worker %d failed", rank)
+        outputs.send(encoder.encode(WorkerFailed(rank, f"{type(exc).__name__}: {exc}")))
+        outputs.close()
+        context.term()
+        os._exit(1)  # skip torch.distributed teardown: the other ranks may be mid-collective
+    if worker is not None:
+        worker.shutdown()
+    outputs.close()
+    inputs.close(linger=0)
+    context.term()
+
+
+def main(argv: list[str]) -> None:
+    input_address, output_address, rank, world_size, init_method, parent, log_level = argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_when_parent_dies(int(parent))
+    logging.basicConfig(level=int(log_level),
+                        format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: "
+                               f"%(message)s")
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    run_worker(config, input_address, output_address, int(rank), int(world_size), init_method)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+__all__ = ["FromWorker", "Worker", "run_worker"]

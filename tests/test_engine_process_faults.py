@@ -1,0 +1,151 @@
+"""The fault suite of the process core, through the server: `kill -9` of the engine core under
+load ends every stream within seconds (a 503 body, or an SSE error event and [DONE]), /health
+turns 503, and then the server either exits non-zero or, with --restart-engine-on-failure,
+serves again from an empty core. Killing the front-end takes the core with it. No process is
+left behind on any path (checked through /proc)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from kvserve.testing.server import ServerProcess
+from tests.server_helpers import assert_idle, tiny_server_flags
+from tests.test_engine_process import process_alive, wait_gone
+
+pytestmark = pytest.mark.multiprocess
+
+STREAM_DEADLINE_SECONDS = 20
+
+
+def _flags(model_dir, *extra):
+    return tiny_server_flags(model_dir, "--engine-core", "process", *extra)
+
+
+def _core_pid(server: ServerProcess) -> int:
+    """The engine core: the server's child running `python -m kvserve.core.core_process`."""
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        if "kvserve.core.core_process" in child.cmdline():
+            return child.pid
+    raise AssertionError("no engine core process")
+
+
+def _descendants(server: ServerProcess) -> list[int]:
+    return [child.pid for child in psutil.Process(server.process.pid).children(recursive=True)]
+
+
+async def _request(client, index: int, stream: bool):
+    payload = {"prompt": f"story number {index}", "max_tokens": 1500, "temperature": 0,
+               "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/completions", json=payload)
+        return response.status_code, response.json()
+    events = []
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return response.status_code, events
+
+
+def _kill_core_under_load(server: ServerProcess, num_requests: int = 6):
+    """Start requests, kill -9 the core once they stream, return (results, seconds to end)."""
+    core = _core_pid(server)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            tasks = [asyncio.ensure_future(_request(client, i, stream=i % 2 == 0))
+                     for i in range(num_requests)]
+            await _until_generating(client)
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), STREAM_DEADLINE_SECONDS)
+            return results, time.monotonic() - killed
+
+    results, seconds = asyncio.run(scenario())
+    assert wait_gone(core)
+    return results, seconds
+
+
+async def _until_generating(client) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = (await client.get("/metrics")).text
+        for line in text.splitlines():
+            if line.startswith("kvserve:generation_tokens_total") and float(line.split()[-1]):
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError("no tokens generated")
+
+
+def _assert_all_failed_cleanly(results) -> None:
+    for status, body in results:
+        if isinstance(body, dict):
+            assert status == 503 and body["error"]["code"] == "engine_unavailable", body
+        else:
+            assert status == 200 and body[-1] == "[DONE]", body[-3:]
+            assert json.loads(body[-2])["error"]["code"] == "engine_unavailable"
+
+
+def test_killed_core_fails_streams_and_the_server_exits_nonzero(tiny_model_dir, tmp_path):
+    with ServerProcess(_flags(tiny_model_dir), log_path=tmp_path / "server.log") as server:
+        children = _descendants(server)
+        results, seconds = _kill_core_under_load(server)
+        _assert_all_failed_cleanly(results)
+        assert seconds < STREAM_DEADLINE_SECONDS
+        try:
+            health = httpx.get(server.base_url + "/health", timeout=5)
+            assert health.status_code == 503
+        except httpx.TransportError:
+            pass  # already exiting
+        server.process.wait(30)
+    assert server.process.returncode == 1
+    assert not any(process_alive(pid) for pid in children)
+
+
+def test_restarted_core_serves_again_from_empty(tiny_model_dir, tmp_path):
+    flags = _flags(tiny_model_dir, "--restart-engine-on-failure", "--max-engine-restarts", "2")
+    with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
+        first_core = _core_pid(server)
+        results, _ = _kill_core_under_load(server)
+        _assert_all_failed_cleanly(results)
+        _wait_health(server.base_url, 200, timeout=120)
+        second_core = _core_pid(server)
+        assert second_core != first_core and not process_alive(first_core)
+        response = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                              json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert_idle(server.base_url)  # KV blocks in use 0 after the restart
+        children = _descendants(server)
+    assert server.exit_code == 0
+    assert not any(process_alive(pid) for pid in children)
+
+
+def test_killed_front_end_takes_the_core_along(tiny_model_dir, tmp_path):
+    with ServerProcess(_flags(tiny_model_dir), log_path=tmp_path / "server.log") as server:
+        core = _core_pid(server)
+        children = _descendants(server)
+        server.process.kill()
+        server.process.wait(10)
+    assert wait_gone(core, timeout=10)
+    assert not any(process_alive(pid) for pid in children)
+
+
+def _wait_health(base_url: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"/health never answered {status}")

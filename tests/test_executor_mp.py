@@ -1,0 +1,102 @@
+"""The `mp` executor: worker processes holding tensor-parallel shards, driven by the engine
+core. Greedy tokens equal the single-process engine's on a mixed ragged workload (chunked
+prefill, prefix hits, preemption, n > 1, stop strings); a killed worker fails the engine instead
+of hanging it, and every process is reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import EngineDeadError
+from kvserve.testing.tiny import write_tiny_model_dir
+from tests.test_engine_process import process_alive, wait_gone
+
+pytestmark = pytest.mark.multiprocess
+
+SHARED = "You are a careful assistant. Answer briefly and precisely. " * 3
+PROMPTS = [SHARED + q for q in ("What is a cat?", "Name a river.", "Count to five.",
+                                "Say hello.", "Why is the sky blue?", "Spell 'tree'.")] + [
+    "The quick brown fox", "Once upon a time", "def main():", "Paris is", "1, 2, 3,",
+    "import os\n", "Hello", "The capital of", "A long time ago in a galaxy far, far away " * 4,
+    "x"]
+
+
+@pytest.fixture(scope="module")
+def six_head_model_dir(tmp_path_factory, tokenizer):
+    """6 query heads and 3 KV heads: tensor parallel 3 splits both."""
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-h6"), tokenizer,
+                                num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                                hidden_size=96)
+
+
+def _options(**extra):
+    # a small pool and budget: prompts are chunked, and requests get preempted
+    return dict(dtype="float32", num_kv_blocks=24, block_size=16, max_num_batched_tokens=64,
+                **extra)
+
+
+def _workload():
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = [greedy] * len(PROMPTS)
+    params[3] = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    params[7] = SamplingParams(temperature=0, max_tokens=40, stop=["e"])
+    return PROMPTS, params
+
+
+def _tokens(llm: LLM) -> list[list[list[int]]]:
+    prompts, params = _workload()
+    return [[o.token_ids for o in out.outputs]
+            for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _reference(model_dir) -> tuple[list, int]:
+    llm = LLM(model=str(model_dir), **_options())
+    tokens = _tokens(llm)
+    preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
+    llm.shutdown()
+    return tokens, preemptions
+
+
+@pytest.mark.parametrize("tp, engine_core", [(1, "thread"), (2, "thread"), (3, "process")])
+def test_mp_workers_match_one_process(six_head_model_dir, tiny_model_dir, tp, engine_core):
+    model_dir = tiny_model_dir if tp == 2 else six_head_model_dir
+    expected, preemptions = _reference(model_dir)
+    assert preemptions > 0  # the workload does exercise preemption
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, engine_core=engine_core,
+              distributed_executor_backend="mp", **_options())
+    try:
+        assert _tokens(llm) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_heads_that_do_not_divide_are_a_clear_error(six_head_model_dir):
+    with pytest.raises(ValueError, match="6"):
+        LLM(model=str(six_head_model_dir), tensor_parallel_size=4, **_options())
+
+
+def test_killed_worker_fails_the_engine_and_nothing_is_left(six_head_model_dir):
+    llm = LLM(model=str(six_head_model_dir), tensor_parallel_size=3, engine_core="process",
+              **_options())
+    core = psutil.Process(llm.llm_engine.core.ready.pid)
+    workers = core.children()
+    assert len(workers) == 3
+    engine = llm.llm_engine
+    engine.add_request("long", "a story", SamplingParams(max_tokens=500, ignore_eos=True))
+    engine.step()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            engine.step()
+    assert time.monotonic() - started < 20
+    llm.shutdown()
+    assert wait_gone(core.pid)
+    assert all(wait_gone(worker.pid) for worker in workers)
+    assert not any(process_alive(worker.pid) for worker in workers)
