@@ -4,6 +4,11 @@
 requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
 HF-named checkpoint tensors into them. Each attention layer reads and writes its own slice of the
 paged KV cache, bound once by the runner with `bind_kv_cache`.
+
+Given a ParallelContext with tp_size > 1 the model is one tensor-parallel rank's shard: its
+config is the rank's (kvserve/distributed/sharding.py), o_proj and down_proj outputs are partial
+sums all-reduced in place, the embedding and LM head hold a vocabulary range. With tp_size 1 the
+context is dropped (`self.tp` None) and nothing extra runs.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
+from kvserve.distributed.communication import gather_vocab
+from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 parallel: ParallelContext | None = None):
         super().__init__()
+        self.tp = active(parallel)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -43,7 +53,10 @@ class LlamaAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
         attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
-        return self.o_proj(attended.reshape(-1, self.q_size))
+        out = self.o_proj(attended.reshape(-1, self.q_size))
+        if self.tp is not None:
+            self.tp.communicator.all_reduce_(out)
+        return out
 
     def forward_fused(self, hidden, positions, cos_sin, metadata) -> torch.Tensor:
         """The `paged` path: RoPE and the cache write in one op on the fused QKV output, then
@@ -56,28 +69,36 @@ class LlamaAttention(nn.Module):
                             self.num_heads, self.num_kv_heads, self.head_dim)
         attended = self.backend.attend(qkv, self.kv_cache, metadata, self.num_heads,
                                        self.num_kv_heads, self.head_dim, self.scale)
-        return self.o_proj.forward(attended)
+        out = self.o_proj.forward(attended)
+        if self.tp is not None:
+            self.tp.communicator.all_reduce_(out)
+        return out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
+        self.tp = active(parallel)
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.tp is not None:
+            self.tp.communicator.all_reduce_(out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 parallel: ParallelContext | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel)
 
     def forward(self, rotary, hidden, metadata):
         hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), metadata)
@@ -85,12 +106,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 parallel: ParallelContext | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if active(parallel) is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                       parallel)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, parallel) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
@@ -123,6 +149,8 @@ class LlamaModel(nn.Module):
             ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
             mlp = layer.mlp
             hidden = mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(hidden)))
+            if mlp.tp is not None:
+                mlp.tp.communicator.all_reduce_(hidden)
         ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
@@ -138,14 +166,22 @@ _FUSED_SHARDS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 parallel: ParallelContext | None = None):
+        """`config` is the rank's shard config when `parallel` spans several ranks."""
         super().__init__()
+        tp_size = parallel.tp_size if parallel is not None else 1
+        if tp_size != config.tensor_parallel_size:
+            raise ValueError(f"config is for tensor-parallel size {config.tensor_parallel_size}, "
+                             f"the context for {tp_size}: pass shard_config(config, tp_size)")
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.parallel = active(parallel)
+        self.model = LlamaModel(config, backend, parallel)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = self.model.embed_tokens.weight.shape[0]  # the rank's vocabulary range
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -158,11 +194,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model.ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) for just the rows given: callers pass only sampled positions."""
+        """Logits (float32) for just the rows given: callers pass only sampled positions (with
+        tensor parallelism each rank computes its vocabulary range and these rows are gathered)."""
         if self.logits_head is not None:  # set by kvserve.quant in quantized modes
-            return self.logits_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.logits_head(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None \
+                else self.lm_head.weight
+            logits = F.linear(hidden, weight)
+        if self.parallel is not None:
+            logits = gather_vocab(logits, self.parallel)[:, : self.config.vocab_size]
+        return logits.float()
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer i the tensor kv_caches[i] of shape [2, blocks, block_size, kv_heads, dim]."""

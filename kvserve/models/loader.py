@@ -3,6 +3,10 @@
 A GGUF model, once converted, is cached as its own float32 state dict (fused layout): a later load
 memory-maps that file and assigns the tensors to the parameters without copying them (float32) or
 with one cast (other dtypes).
+
+With a ParallelContext of tp_size > 1 (`parallel=`) the model is the rank's shard: built from
+`shard_config`, filled with only its slices (kvserve/weights/sharded.py), quantized slice by
+slice. `parallel=None` (or tp_size 1) is the single-process path, unchanged.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ import torch
 
 from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
+from kvserve.distributed.communication import barrier
+from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.distributed.sharding import shard_config, shard_rule
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
 from kvserve.quant import quantize_model, resolve_quantization, use_bf16_panels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.weights import cache, load_config, load_hf_named_tensors
+from kvserve.weights.hf_dir import safetensors_files
+from kvserve.weights.sharded import iter_sharded_safetensors, shard_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +48,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kernels: bool = True,
-                       device: str | torch.device = "cpu"):
+                       device: str | torch.device = "cpu",
+                       parallel: ParallelContext | None = None):
     # the compiled kernels read CPU memory; other devices run the torch versions of the ops
     use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
     if config.architecture not in _MODEL_CLASSES:
         raise UnsupportedArchitectureError(f"No model class for {config.architecture!r}")
     backend = get_attention_backend(attention_backend, use_cpu_kernels)
     with torch.device("meta"):
-        return _MODEL_CLASSES[config.architecture](config, backend)
+        return _MODEL_CLASSES[config.architecture](config, backend, parallel)
 
 
 def _finish(model, dtype: torch.dtype, quantization: str = "none", weights_ready: bool = True):
     """Quantize the projections (from the float32 weights still in place), or lay unquantized
     bf16 ones out for our decode kernel, cast the parameters to dtype (buffers keep theirs: RoPE
     stays float32 as in HF, quantized layers chose their own) and rebuild the RoPE table."""
-    quantize_model(model, quantization, dtype, model.kernel_ops)
+    quantize_model(model, quantization, dtype, model.kernel_ops, model.parallel)
     if quantization == "none" and weights_ready:
         use_bf16_panels(model, dtype, model.kernel_ops)
     model.quantization = quantization
@@ -64,18 +74,21 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none", weights_ready
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu",
-                      attention_backend: str = "torch_ref", use_cpu_kernels: bool = True):
-    """Allocate without initialising (weights come next), on the target device and dtype."""
-    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device)
+                      attention_backend: str = "torch_ref", use_cpu_kernels: bool = True,
+                      parallel: ParallelContext | None = None):
+    """Allocate without initialising (weights come next), on the target device and dtype.
+    With `parallel`, `config` is the rank's shard config."""
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device, parallel)
     model = model.to_empty(device=device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
     return _finish(model, dtype, weights_ready=False)
 
 
 def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], device: str,
-                      attention_backend: str, use_cpu_kernels: bool):
+                      attention_backend: str, use_cpu_kernels: bool,
+                      parallel: ParallelContext | None = None):
     """The model holding `state` as it is (float32 from the weight cache)."""
-    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device)
+    model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device, parallel)
     state = {name: tensor.to(device) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model
@@ -84,27 +97,28 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], devic
 def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
                attention_backend: str = "torch_ref", use_cache: bool = True,
                use_cpu_kernels: bool = True, quantization: str = "none",
-               dtype_is_default: bool = False):
+               dtype_is_default: bool = False, parallel: ParallelContext | None = None):
     """Return (model, config) with the source's weights loaded. `dtype_is_default`: the dtype is
     the machine's default rather than the user's choice, which lets `quantization="auto"` keep a
-    4-bit checkpoint 4-bit in float32 (see resolve_quantization)."""
+    4-bit checkpoint 4-bit in float32 (see resolve_quantization). With `parallel` (tp_size > 1)
+    every rank calls this together and gets its shard; the config returned is then the rank's
+    (`model.config`: its heads, so the KV cache holds only the rank's KV heads)."""
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     config = load_config(source, use_cache)
     cached = cache.artifact_path(source.path, "weights.safetensors") \
         if source.format == "gguf" and use_cache else None
-    if cached is not None and cached.is_file():
+    if active(parallel) is not None:
+        model, how = _load_shard(source, config, cached, device, attention_backend,
+                                 use_cpu_kernels, parallel)
+    elif cached is not None and cached.is_file():
         from safetensors.torch import load_file
 
         model = _model_from_state(config, load_file(str(cached)), device, attention_backend,
                                   use_cpu_kernels)
         how = f"from cache {cached}"
     else:
-        model = build_empty_model(config, torch.float32, device, attention_backend,
-                                  use_cpu_kernels)
-        model.load_weights(load_hf_named_tensors(source, config).items())
-        if cached is not None:
-            cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
+        model = _load_whole(source, config, cached, device, attention_backend, use_cpu_kernels)
         how = f"from {source.path}"
     quantization = resolve_quantization(
         quantization, config.source_weight_type, torch_dtype,
@@ -112,7 +126,46 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     model = _finish(model, torch_dtype, quantization)
     logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
                 quantization, how, time.perf_counter() - start)
-    return model, config
+    return model, model.config
+
+
+def _load_whole(source: ModelSource, config: ModelConfig, cached, device: str,
+                attention_backend: str, use_cpu_kernels: bool):
+    """The float32 model from the checkpoint itself, written to the weight cache if wanted."""
+    model = build_empty_model(config, torch.float32, device, attention_backend, use_cpu_kernels)
+    model.load_weights(load_hf_named_tensors(source, config).items())
+    if cached is not None:
+        cache.save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, cached)
+    return model
+
+
+def _load_shard(source: ModelSource, config: ModelConfig, cached, device: str,
+                attention_backend: str, use_cpu_kernels: bool, parallel: ParallelContext):
+    """This rank's float32 shard. A GGUF is converted into the weight cache once, by rank 0
+    while the others wait; then every rank reads its slices of the cache (or of the HF
+    directory's files) lazily."""
+    rank_config = shard_config(config, parallel.tp_size)
+
+    def rule_for(name: str):
+        return shard_rule(name, config, parallel.tp_size, parallel.tp_rank)
+
+    if cached is not None and not cached.is_file():
+        if parallel.tp_rank == 0:
+            _load_whole(source, config, cached, "cpu", "torch_ref", False)
+        barrier(parallel)
+    if cached is not None and cached.is_file():  # fused names, HF layout, float32
+        state = dict(iter_sharded_safetensors([cached], rule_for))
+        model = _model_from_state(rank_config, state, device, attention_backend,
+                                  use_cpu_kernels, parallel)
+        return model, f"from cache {cached} (rank {parallel.tp_rank} of {parallel.tp_size})"
+    model = build_empty_model(rank_config, torch.float32, device, attention_backend,
+                              use_cpu_kernels, parallel)
+    if source.format == "hf":
+        tensors = iter_sharded_safetensors(safetensors_files(source.path), rule_for)
+    else:  # a GGUF without the cache: dequantized whole, sliced in memory
+        tensors = shard_tensors(load_hf_named_tensors(source, config).items(), rule_for)
+    model.load_weights(tensors)
+    return model, f"from {source.path} (rank {parallel.tp_rank} of {parallel.tp_size})"
 
 
 def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
@@ -125,8 +178,11 @@ def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
 
 def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,
                  device: str = "cpu", attention_backend: str = "torch_ref",
-                 use_cpu_kernels: bool = True, quantization: str = "none"):
-    """A model with small random weights (deterministic for a seed), for fast tests."""
+                 use_cpu_kernels: bool = True, quantization: str = "none",
+                 parallel: ParallelContext | None = None):
+    """A model with small random weights (deterministic for a seed), for fast tests. With
+    `parallel` (tp_size > 1): this rank's shard of exactly the model tp_size 1 gives for `config`
+    (the full model is drawn, then sliced)."""
     model = build_empty_model(config, torch.float32, device, attention_backend, use_cpu_kernels)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -135,4 +191,9 @@ def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    if active(parallel) is not None:
+        state = dict(shard_tensors(model.state_dict().items(), lambda name: shard_rule(
+            name, config, parallel.tp_size, parallel.tp_rank)))
+        model = _model_from_state(shard_config(config, parallel.tp_size), state, device,
+                                  attention_backend, use_cpu_kernels, parallel)
     return _finish(model, resolve_dtype(dtype), quantization)

@@ -17,6 +17,12 @@ beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2
 - unquantized bf16: projections and LM head laid out for our bf16 decode kernel (lossless).
 - `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
   runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
+
+Tensor parallelism: each rank quantizes its own float32 slice. Column-parallel slices (rows) and
+row-parallel ones (columns of o_proj/down_proj, cut at int4 group boundaries) get the codes and
+scales the whole matrix would; the per-channel int8 scales of row-parallel slices come from the
+whole row's absmax (one max all-reduce at load). Only w8a8's per-token activation scales differ
+from one rank: each rank sees its slice of the activations.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.communication import all_reduce_max
+from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.kernels import autotune
 from kvserve.kernels.reference import pack_bf16, pack_int4, pack_int8, quantize_int8_groupwise
 
@@ -44,6 +52,8 @@ LM_HEAD_WEIGHT_ONLY_MAX_ROWS = 8
 LM_HEAD_INT8_KERNEL_MAX_ROWS = 16
 BF16_KERNEL_MAX_ROWS = 16  # our bf16 panel kernel vs oneDNN's bf16 GEMM, with autotuning off
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# split along K (input features) under tensor parallelism; the others along their output rows
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
 # Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
@@ -61,9 +71,10 @@ def quantize_int4_groupwise(weight: torch.Tensor, group_size: int = INT4_GROUP_S
     return codes.view(rows, cols), scale, low
 
 
-def quantize_int8_per_channel(weight: torch.Tensor):
-    """float [N, K] -> int8 [N, K] and float32 scales [N] (symmetric, absmax / 127)."""
-    scale = weight.float().abs().amax(1) / 127
+def quantize_int8_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None):
+    """float [N, K] -> int8 [N, K] and float32 scales [N] (symmetric, absmax / 127). `absmax`:
+    each row's absolute maximum when `weight` is a slice of longer rows (tensor parallelism)."""
+    scale = (weight.float().abs().amax(1) if absmax is None else absmax) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (weight.float() / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
     return codes, scale
@@ -127,10 +138,10 @@ class Int8WeightOnlyLinear(nn.Module):
     keeps_dense_copy = True  # for batches over max_rows rows
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype,
-                 max_rows: int = WEIGHT_ONLY_MAX_ROWS):
+                 max_rows: int = WEIGHT_ONLY_MAX_ROWS, absmax: torch.Tensor | None = None):
         super().__init__()
         self.max_rows = max_rows
-        codes, scale = quantize_int8_per_channel(linear.weight.data)
+        codes, scale = quantize_int8_per_channel(linear.weight.data, absmax)
         scale_t = scale.to(dtype)
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scale_t)
@@ -155,8 +166,9 @@ class W8A8Linear(Int8WeightOnlyLinear):
 
     keeps_dense_copy = False  # large batches take the int8 GEMM
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
-        super().__init__(linear, dtype)
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops,
+                 absmax: torch.Tensor | None = None):
+        super().__init__(linear, dtype, absmax=absmax)
         self.ops = ops
         self.codes_t = self.codes.t()  # [K, N] view for torch._int_mm
 
@@ -261,9 +273,11 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     return "none"
 
 
-def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None,
+                   parallel: ParallelContext | None = None) -> nn.Module:
     """Swap every decoder projection for its quantized version (in place). The model must still
-    hold its float32 weights, so codes come from the exact values (a GGUF's Q4_1 blocks)."""
+    hold its float32 weights, so codes come from the exact values (a GGUF's Q4_1 blocks). With
+    `parallel` (tp_size > 1) the model is a rank's shard and every rank calls this together."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"Unknown quantization {mode!r}; choose one of "
                          f"{', '.join(QUANTIZATION_MODES)}")
@@ -273,13 +287,31 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None) ->
         from kvserve.kernels import get_ops
 
         ops = get_ops(next(model.parameters()).device.type == "cpu")  # C++ ops read CPU memory
+    parallel = active(parallel)
     for parent in list(model.modules()):
         for name in QUANTIZED_PROJECTIONS:
             child = getattr(parent, name, None)
             if isinstance(child, nn.Linear):
-                setattr(parent, name, _quantized(child, mode, dtype, ops))
+                absmax = None
+                if parallel is not None and name in ROW_PARALLEL_PROJECTIONS:
+                    absmax = _whole_row_absmax(child, name, mode, parallel)
+                setattr(parent, name, _quantized(child, mode, dtype, ops, absmax))
     model.logits_head = _quantized_lm_head(model, mode, dtype, ops)
     return model
+
+
+def _whole_row_absmax(linear: nn.Linear, name: str, mode: str,
+                      parallel: ParallelContext) -> torch.Tensor | None:
+    """A row-parallel slice [N, K / tp]: int4 groups must not straddle two ranks (ValueError
+    otherwise); int8 scales need the absmax of the whole row, gathered here."""
+    if mode == "int4":
+        if linear.in_features % INT4_GROUP_SIZE:
+            raise ValueError(
+                f"int4 with tensor-parallel size {parallel.tp_size}: each rank's slice of "
+                f"{name} has {linear.in_features} input features, not a multiple of the group "
+                f"size {INT4_GROUP_SIZE}; use int8 or another tensor-parallel size")
+        return None
+    return all_reduce_max(linear.weight.data.float().abs().amax(1), parallel)
 
 
 def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> nn.Module:
@@ -295,9 +327,10 @@ def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> 
     return Int8WeightOnlyLinear(linear, dtype, max_rows=LM_HEAD_WEIGHT_ONLY_MAX_ROWS)
 
 
-def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn.Module:
+def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops,
+               absmax: torch.Tensor | None = None) -> nn.Module:
     if mode == "int4":
         return Int4WeightOnlyLinear(linear, dtype, ops)
     if mode == "int8":
-        return Int8WeightOnlyLinear(linear, dtype)
-    return W8A8Linear(linear, dtype, ops)
+        return Int8WeightOnlyLinear(linear, dtype, absmax=absmax)
+    return W8A8Linear(linear, dtype, ops, absmax)

@@ -1,0 +1,117 @@
+"""Who this process is in a tensor-parallel group, and how to join one.
+
+A model built with a `ParallelContext` holds only its rank's slice of the weights and KV heads
+and calls the context's communicator where slices meet (kvserve/distributed/communication.py).
+With tp_size 1 there is no context at all (None): the single-process path is today's, unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from kvserve.distributed.communication import Communicator
+
+# Which all-reduce a CPU group uses: "shm" (shared memory, one host), "torch" (the process
+# group's own: gloo on CPU, NCCL on CUDA) or "auto" (shm where it can run; measured faster,
+# docs/performance.md). The argument of init_distributed wins over this variable.
+ALL_REDUCE_ENV = "KVSERVE_TP_ALL_REDUCE"
+ALL_REDUCE_CHOICES = ("auto", "shm", "torch")
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in its tensor-parallel group. `group` is the torch.distributed process
+    group (None only for tp_size 1); `communicator` runs the group's collectives."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: dist.ProcessGroup | None = field(default=None, compare=False)
+    communicator: "Communicator | None" = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside a group of size {self.tp_size}")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tp_size > 1
+
+
+def active(parallel: ParallelContext | None) -> ParallelContext | None:
+    """The context when it spans more than one rank, else None: models keep None for tp_size 1
+    so their hot loops test one attribute and call nothing."""
+    return parallel if parallel is not None and parallel.tp_size > 1 else None
+
+
+def default_backend(device: str | torch.device = "cpu") -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str | None = None,
+                     all_reduce: str | None = None, device: str | torch.device = "cpu",
+                     timeout_s: float = 120.0) -> ParallelContext:
+    """Join the process group (every rank calls this with the same init_method, e.g.
+    "tcp://127.0.0.1:29500" or "file:///tmp/kvserve-tp-rendezvous") and return this rank's
+    context, the whole world being one tensor-parallel group. `all_reduce`: see ALL_REDUCE_ENV."""
+    backend = backend or default_backend(device)
+    choice = all_reduce or os.environ.get(ALL_REDUCE_ENV, "auto")
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"Unknown all-reduce {choice!r}; choose one of "
+                         f"{', '.join(ALL_REDUCE_CHOICES)}")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    group = dist.group.WORLD
+    return build_context(rank, world_size, group, choice, backend)
+
+
+def build_context(rank: int, world_size: int, group: dist.ProcessGroup, all_reduce: str,
+                  backend: str) -> ParallelContext:
+    """A context over an existing group with the chosen communicator (collective: every rank of
+    the group must call it)."""
+    from kvserve.distributed.communication import TorchCommunicator
+    from kvserve.distributed.shm_all_reduce import SharedMemoryCommunicator, shm_supported
+
+    if world_size == 1:
+        return ParallelContext(0, 1, group, None)
+    use_shm = all_reduce != "torch" and backend == "gloo" and _one_host(group)
+    if all_reduce == "shm" and not use_shm:
+        raise ValueError("the shared-memory all-reduce needs gloo (CPU tensors) and every rank "
+                         "on one host")
+    use_shm = use_shm and shm_supported()
+    communicator = (SharedMemoryCommunicator(rank, world_size, group) if use_shm
+                    else TorchCommunicator(group))
+    return ParallelContext(rank, world_size, group, communicator)
+
+
+def _one_host(group: dist.ProcessGroup) -> bool:
+    """Every rank on this machine: same host name and kernel boot id (containers may share a
+    host name)."""
+    names: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, (socket.gethostname(), _boot_id()), group=group)
+    return len(set(names)) == 1
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def destroy_distributed(parallel: ParallelContext | None) -> None:
+    """Release the communicator's shared memory and leave the process group."""
+    if parallel is not None and parallel.communicator is not None:
+        parallel.communicator.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

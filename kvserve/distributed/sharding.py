@@ -1,0 +1,139 @@
+"""Which slice of each weight a tensor-parallel rank holds, and the rank's view of the config.
+
+Attention is split by heads: rank r holds query heads [r * H / tp, (r + 1) * H / tp) and the KV
+heads they read (KV heads split evenly when tp divides them, one replicated head per rank when
+tp is a multiple of them). gate/up are split by rows (column-parallel), o_proj and down_proj by
+columns (row-parallel: each rank's product is a partial sum, all-reduced). The embedding and LM
+head are split by vocabulary rows, padded to equal shards so the logits gather is one shape.
+Rules address both HF tensor names and our fused ones (the GGUF weight cache holds qkv_proj and
+gate_up_proj), and slice anything indexable: torch tensors or safetensors' lazy slices, so a rank
+reads only its bytes from a memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.config import ModelConfig
+
+
+def validate_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError (naming the numbers) when the model cannot split over tp_size ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp_size}")
+    if heads % tp_size:
+        raise ValueError(f"the model's {heads} attention heads do not divide over a "
+                         f"tensor-parallel size of {tp_size}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"the model's {kv_heads} KV heads and a tensor-parallel size of "
+                         f"{tp_size}: one must divide the other")
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"the model's intermediate size {config.intermediate_size} does not "
+                         f"divide over a tensor-parallel size of {tp_size}")
+
+
+def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """One rank's config: its heads, KV heads and MLP width (the same for every rank), so that
+    `allocate_kv_caches` and `kv_bytes_per_block` size the rank's own KV."""
+    if tp_size == 1:
+        return config
+    if config.tensor_parallel_size != 1:
+        raise ValueError("config is already one rank's shard")
+    validate_tensor_parallel(config, tp_size)
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // tp_size,
+        num_key_value_heads=max(1, config.num_key_value_heads // tp_size),
+        intermediate_size=config.intermediate_size // tp_size,
+        tensor_parallel_size=tp_size,
+    )
+
+
+def kv_head_range(config: ModelConfig, tp_size: int, rank: int) -> tuple[int, int]:
+    """The KV heads rank `rank` holds: its share, or the one head its query heads read."""
+    kv_heads = config.num_key_value_heads
+    if tp_size <= kv_heads:
+        per_rank = kv_heads // tp_size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank * kv_heads // tp_size
+    return head, head + 1
+
+
+def vocab_range(vocab_size: int, tp_size: int, rank: int) -> tuple[int, int, int]:
+    """(first id, end id, padded shard rows): shards of ceil(vocab / tp) rows, the last one
+    padded with zero rows so every rank's logits shard has the same width."""
+    padded = -(-vocab_size // tp_size)
+    start = min(vocab_size, rank * padded)
+    return start, min(vocab_size, start + padded), padded
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """Take `ranges` along `dim` (concatenated, in order); pad dim to `pad_to` rows with zeros."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    pad_to: int | None = None
+
+
+def shard_rule(name: str, config: ModelConfig, tp_size: int, rank: int) -> ShardRule | None:
+    """The rule for a tensor of the full model (HF or fused name), or None: replicated."""
+    if tp_size == 1:
+        return None
+    head_dim = config.head_dim
+    q_per_rank = config.num_attention_heads // tp_size * head_dim
+    q = (rank * q_per_rank, (rank + 1) * q_per_rank)
+    kv_first, kv_end = kv_head_range(config, tp_size, rank)
+    kv = (kv_first * head_dim, kv_end * head_dim)
+    mlp_per_rank = config.intermediate_size // tp_size
+    mlp = (rank * mlp_per_rank, (rank + 1) * mlp_per_rank)
+    q_size, kv_size, mlp_size = config.q_size, config.kv_size, config.intermediate_size
+    by_fragment = {
+        ".q_proj.": ShardRule(0, (q,)),
+        ".k_proj.": ShardRule(0, (kv,)),
+        ".v_proj.": ShardRule(0, (kv,)),
+        ".qkv_proj.": ShardRule(0, (q, _shift(kv, q_size), _shift(kv, q_size + kv_size))),
+        ".gate_proj.": ShardRule(0, (mlp,)),
+        ".up_proj.": ShardRule(0, (mlp,)),
+        ".gate_up_proj.": ShardRule(0, (mlp, _shift(mlp, mlp_size))),
+        ".o_proj.": ShardRule(1, (q,)),
+        ".down_proj.": ShardRule(1, (mlp,)),
+    }
+    for fragment, rule in by_fragment.items():
+        if fragment in name:
+            return rule
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, end, padded = vocab_range(config.vocab_size, tp_size, rank)
+        return ShardRule(0, ((start, end),), padded)
+    return None
+
+
+def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
+    return span[0] + offset, span[1] + offset
+
+
+def take_shard(tensor: Any, rule: ShardRule | None) -> torch.Tensor:
+    """Apply `rule` to a torch tensor or a safetensors slice (read lazily: only these bytes);
+    no rule: the tensor as given."""
+    if rule is None:
+        return tensor
+    pieces = []
+    for start, end in rule.ranges:
+        index = (slice(start, end),) if rule.dim == 0 else (slice(None), slice(start, end))
+        pieces.append(tensor[index])
+    if len(pieces) > 1:
+        shard = torch.cat(pieces, dim=rule.dim)
+    elif isinstance(tensor, torch.Tensor):  # a view must not keep the whole alive, nor stay
+        shard = pieces[0].clone(memory_format=torch.contiguous_format)  # strided
+    else:  # safetensors read it into a tensor of its own
+        shard = pieces[0]
+    if rule.pad_to is not None and shard.shape[rule.dim] < rule.pad_to:
+        padding = list(shard.shape)
+        padding[rule.dim] = rule.pad_to - shard.shape[rule.dim]
+        shard = torch.cat([shard, shard.new_zeros(padding)], dim=rule.dim)
+    return shard

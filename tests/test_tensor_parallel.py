@@ -1,0 +1,345 @@
+"""Tensor parallelism: ranks in spawned processes (gloo, both all-reduces) against one process.
+
+Each check runs a ragged batch (whole prompts, chunked prompts finishing beside decodes, then
+greedy decodes of 16 sequences) on the sharded model and on the same model unsharded: float32
+logits within 1e-4 and equal greedy tokens, on the paged backend (compiled kernels) and torch_ref,
+unquantized and int8 (int4 and w8a8 in one case each). One pool of ranks per world size serves
+the whole module.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from kvserve.attention.kv_tensors import kv_bytes_per_block
+from kvserve.distributed.communication import Communicator
+from kvserve.distributed.sharding import (
+    kv_head_range,
+    shard_config,
+    shard_rule,
+    take_shard,
+    validate_tensor_parallel,
+    vocab_range,
+)
+from kvserve.models import random_model
+from kvserve.testing.paged_loop import PagedLoop
+from kvserve.testing.rank_pool import RankError, RankPool
+from kvserve.testing.tiny import tiny_config
+
+# heads, KV heads and MLP width divide by the world size, and each rank's o_proj/down_proj slice
+# is a multiple of 32 input features (int4 groups)
+CONFIGS = {
+    2: dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128),
+    3: dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192),
+}
+# more ranks than KV heads: each rank holds a copy of the one its query heads read
+REPLICATED_KV = {
+    2: dict(num_attention_heads=4, num_key_value_heads=1, hidden_size=64, intermediate_size=128),
+    3: dict(num_attention_heads=6, num_key_value_heads=1, hidden_size=96, intermediate_size=192),
+}
+VOCAB = 1000  # not a multiple of 3: the last vocabulary shard is padded
+PROMPTS = [[(11 * i + 7 * j) % (VOCAB - 10) + 5 for j in range(3 + 2 * i)] for i in range(16)]
+DECODE_STEPS = 4
+
+
+def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DECODE_STEPS
+               ) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens and every step's last-position logits over: the first half of the prompts
+    whole beside the first halves of the others; then decodes of the first half beside the
+    other halves' second chunks; then `decode_steps` decodes of all."""
+    count = len(prompts)
+    loop = PagedLoop(model, count, max(len(p) for p in prompts) + decode_steps + 2)
+    first, rest, everyone = range(count // 2), range(count // 2, count), list(range(count))
+    halves = {i: len(prompts[i]) // 2 for i in rest}
+    chunks = [prompts[i] for i in first] + [prompts[i][: halves[i]] for i in rest]
+    lengths = [len(prompts[i]) for i in first] + [halves[i] for i in rest]
+    step_logits = [torch.stack(loop.step(chunks, lengths, everyone))]
+    tokens = [[int(step_logits[0][i].argmax())] for i in first]
+    chunks = [[t[-1]] for t in tokens] + [prompts[i][halves[i]:] for i in rest]
+    lengths = [len(prompts[i]) + 1 for i in first] + [len(prompts[i]) for i in rest]
+    step_logits.append(torch.stack(loop.step(chunks, lengths, everyone)))
+    tokens = [t + [int(step_logits[1][i].argmax())] for i, t in enumerate(tokens)]
+    tokens += [[int(step_logits[1][i].argmax())] for i in rest]
+    for _ in range(decode_steps):
+        lengths = [len(prompts[i]) + len(tokens[i]) for i in everyone]
+        logits = torch.stack(loop.step([[t[-1]] for t in tokens], lengths, everyone))
+        step_logits.append(logits)
+        tokens = [t + [int(logits[i].argmax())] for i, t in enumerate(tokens)]
+    return tokens, torch.cat(step_logits)
+
+
+def _model(config_fields, backend, quantization, parallel=None):
+    return random_model(tiny_config(vocab_size=VOCAB, **config_fields), "float32", seed=5,
+                        attention_backend=backend, quantization=quantization, parallel=parallel)
+
+
+@functools.lru_cache(maxsize=None)
+def single_process(config_key, backend, quantization):
+    return ragged_run(_model(json.loads(config_key), backend, quantization))
+
+
+def sharded_run(contexts, all_reduce, config_fields, backend, quantization):
+    """On every rank: its shard, the same ragged run; the KV cache holds only its KV heads."""
+    parallel = contexts[all_reduce]
+    model = _model(config_fields, backend, quantization, parallel)
+    full = tiny_config(vocab_size=VOCAB, **config_fields)
+    kv_heads = max(1, full.num_key_value_heads // parallel.tp_size)
+    assert model.config.num_key_value_heads == kv_heads
+    assert kv_bytes_per_block(model.config, 16, torch.float32) == \
+        kv_bytes_per_block(full, 16, torch.float32) * kv_heads // full.num_key_value_heads
+    return ragged_run(model)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"tp{n}")
+def pool(request):
+    with RankPool(request.param, timeout_s=60) as ranks:
+        yield ranks
+
+
+def _check(pool, config_fields, backend, quantization, all_reduce, atol=1e-4):
+    expected_tokens, expected_logits = single_process(json.dumps(config_fields), backend,
+                                                      quantization)
+    results = pool.run(sharded_run, all_reduce, config_fields, backend, quantization)
+    for tokens, logits in results:  # every rank gathers the same logits
+        assert (logits - expected_logits).abs().max().item() < atol
+        assert tokens == expected_tokens
+
+
+@pytest.mark.parametrize("all_reduce", ["shm", "torch"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("backend", ["paged", "torch_ref"])
+def test_sharded_model_matches_one_process(pool, backend, quantization, all_reduce):
+    _check(pool, CONFIGS[pool.world_size], backend, quantization, all_reduce)
+
+
+def test_replicated_kv_heads_match_one_process(pool):
+    _check(pool, REPLICATED_KV[pool.world_size], "paged", "none", "shm")
+
+
+def test_int4_shards_along_groups(pool):
+    """Row-parallel slices cut at group boundaries keep the whole matrix's codes and scales."""
+    _check(pool, CONFIGS[pool.world_size], "paged", "int4", "shm")
+
+
+def test_w8a8_within_its_own_quantization_noise(pool):
+    """w8a8 quantizes each rank's slice of the activations per token, so it is not bit-equal
+    to one process; its distance from float stays that of one process's w8a8. Compared on the
+    two prompt steps only: later steps feed back greedy tokens, which such noise can flip."""
+    fields = CONFIGS[pool.world_size]
+    prompt_rows = slice(0, 2 * len(PROMPTS))
+    _, float_logits = single_process(json.dumps(fields), "paged", "none")
+    _, one_process = single_process(json.dumps(fields), "paged", "w8a8")
+    own_noise = (one_process - float_logits)[prompt_rows].abs().max().item()
+    for _, logits in pool.run(sharded_run, "shm", fields, "paged", "w8a8"):
+        assert (logits - float_logits)[prompt_rows].abs().max().item() < 2 * own_noise
+
+
+def _heads_error(contexts, fields):
+    return _model(fields, "paged", "none", contexts["torch"])
+
+
+def test_heads_that_do_not_divide_are_a_clear_error(pool):
+    fields = dict(CONFIGS[pool.world_size], num_attention_heads=5, num_key_value_heads=5,
+                  head_dim=16)
+    with pytest.raises(RankError, match=f"5 attention heads do not divide over a "
+                                        f"tensor-parallel size of {pool.world_size}"):
+        pool.run(_heads_error, fields)
+
+
+def _all_reduce_cases(contexts, all_reduce):
+    """Sums of rank-dependent tensors (several sizes, float32 and bfloat16) and a gather."""
+    from kvserve.distributed.shm_all_reduce import SharedMemoryCommunicator
+
+    parallel = contexts[all_reduce]
+    communicators: list[Communicator] = [parallel.communicator]
+    if all_reduce == "shm":  # 4 KiB slots: messages go in several rounds
+        communicators.append(SharedMemoryCommunicator(parallel.tp_rank, parallel.tp_size,
+                                                      parallel.group, slot_bytes=4096))
+    results = []
+    for communicator in communicators:
+        for dtype in (torch.float32, torch.bfloat16):
+            for numel in (1, 576, 32 * 576, 70_001):
+                values = torch.randn(numel, generator=torch.Generator().manual_seed(
+                    parallel.tp_rank * 1000 + numel)).to(dtype)
+                communicator.all_reduce_(values)
+                results.append(values)
+            strided = torch.zeros(4, 6, dtype=dtype)[:, ::2]
+            strided.fill_(parallel.tp_rank + 1)
+            communicator.all_reduce_(strided)
+            results.append(strided)
+        shard = torch.full((5, 7), float(parallel.tp_rank))
+        results.append(communicator.all_gather_last_dim(shard))
+    return results
+
+
+@pytest.mark.parametrize("all_reduce", ["shm", "torch"])
+def test_all_reduce_sums_and_gathers(pool, all_reduce):
+    world = pool.world_size
+    per_rank = pool.run(_all_reduce_cases, all_reduce)
+    expected = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 576, 32 * 576, 70_001):
+            expected.append(sum(torch.randn(numel, generator=torch.Generator().manual_seed(
+                rank * 1000 + numel)).to(dtype).float() for rank in range(world)))
+        expected.append(torch.full((4, 3), float(sum(range(1, world + 1)))))
+    expected.append(torch.arange(world).float().repeat_interleave(7).expand(5, -1))
+    rounds = len(per_rank[0]) // len(expected)
+    for results in per_rank:
+        assert all(torch.equal(r, results_0) for r, results_0 in zip(results, per_rank[0]))
+        for got, want in zip(results, expected * rounds):
+            tolerance = 0.05 * world if got.dtype == torch.bfloat16 else 1e-5
+            assert torch.allclose(got.float(), want, atol=tolerance), (got.dtype, got.shape)
+
+
+def _load_sharded(contexts, directory, backend):
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+
+    model, config = load_model(resolve_model(directory), "float32", attention_backend=backend,
+                               parallel=contexts["shm"])
+    assert config is model.config and config.tensor_parallel_size == contexts["shm"].tp_size
+    return ragged_run(model)
+
+
+def test_each_rank_loads_its_slice_of_an_hf_directory(pool, tmp_path):
+    from safetensors.torch import save_file
+
+    fields = dict(CONFIGS[pool.world_size], tie_word_embeddings=False)
+    config = tiny_config(vocab_size=VOCAB, **fields)
+    full = random_model(config, "float32", seed=5)
+    save_file({k: v.contiguous() for k, v in full.hf_state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    expected_tokens, expected_logits = ragged_run(
+        random_model(config, "float32", seed=5, attention_backend="paged"))
+    for tokens, logits in pool.run(_load_sharded, str(tmp_path), "paged"):
+        assert (logits - expected_logits).abs().max().item() < 1e-4
+        assert tokens == expected_tokens
+
+
+def _load_gguf_sharded(contexts, path, cache_directory, use_cache):
+    """Each rank's shard of a GGUF: through the weight cache (written by rank 0 on the first
+    load, read in slices by all) or, without it, dequantized whole and sliced."""
+    import os
+
+    from kvserve.kernels import get_ops
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+
+    get_ops(True)  # loaded from the usual cache before the weight cache moves
+    previous = os.environ.get("KVSERVE_CACHE_DIR")
+    os.environ["KVSERVE_CACHE_DIR"] = cache_directory
+    try:
+        model, _ = load_model(resolve_model(path), "float32", attention_backend="paged",
+                              use_cache=use_cache, parallel=contexts["shm"])
+    finally:
+        if previous is None:
+            del os.environ["KVSERVE_CACHE_DIR"]
+        else:
+            os.environ["KVSERVE_CACHE_DIR"] = previous
+    return ragged_run(model)
+
+
+def test_each_rank_loads_its_slice_of_a_gguf(pool, tmp_path):
+    from test_weights import write_gguf
+
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+
+    config = tiny_config(vocab_size=VOCAB, **CONFIGS[pool.world_size])
+    full = random_model(config, "float32", seed=5)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, config, {k: v.numpy() for k, v in full.hf_state_dict().items()})
+    expected_tokens, expected_logits = ragged_run(
+        load_model(resolve_model(path), "float32", attention_backend="paged", use_cache=False)[0])
+    cache_directory = str(tmp_path / "cache")
+    for use_cache in (True, True, False):  # converting, then from the cache, then without
+        for tokens, logits in pool.run(_load_gguf_sharded, str(path), cache_directory,
+                                       use_cache):
+            assert (logits - expected_logits).abs().max().item() < 1e-4
+            assert tokens == expected_tokens
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.safetensors"))) == 1
+
+
+# --- the slicing rules, without processes
+
+
+def test_heads_and_sizes_are_validated_with_their_numbers():
+    with pytest.raises(ValueError, match="9 attention heads do not divide over a "
+                                         "tensor-parallel size of 2"):
+        validate_tensor_parallel(tiny_config(num_attention_heads=9, num_key_value_heads=3), 2)
+    with pytest.raises(ValueError, match="3 KV heads and a tensor-parallel size of 2"):
+        validate_tensor_parallel(tiny_config(num_attention_heads=6, num_key_value_heads=3), 2)
+    with pytest.raises(ValueError, match="intermediate size 129 does not divide"):
+        validate_tensor_parallel(tiny_config(intermediate_size=129), 2)
+    validate_tensor_parallel(tiny_config(num_attention_heads=9, num_key_value_heads=3,
+                                         intermediate_size=1536), 3)  # SmolLM2 at TP=3
+
+
+def test_kv_heads_split_or_replicated():
+    config = tiny_config(num_attention_heads=8, num_key_value_heads=2)
+    assert [kv_head_range(config, 2, r) for r in range(2)] == [(0, 1), (1, 2)]
+    # 4 ranks, 2 KV heads: ranks 0-1 hold query heads 0-3, which read KV head 0
+    assert [kv_head_range(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert shard_config(config, 4).num_key_value_heads == 1
+    assert shard_config(config, 4).num_attention_heads == 2
+
+
+def test_vocab_shards_are_padded_to_one_width():
+    assert [vocab_range(1000, 3, r) for r in range(3)] == [(0, 334, 334), (334, 668, 334),
+                                                          (668, 1000, 334)]
+    weight = torch.arange(10.0).view(10, 1)
+    rule = shard_rule("model.embed_tokens.weight", tiny_config(vocab_size=10), 3, 2)
+    assert take_shard(weight, rule).flatten().tolist() == [8.0, 9.0, 0.0, 0.0]
+
+
+def test_fused_qkv_rule_equals_the_hf_slices():
+    """The GGUF weight cache holds fused qkv_proj: its rule must give the rows the q/k/v rules
+    give on the HF tensors."""
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    model = random_model(config, "float32")
+    fused = dict(model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].data
+    hf = model.hf_state_dict()
+    for rank in range(3):
+        pieces = [take_shard(hf[f"model.layers.0.self_attn.{p}_proj.weight"],
+                             shard_rule(f"model.layers.0.self_attn.{p}_proj.weight", config, 3,
+                                        rank)) for p in "qkv"]
+        rule = shard_rule("model.layers.0.self_attn.qkv_proj.weight", config, 3, rank)
+        assert torch.equal(take_shard(fused, rule), torch.cat(pieces))
+
+
+# --- the real model
+
+
+def _smollm_sharded(contexts, prompts):
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+
+    model, config = load_model(resolve_model("smollm2-135m-instruct"), "float32",
+                               attention_backend="paged", parallel=contexts["shm"])
+    assert (config.num_attention_heads, config.num_key_value_heads) == (3, 1)
+    return ragged_run(model, prompts, decode_steps=8)
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_matches_one_process(pool, smollm_fp32_paged, tokenizer):
+    """SmolLM2-135M (9 heads, 3 KV heads) split over 3 ranks, each loading its slice of the
+    GGUF's weight cache: float32 logits within 1e-4, greedy tokens equal, 16 prompts."""
+    if pool.world_size != 3:
+        pytest.skip("9 heads and 3 KV heads split over 3 ranks (or 9), not 2")
+    from conftest import RAW_PROMPTS, chat_prompts
+
+    texts = RAW_PROMPTS + chat_prompts(tokenizer) + [
+        "The three laws of thermodynamics are", "SELECT name FROM users WHERE",
+        "My favourite season is autumn because", "In 1969, the first humans",
+        "A good password should", "The recipe calls for two cups of"]
+    prompts = [tokenizer.encode(text) for text in texts]
+    assert len(prompts) >= 16
+    expected_tokens, expected_logits = ragged_run(smollm_fp32_paged, prompts, decode_steps=8)
+    for tokens, logits in pool.run(_smollm_sharded, prompts):
+        assert (logits - expected_logits).abs().max().item() < 1e-4
+        assert tokens == expected_tokens
