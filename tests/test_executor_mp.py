@@ -32,7 +32,7 @@ def six_head_model_dir(tmp_path_factory, tokenizer):
     """6 query heads and 3 KV heads: tensor parallel 3 splits both."""
     return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-h6"), tokenizer,
                                 num_attention_heads=6, num_key_value_heads=3, head_dim=16,
-                                hidden_size=96)
+                                hidden_size=96, intermediate_size=192)
 
 
 def _options(**extra):
@@ -88,7 +88,7 @@ def test_killed_worker_fails_the_engine_and_nothing_is_left(six_head_model_dir):
     workers = core.children()
     assert len(workers) == 3
     engine = llm.llm_engine
-    engine.add_request("long", "a story", SamplingParams(max_tokens=500, ignore_eos=True))
+    engine.add_request("long", "a story", SamplingParams(max_tokens=300, ignore_eos=True))
     engine.step()
     os.kill(workers[1].pid, signal.SIGKILL)
     started = time.monotonic()

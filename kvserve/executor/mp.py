@@ -53,6 +53,7 @@ class WorkerDiedError(BaseException):
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
+        _check_model_splits(config)
         self.config = config
         self.world_size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="kvserve-workers-")
@@ -167,6 +168,17 @@ class MultiprocExecutor(Executor):
         """One `kind` message from every rank, in rank order."""
         messages = [self._receive(kind, timeout) for _ in range(self.world_size)]
         return sorted(messages, key=lambda message: message.rank)
+
+
+def _check_model_splits(config: EngineConfig) -> None:
+    """A model that cannot split over the ranks is a ValueError here, before any worker starts
+    (read from the model's config alone)."""
+    from kvserve.distributed.sharding import validate_tensor_parallel
+    from kvserve.model_source import resolve_model
+    from kvserve.weights import load_config
+
+    validate_tensor_parallel(load_config(resolve_model(config.model)),
+                             config.tensor_parallel_size)
 
 
 def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
