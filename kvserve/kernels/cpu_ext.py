@@ -49,8 +49,10 @@ def sources_digest() -> str:
 
 
 def _build_name(level: str) -> str:
-    key = "|".join([sources_digest(), torch.__version__, level, *_COMMON_FLAGS,
-                    *isa.compiler_flags(level)])
+    # the source directory too: torch's build.ninja records absolute source paths, so two
+    # checkouts sharing one cache would otherwise rebuild each other's builds in turn
+    key = "|".join([sources_digest(), str(SOURCES[0].parent.resolve()), torch.__version__,
+                    level, *_COMMON_FLAGS, *isa.compiler_flags(level)])
     return f"kvserve_cpu_{level}_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
