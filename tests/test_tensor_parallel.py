@@ -72,20 +72,20 @@ def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DE
     return tokens, torch.cat(step_logits)
 
 
-def _model(config_fields, backend, quantization, parallel=None):
-    return random_model(tiny_config(vocab_size=VOCAB, **config_fields), "float32", seed=5,
+def _model(config_fields, backend, quantization, parallel=None, dtype="float32"):
+    return random_model(tiny_config(vocab_size=VOCAB, **config_fields), dtype, seed=5,
                         attention_backend=backend, quantization=quantization, parallel=parallel)
 
 
 @functools.lru_cache(maxsize=None)
-def single_process(config_key, backend, quantization):
-    return ragged_run(_model(json.loads(config_key), backend, quantization))
+def single_process(config_key, backend, quantization, dtype="float32"):
+    return ragged_run(_model(json.loads(config_key), backend, quantization, dtype=dtype))
 
 
-def sharded_run(contexts, all_reduce, config_fields, backend, quantization):
+def sharded_run(contexts, all_reduce, config_fields, backend, quantization, dtype="float32"):
     """On every rank: its shard, the same ragged run; the KV cache holds only its KV heads."""
     parallel = contexts[all_reduce]
-    model = _model(config_fields, backend, quantization, parallel)
+    model = _model(config_fields, backend, quantization, parallel, dtype)
     full = tiny_config(vocab_size=VOCAB, **config_fields)
     kv_heads = max(1, full.num_key_value_heads // parallel.tp_size)
     assert model.config.num_key_value_heads == kv_heads
@@ -118,6 +118,21 @@ def test_sharded_model_matches_one_process(pool, backend, quantization, all_redu
 
 def test_replicated_kv_heads_match_one_process(pool):
     _check(pool, REPLICATED_KV[pool.world_size], "paged", "none", "shm")
+
+
+def test_sdpa_batched_backend_matches_one_process(pool):
+    _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
+
+
+def test_bfloat16_shards_stay_within_rounding(pool):
+    """bf16 (our bf16 GEMV panels, flash attention): partial sums rounded per rank, so close to
+    one process rather than equal; compared on the two prompt steps (no greedy feedback)."""
+    fields = CONFIGS[pool.world_size]
+    prompt_rows = slice(0, 2 * len(PROMPTS))
+    _, expected = single_process(json.dumps(fields), "paged", "none", "bfloat16")
+    for _, logits in pool.run(sharded_run, "shm", fields, "paged", "none", "bfloat16"):
+        error = (logits - expected)[prompt_rows].abs().max().item()
+        assert error < 0.05 * expected.abs().max().item()
 
 
 def test_int4_shards_along_groups(pool):
@@ -245,7 +260,7 @@ def _load_gguf_sharded(contexts, path, cache_directory, use_cache):
 
 
 def test_each_rank_loads_its_slice_of_a_gguf(pool, tmp_path):
-    from test_weights import write_gguf
+    from tests.test_weights import write_gguf
 
     from kvserve.model_source import resolve_model
     from kvserve.models import load_model
@@ -331,7 +346,7 @@ def test_smollm2_at_tp3_matches_one_process(pool, smollm_fp32_paged, tokenizer):
     GGUF's weight cache: float32 logits within 1e-4, greedy tokens equal, 16 prompts."""
     if pool.world_size != 3:
         pytest.skip("9 heads and 3 KV heads split over 3 ranks (or 9), not 2")
-    from conftest import RAW_PROMPTS, chat_prompts
+    from tests.conftest import RAW_PROMPTS, chat_prompts
 
     texts = RAW_PROMPTS + chat_prompts(tokenizer) + [
         "The three laws of thermodynamics are", "SELECT name FROM users WHERE",

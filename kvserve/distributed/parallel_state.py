@@ -66,6 +66,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
     if choice not in ALL_REDUCE_CHOICES:
         raise ValueError(f"Unknown all-reduce {choice!r}; choose one of "
                          f"{', '.join(ALL_REDUCE_CHOICES)}")
+    if backend == "nccl":  # one GPU per rank on this host
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size,

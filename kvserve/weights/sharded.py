@@ -35,7 +35,8 @@ def iter_sharded_safetensors(files: Iterable[Path], rule_for: Callable[[str], Sh
 
 
 def shard_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
-                  rule_for: Callable[[str], ShardRule | None]) -> Iterator[tuple[str, torch.Tensor]]:
+                  rule_for: Callable[[str], ShardRule | None]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The same slices from tensors already in memory (a freshly dequantized GGUF)."""
     for name, tensor in tensors:
         yield name, take_shard(tensor, rule_for(name))
