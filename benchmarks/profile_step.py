@@ -31,7 +31,7 @@ def main() -> None:
 
     extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
-              cpu_kernels=args.cpu_kernels, **extra)
+              cpu_kernels=args.cpu_kernels, engine_core="thread", **extra)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
     for i in range(args.batch):

@@ -71,10 +71,12 @@ class EngineConfig:
         None, "where the model runs: uni (in the engine core's process), mp (one worker "
         "process per rank on this host) or ray (not built yet); default: uni for one rank, "
         "else mp", choices=["uni", "mp", "ray"])
-    engine_core: str = _opt("thread", "where the engine core (scheduler, KV manager, model) "
-                            "runs: thread (a thread of the front-end process) or process (its "
-                            "own process, over ZeroMQ; a crash there cannot take the front-end "
-                            "down)", choices=["thread", "process"])
+    engine_core: str = _opt("process", "where the engine core (scheduler, KV manager, model) "
+                            "runs: process (its own process, over ZeroMQ: a crash there cannot "
+                            "take the front-end down, and the front-end's Python never holds "
+                            "the core's GIL; 20%% lower s1 TPOT, docs/architecture.md) or "
+                            "thread (a thread of the front-end process)",
+                            choices=["process", "thread"])
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

@@ -55,3 +55,12 @@ def describe_exit(returncode: int | None) -> str:
 
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit code {returncode}"
+
+
+def close_sockets(context, sockets) -> None:
+    """Close `sockets` without lingering, then the ZeroMQ context. Sockets are passed by name:
+    Context.destroy() finds them through a weak set, which garbage collection may already have
+    emptied, and Context.term() then waits forever for sockets nobody can close."""
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()

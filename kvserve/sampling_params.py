@@ -17,6 +17,11 @@ MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
 
 
+def fits_int64(value: int) -> bool:
+    """Integers cross to the engine core as msgpack int64."""
+    return -(2**63) <= value < 2**63 - MAX_N  # room for seed + sample index
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -77,6 +82,7 @@ class SamplingParams:
              "stop strings must be non-empty strings"),
             (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
+            (self.seed is None or fits_int64(self.seed), "seed", "seed must fit in 64 bits"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -122,6 +122,10 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
+    """The tiny model with the engine core in this process, so tests can look inside it
+    (`llm_engine.engine_core`); tests/test_engine_process.py checks the process core gives the
+    same outputs."""
     from kvserve import LLM
 
-    return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16)
+    return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16,
+               engine_core="thread")

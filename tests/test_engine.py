@@ -169,7 +169,7 @@ def test_bf16_kv_cache_with_float32_activations(tiny_model_dir):
 
     budget = 4 << 20
     kwargs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=budget,
-                  block_size=16)
+                  block_size=16, engine_core="thread")
     whole = LLM(kv_cache_dtype="bfloat16", **kwargs)
     chunked = LLM(kv_cache_dtype="bfloat16", max_num_batched_tokens=16, **kwargs)
     exact = LLM(kv_cache_dtype="float32", **kwargs)

@@ -59,7 +59,8 @@ def test_chunked_prefill_equals_unchunked(prompts, alone):
 
 
 def test_prefix_caching_on_equals_off_and_hits(prompts, alone):
-    llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=1024)
+    llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=1024,
+              engine_core="thread")
     assert _greedy(llm, prompts) == alone
     stats = llm.llm_engine.engine_core.kv_manager.stats
     hits_after_first_pass = stats.hits
@@ -70,7 +71,7 @@ def test_prefix_caching_on_equals_off_and_hits(prompts, alone):
 
 def test_tiny_pool_preempts_and_still_matches(prompts, alone):
     llm = LLM(dtype="float32", enable_prefix_caching=True, max_model_len=256, num_kv_blocks=24,
-              block_size=16)
+              block_size=16, engine_core="thread")
     assert _greedy(llm, prompts) == alone
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
@@ -88,7 +89,7 @@ def test_seed_gives_same_samples_alone_and_batched(prompts):
 
 
 def test_n4_allocates_the_prompt_blocks_once(prompts):
-    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=64)
+    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=64, engine_core="thread")
     engine = llm.llm_engine
     prompt = prompts[40]  # a long code excerpt: several full blocks and a partial one
     full_blocks = len(prompt) // 16

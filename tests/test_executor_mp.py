@@ -56,7 +56,7 @@ def _tokens(llm: LLM) -> list[list[list[int]]]:
 
 
 def _reference(model_dir) -> tuple[list, int]:
-    llm = LLM(model=str(model_dir), **_options())
+    llm = LLM(model=str(model_dir), engine_core="thread", **_options())
     tokens = _tokens(llm)
     preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
     llm.shutdown()

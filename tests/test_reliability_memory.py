@@ -28,7 +28,7 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def small_llm(tiny_model_dir):
     return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=SMALL_POOL_BLOCKS,
-               block_size=16)
+               block_size=16, engine_core="thread")
 
 
 @pytest.fixture(scope="module")

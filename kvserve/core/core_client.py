@@ -37,7 +37,12 @@ from kvserve.core.messages import (
 )
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import EngineDeadError
-from kvserve.processes import describe_exit, start_module_process, stop_process
+from kvserve.processes import (
+    close_sockets,
+    describe_exit,
+    start_module_process,
+    stop_process,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +112,11 @@ class MPClient:
         self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
         self._call_ids = itertools.count()
         self.process = _start_core_process(config, input_address, output_address)
+        # the finalizer holds the sockets: closed by name, not found through the context's
+        # weak set, which a garbage-collected cycle empties before finalizers run (then
+        # Context.term() would wait for them forever)
         self._finalizer = weakref.finalize(self, _stop_process, self.process, self.context,
-                                           self._socket_dir)
+                                           [self.input, self.output], self._socket_dir)
         try:
             self.ready = self._wait_ready(startup_timeout)
         except BaseException:
@@ -212,10 +220,11 @@ def _start_core_process(config: EngineConfig, input_address: str,
     return start_module_process("kvserve.core.core_process", args, config)
 
 
-def _stop_process(process: subprocess.Popen, context: zmq.Context, socket_dir: str) -> None:
+def _stop_process(process: subprocess.Popen, context: zmq.Context, sockets: list[zmq.Socket],
+                  socket_dir: str) -> None:
     """Stop and reap the core process, close the sockets, remove their directory."""
     stop_process(process)
-    context.destroy(linger=0)
+    close_sockets(context, sockets)
     shutil.rmtree(socket_dir, ignore_errors=True)
 
 

@@ -25,7 +25,7 @@ from kvserve.errors import (
 )
 from kvserve.model_source import resolve_model
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.testing.faults import FaultInjector
 from kvserve.tokenizer import load_tokenizer
 
@@ -60,7 +60,6 @@ class LLMEngine:
         ready = self.core.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.dtype_name = ready.dtype
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
@@ -87,6 +86,8 @@ class LLMEngine:
                         arrival_time: float | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread); raises
         InvalidRequestError if the request is bad."""
+        if not fits_int64(priority):
+            raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._validate(prompt_ids, params)
@@ -124,11 +125,18 @@ class LLMEngine:
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
                 prepared.priority, prepared.arrival_time, faults))
+        sent: list[str] = []
+        try:
+            for request in requests:
+                self.core.add_request(request)
+                sent.append(request.request_id)
+        except (OverflowError, TypeError, ValueError) as exc:  # it cannot be encoded
+            self.core.abort_requests(sent)
+            raise InvalidRequestError(f"the request cannot be sent to the engine: {exc}") \
+                from exc
         self.groups[request_id] = group
         for state in group.samples:
             self._samples[state.request_id] = state
-        for request in requests:
-            self.core.add_request(request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

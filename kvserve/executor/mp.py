@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 
 import msgspec
 import zmq
@@ -38,7 +39,12 @@ from kvserve.executor.protocol import (
     WorkerReady,
 )
 from kvserve.models import resolve_dtype
-from kvserve.processes import describe_exit, start_module_process, stop_process
+from kvserve.processes import (
+    close_sockets,
+    describe_exit,
+    start_module_process,
+    stop_process,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +74,10 @@ class MultiprocExecutor(Executor):
         self.workers: list[subprocess.Popen] = []
         self._sent_blocks: dict[str, list[int]] = {}  # request id -> block ids workers hold
         self._closed = False
+        # also when the executor is garbage-collected without shutdown(): workers never outlive
+        # it (the list of sockets is filled as workers start)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self.inputs,
+                                           self.results, self.context, self._dir)
         init_method = f"file://{self._dir}/rendezvous"
         try:
             for rank in range(self.world_size):
@@ -113,16 +123,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        for socket, worker in zip(self.inputs, self.workers):
-            if worker.poll() is None:
-                try:
-                    socket.send(self.encoder.encode(StopWorker()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        for worker in self.workers:
-            stop_process(worker)
-        self.context.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._finalizer()
 
     # ---- what crosses per step ---------------------------------------------------------------
     def _step_message(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
@@ -168,6 +169,23 @@ class MultiprocExecutor(Executor):
         """One `kind` message from every rank, in rank order."""
         messages = [self._receive(kind, timeout) for _ in range(self.world_size)]
         return sorted(messages, key=lambda message: message.rank)
+
+
+def _stop_workers(workers: list[subprocess.Popen], inputs: list[zmq.Socket],
+                  results: zmq.Socket, context: zmq.Context, directory: str) -> None:
+    """Ask every live worker to stop, make sure they do (terminate, kill), reap them, close the
+    sockets and remove their directory."""
+    stop = msgspec.msgpack.encode(StopWorker())
+    for socket, worker in zip(inputs, workers):
+        if worker.poll() is None:
+            try:
+                socket.send(stop, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+    for worker in workers:
+        stop_process(worker)
+    close_sockets(context, [*inputs, results])
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _check_model_splits(config: EngineConfig) -> None:

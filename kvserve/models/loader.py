@@ -149,8 +149,10 @@ def _load_shard(source: ModelSource, config: ModelConfig, cached, device: str,
     def rule_for(name: str):
         return shard_rule(name, config, parallel.tp_size, parallel.tp_rank)
 
-    if cached is not None and not cached.is_file():
-        if parallel.tp_rank == 0:
+    if cached is not None:
+        # every rank meets at the barrier, whatever it sees on disk: deciding per rank whether
+        # the cache exists deadlocked when rank 0 wrote it before a slower rank looked
+        if parallel.tp_rank == 0 and not cached.is_file():
             _load_whole(source, config, cached, "cpu", "torch_ref", False)
         barrier(parallel)
     if cached is not None and cached.is_file():  # fused names, HF layout, float32
