@@ -74,7 +74,7 @@ class EngineConfig:
     engine_core: str = _opt("process", "where the engine core (scheduler, KV manager, model) "
                             "runs: process (its own process, over ZeroMQ: a crash there cannot "
                             "take the front-end down, and the front-end's Python never holds "
-                            "the core's GIL; 20%% lower s1 TPOT, docs/architecture.md) or "
+                            "the core's GIL; measured as fast or faster, docs/architecture.md) or "
                             "thread (a thread of the front-end process)",
                             choices=["process", "thread"])
 
