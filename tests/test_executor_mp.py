@@ -100,3 +100,29 @@ def test_killed_worker_fails_the_engine_and_nothing_is_left(six_head_model_dir):
     assert wait_gone(core.pid)
     assert all(wait_gone(worker.pid) for worker in workers)
     assert not any(process_alive(worker.pid) for worker in workers)
+
+
+def test_a_step_with_nothing_scheduled_leaves_no_stale_reply(tiny_model_dir):
+    """The core skips waiting for an empty step's reply, so rank 0 must send none: a stale reply
+    would be read as the next step's tokens."""
+    from kvserve.core.engine_core import EngineCore
+    from kvserve.core.messages import EngineCoreRequest
+    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.engine_config import EngineConfig
+
+    def run(core) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        core.add_request(EngineCoreRequest("r", [5, 6, 7, 8, 9], params, 6))
+        tokens = []
+        while core.has_unfinished():
+            core.executor.execute(SchedulerOutput())  # nothing scheduled, between real steps
+            tokens += [t for out in core.step().outputs for t in out.new_token_ids]
+        return tokens
+
+    options = dict(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    expected = run(EngineCore(EngineConfig(**options)))
+    core = EngineCore(EngineConfig(distributed_executor_backend="mp", **options))
+    try:
+        assert run(core) == expected
+    finally:
+        core.shutdown()

@@ -106,7 +106,7 @@ class Worker:
         output = self.runner.execute(WorkerSchedulerOutput(scheduled, step.finished_ids))
         for request_id in step.finished_ids:
             self.requests.pop(request_id, None)
-        if self.rank != 0:
+        if self.rank != 0 or not step.scheduled:  # the core waits for nothing else
             return None
         for request_id, token in output.sampled_token_ids.items():
             self.requests[request_id].output_token_ids.append(token)
