@@ -74,3 +74,19 @@ def assert_idle(base_url: str, timeout: float = 30.0, headers: dict | None = Non
     later = read_metrics(base_url, headers)
     assert later["kvserve:generation_tokens_total"] == metrics["kvserve:generation_tokens_total"]
     return later
+
+
+async def complete(client, prompt: str, stream: bool = False, max_tokens: int = 8):
+    """A greedy /v1/completions call: (status, JSON body), or (status, the SSE data lines)
+    when streaming."""
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/completions", json=payload)
+        return response.status_code, response.json()
+    events = []
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return response.status_code, events

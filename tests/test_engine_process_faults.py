@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, tiny_server_flags
+from tests.server_helpers import assert_idle, complete, tiny_server_flags
 from tests.test_engine_process import process_alive, wait_gone
 
 pytestmark = pytest.mark.multiprocess
@@ -41,27 +41,14 @@ def _descendants(server: ServerProcess) -> list[int]:
     return [child.pid for child in psutil.Process(server.process.pid).children(recursive=True)]
 
 
-async def _request(client, index: int, stream: bool):
-    payload = {"prompt": f"story number {index}", "max_tokens": 1500, "temperature": 0,
-               "ignore_eos": True, "stream": stream}
-    if not stream:
-        response = await client.post("/v1/completions", json=payload)
-        return response.status_code, response.json()
-    events = []
-    async with client.stream("POST", "/v1/completions", json=payload) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-    return response.status_code, events
-
-
 def _kill_core_under_load(server: ServerProcess, num_requests: int = 6):
     """Start requests, kill -9 the core once they stream, return (results, seconds to end)."""
     core = _core_pid(server)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-            tasks = [asyncio.ensure_future(_request(client, i, stream=i % 2 == 0))
+            tasks = [asyncio.ensure_future(complete(client, f"story number {i}",
+                                                    stream=i % 2 == 0, max_tokens=1500))
                      for i in range(num_requests)]
             await _until_generating(client)
             os.kill(core, signal.SIGKILL)

@@ -20,7 +20,7 @@ from kvserve import SamplingParams
 from kvserve.core.engine import RequestFailedError
 from kvserve.testing.faults import ENV_VAR, FaultInjector
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, finished_by_reason, tiny_server_flags
+from tests.server_helpers import assert_idle, complete, finished_by_reason, tiny_server_flags
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is"]
@@ -90,20 +90,6 @@ def fault_server(tiny_model_dir, tmp_path_factory):
     assert process.exit_code == 1
 
 
-async def _complete(client, prompt: str, stream: bool = False, max_tokens: int = 8):
-    payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": stream}
-    if not stream:
-        response = await client.post("/v1/completions", json=payload)
-        return response.status_code, response.json()
-    events = []
-    async with client.stream("POST", "/v1/completions", json=payload) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-    return response.status_code, events
-
-
 def _streamed_text(events: list[str]) -> str:
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]
                    if json.loads(e).get("choices"))
@@ -112,13 +98,13 @@ def _streamed_text(events: list[str]) -> str:
 def test_server_fails_only_the_poisoned_requests(fault_server):
     async def scenario():
         async with httpx.AsyncClient(base_url=fault_server.base_url, timeout=60) as client:
-            alone = [await _complete(client, p) for p in PROMPTS]
+            alone = [await complete(client, p) for p in PROMPTS]
             together = await asyncio.gather(
-                *(_complete(client, p) for p in PROMPTS),
-                *(_complete(client, p, stream=True) for p in PROMPTS),
-                _complete(client, "kvserve-fault:execute hello"),
-                _complete(client, "kvserve-fault:output hello"),
-                _complete(client, "kvserve-fault:execute hello", stream=True, max_tokens=50))
+                *(complete(client, p) for p in PROMPTS),
+                *(complete(client, p, stream=True) for p in PROMPTS),
+                complete(client, "kvserve-fault:execute hello"),
+                complete(client, "kvserve-fault:output hello"),
+                complete(client, "kvserve-fault:execute hello", stream=True, max_tokens=50))
             return alone, together
 
     alone, together = asyncio.run(scenario())
@@ -144,11 +130,11 @@ def test_engine_thread_death_gives_503_not_hangs(fault_server):
     restart option is in test_engine_process_faults.py)."""
     async def scenario():
         async with httpx.AsyncClient(base_url=fault_server.base_url, timeout=30) as client:
-            waiting = [asyncio.ensure_future(_complete(client, "a long one", max_tokens=1900)),
-                       asyncio.ensure_future(_complete(client, "streamed", stream=True,
+            waiting = [asyncio.ensure_future(complete(client, "a long one", max_tokens=1900)),
+                       asyncio.ensure_future(complete(client, "streamed", stream=True,
                                                        max_tokens=1900))]
             await asyncio.sleep(0.5)
-            killer = await _complete(client, "kvserve-fault:engine_thread")
+            killer = await complete(client, "kvserve-fault:engine_thread")
             return killer, await asyncio.gather(*waiting)
 
     killer, (plain, streamed) = asyncio.run(scenario())
