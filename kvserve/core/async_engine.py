@@ -121,12 +121,6 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    @property
-    def core_pid(self) -> int | None:
-        """The engine core's process id (None for a thread core, or none running)."""
-        engine = self.engine
-        return engine.core.ready.pid if engine is not None and self._in_process else None
-
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0) -> PreparedRequest:

@@ -83,9 +83,6 @@ class InprocClient:
             raise ValueError(f"no utility {method!r}")
         return getattr(self.core, method)(*args)
 
-    def is_alive(self) -> bool:
-        return True
-
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -190,9 +187,6 @@ class MPClient:
                 return None
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def is_alive(self) -> bool:
-        return not self._closed and self.process.poll() is None
-
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine core was shut down")
