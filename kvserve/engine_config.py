@@ -65,12 +65,15 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (worker processes, each with a "
                                      "slice of every layer and of the KV heads)",
                                      aliases=["-tp"])
-    pipeline_parallel_size: int = _opt(1, "pipeline stages (not built yet: must be 1)",
+    pipeline_parallel_size: int = _opt(1, "pipeline stages (worker processes, each with a "
+                                       "contiguous range of the layers; one batch in flight "
+                                       "per stage)",
                                        aliases=["-pp"])
     distributed_executor_backend: str | None = _opt(
         None, "where the model runs: uni (in the engine core's process), mp (one worker "
-        "process per rank on this host) or ray (not built yet); default: uni for one rank, "
-        "else mp", choices=["uni", "mp", "ray"])
+        "process per rank on this host) or ray (one Ray actor per rank, on the cluster "
+        "RAY_ADDRESS names or a local Ray instance; needs kvserve[ray]); default: uni for one "
+        "rank, else mp", choices=["uni", "mp", "ray"])
     engine_core: str = _opt("process", "where the engine core (scheduler, KV manager, model) "
                             "runs: process (its own process, over ZeroMQ: a crash there cannot "
                             "take the front-end down, and the front-end's Python never holds "
@@ -81,11 +84,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("pipeline parallelism is not built yet: pipeline_parallel_size "
-                             "must be 1")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("the ray executor is not built yet: use mp (one host)")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp")

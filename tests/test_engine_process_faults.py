@@ -1,8 +1,9 @@
-"""The fault suite of the process core, through the server: `kill -9` of the engine core under
-load ends every stream within seconds (a 503 body, or an SSE error event and [DONE]), /health
-turns 503, and then the server either exits non-zero or, with --restart-engine-on-failure,
-serves again from an empty core. Killing the front-end takes the core with it. No process is
-left behind on any path (checked through /proc)."""
+"""The fault suite of the process core, through the server: `kill -9` of the engine core, or of
+one of its model workers (pipeline stages), under load ends every stream within seconds (a 503
+body, or an SSE error event and [DONE]), /health turns 503, and then the server either exits
+non-zero or, with --restart-engine-on-failure, serves again from an empty core. Killing the
+front-end takes the core with it. No process is left behind on any path (checked through
+/proc)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,18 @@ def _descendants(server: ServerProcess) -> list[int]:
     return [child.pid for child in psutil.Process(server.process.pid).children(recursive=True)]
 
 
-def _kill_core_under_load(server: ServerProcess, num_requests: int = 6):
-    """Start requests, kill -9 the core once they stream, return (results, seconds to end)."""
-    core = _core_pid(server)
+def _worker_pids(server: ServerProcess) -> list[int]:
+    """The core's model workers (`python -m kvserve.executor.worker`), in rank order."""
+    core = psutil.Process(_core_pid(server))
+    workers = [child for child in core.children() if "kvserve.executor.worker" in
+               child.cmdline()]
+    return [w.pid for w in sorted(workers, key=lambda w: int(w.cmdline()[-5]))]
+
+
+def _kill_core_under_load(server: ServerProcess, num_requests: int = 6, victim: int | None = None):
+    """Start requests, kill -9 the core (or the process `victim`) once they stream, return
+    (results, seconds to end)."""
+    core = victim or _core_pid(server)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
@@ -111,6 +121,29 @@ def test_restarted_core_serves_again_from_empty(tiny_model_dir, tmp_path):
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 5
         assert_idle(server.base_url)  # KV blocks in use 0 after the restart
+        children = _descendants(server)
+    assert server.exit_code == 0
+    assert not any(process_alive(pid) for pid in children)
+
+
+def test_killed_worker_under_load_restarts_the_engine(tiny_model_dir, tmp_path):
+    """A pipeline stage's worker is killed mid-stream: the streams end cleanly, the core and its
+    other worker are gone, a new core with new workers serves, and nothing leaks."""
+    flags = _flags(tiny_model_dir, "--pipeline-parallel-size", "2",
+                   "--restart-engine-on-failure", "--max-engine-restarts", "1")
+    with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
+        first_core, workers = _core_pid(server), _worker_pids(server)
+        assert len(workers) == 2
+        results, seconds = _kill_core_under_load(server, victim=workers[1])
+        _assert_all_failed_cleanly(results)
+        assert seconds < STREAM_DEADLINE_SECONDS
+        assert wait_gone(first_core) and wait_gone(workers[0])
+        _wait_health(server.base_url, 200, timeout=120)
+        assert len(_worker_pids(server)) == 2
+        response = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                              json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert_idle(server.base_url)
         children = _descendants(server)
     assert server.exit_code == 0
     assert not any(process_alive(pid) for pid in children)

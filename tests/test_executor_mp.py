@@ -1,7 +1,8 @@
-"""The `mp` executor: worker processes holding tensor-parallel shards, driven by the engine
-core. Greedy tokens equal the single-process engine's on a mixed ragged workload (chunked
-prefill, prefix hits, preemption, n > 1, stop strings); a killed worker fails the engine instead
-of hanging it, and every process is reaped."""
+"""The `mp` executor: worker processes holding tensor-parallel shards and pipeline stages,
+driven by the engine core. Greedy tokens equal the single-process engine's, and the sampled
+tokens' logprobs agree within 1e-4, on a mixed ragged workload of 16 prompts (chunked prefill,
+prefix hits, preemption, n > 1, stop strings); with pipeline stages batches really overlap; a
+killed worker fails the engine instead of hanging it, and every process is reaped."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def six_head_model_dir(tmp_path_factory, tokenizer):
                                 hidden_size=96, intermediate_size=192)
 
 
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory, tokenizer):
+    """6 layers for pipeline stages (the last stage also runs the LM head, so it gets fewer),
+    and an LM head of its own (untied: only the last stage holds it)."""
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-deep"), tokenizer,
+                                num_hidden_layers=6, tie_word_embeddings=False)
+
+
 def _options(**extra):
     # a small pool and budget: prompts are chunked, and requests get preempted
     return dict(dtype="float32", num_kv_blocks=24, block_size=16, max_num_batched_tokens=64,
@@ -42,38 +51,83 @@ def _options(**extra):
 
 
 def _workload():
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
     params = [greedy] * len(PROMPTS)
     params[3] = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
     params[7] = SamplingParams(temperature=0, max_tokens=40, stop=["e"])
     return PROMPTS, params
 
 
-def _tokens(llm: LLM) -> list[list[list[int]]]:
+def _run(llm: LLM) -> tuple[list[list[list[int]]], list[float]]:
+    """Every sample's tokens, and the logprobs of the sampled tokens where asked for."""
     prompts, params = _workload()
-    return [[o.token_ids for o in out.outputs]
-            for out in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [[o.token_ids for o in out.outputs] for out in outputs]
+    logprobs = [step[token].logprob for out in outputs for o in out.outputs if o.logprobs
+                for step, token in zip(o.logprobs, o.token_ids)]
+    return tokens, logprobs
 
 
-def _reference(model_dir) -> tuple[list, int]:
+def _tokens(llm: LLM) -> list[list[list[int]]]:
+    return _run(llm)[0]
+
+
+def _reference(model_dir) -> tuple[list, list[float], int]:
     llm = LLM(model=str(model_dir), engine_core="thread", **_options())
-    tokens = _tokens(llm)
+    tokens, logprobs = _run(llm)
     preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
     llm.shutdown()
-    return tokens, preemptions
+    return tokens, logprobs, preemptions
 
 
-@pytest.mark.parametrize("tp, engine_core", [(1, "thread"), (2, "thread"), (3, "process")])
-def test_mp_workers_match_one_process(six_head_model_dir, tiny_model_dir, tp, engine_core):
-    model_dir = tiny_model_dir if tp == 2 else six_head_model_dir
-    expected, preemptions = _reference(model_dir)
+@pytest.mark.parametrize("tp, pp, engine_core, model", [
+    (1, 1, "thread", "six_head"), (2, 1, "thread", "tiny"), (3, 1, "process", "six_head"),
+    (1, 2, "thread", "tiny"), (1, 3, "process", "deep"), (2, 2, "thread", "deep")])
+def test_mp_workers_match_one_process(request, tp, pp, engine_core, model):
+    model_dir = request.getfixturevalue(f"{model}_model_dir")
+    expected, expected_logprobs, preemptions = _reference(model_dir)
     assert preemptions > 0  # the workload does exercise preemption
-    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, engine_core=engine_core,
-              distributed_executor_backend="mp", **_options())
+    llm = LLM(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              engine_core=engine_core, distributed_executor_backend="mp", **_options())
     try:
-        assert _tokens(llm) == expected
+        tokens, logprobs = _run(llm)
+        assert tokens == expected
+        assert len(logprobs) == len(expected_logprobs) > 0
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
     finally:
         llm.shutdown()
+
+
+def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
+    """The core submits a second batch (other requests) before collecting the first, and the
+    tokens still equal the single-process run's."""
+    expected = _reference(tiny_model_dir)[0]
+    llm = LLM(model=str(tiny_model_dir), pipeline_parallel_size=2, engine_core="thread",
+              **_options())
+    core = llm.llm_engine.engine_core
+    depths, submit = [], core.executor.submit
+
+    def recording_submit(scheduler_output):
+        if scheduler_output.scheduled:
+            ids = {item.request.request_id for item in scheduler_output.scheduled}
+            in_flight = {item.request.request_id for batch in core._batch_queue
+                         for item in batch.scheduled}
+            assert not ids & in_flight  # batches in flight share no request
+            depths.append(len(core._batch_queue))
+        submit(scheduler_output)
+
+    core.executor.submit = recording_submit
+    try:
+        assert _tokens(llm) == expected
+        assert max(depths) == 1  # a batch went out while another was in flight
+        assert depths.count(1) > len(depths) / 4
+    finally:
+        llm.shutdown()
+
+
+def test_more_stages_than_layers_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="2 layers cannot make 3 pipeline stages"):
+        LLM(model=str(tiny_model_dir), pipeline_parallel_size=3, **_options())
 
 
 def test_heads_that_do_not_divide_are_a_clear_error(six_head_model_dir):

@@ -239,3 +239,48 @@ def test_pending_owner_preempted_releases_waiters():
     assert scheduler.kv.pending == {}
     output, _ = fake_step(scheduler)
     assert [s.request.request_id for s in output.scheduled] == ["b"]
+
+
+def _submit(scheduler: Scheduler):
+    """Schedule a batch and mark its requests in flight (as the pipelined engine core does)."""
+    output = scheduler.schedule()
+    scheduler.in_flight.update(s.request.request_id for s in output.scheduled)
+    return output
+
+
+def _complete(scheduler: Scheduler, output) -> None:
+    sampled = {s.request.request_id: 5 for s in output.scheduled if s.sample}
+    scheduler.update_from_output(output, sampled)
+    scheduler.in_flight.difference_update(s.request.request_id for s in output.scheduled)
+
+
+def test_pipeline_batches_share_no_request_and_split_the_requests():
+    scheduler = make_scheduler(pipeline_depth=2, num_blocks=32)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", 3, max_tokens=6))
+    first = _submit(scheduler)
+    second = _submit(scheduler)
+    ids = lambda output: {s.request.request_id for s in output.scheduled}  # noqa: E731
+    assert ids(first) == {"r0", "r1"} and ids(second) == {"r2", "r3"}
+    assert not _submit(scheduler).scheduled  # everyone is in flight: nothing to run
+    _complete(scheduler, first)
+    third = _submit(scheduler)
+    assert ids(third) == {"r0", "r1"}
+    assert all(s.num_new_tokens == 1 and s.start_position == 3 for s in third.scheduled)
+
+
+def test_requests_in_flight_are_never_preempted():
+    # 4 blocks of 4 tokens: two 7-token requests fill them; a's 9th token needs a third block
+    scheduler = make_scheduler(pipeline_depth=2, num_blocks=4, max_num_batched_tokens=16)
+    scheduler.add_request(make_request("a", 7, max_tokens=8))
+    scheduler.add_request(make_request("b", 7, max_tokens=8, seed_token=30))  # no shared prefix
+    _complete(scheduler, _submit(scheduler))  # a's prompt
+    second = _submit(scheduler)  # a's first decode (position 7: still its second block)
+    third = _submit(scheduler)  # b's prompt takes the last two blocks
+    assert [s.request.request_id for s in second.scheduled + third.scheduled] == ["a", "b"]
+    _complete(scheduler, second)
+    assert not _submit(scheduler).scheduled  # a needs a block; b, in flight, is not the victim
+    assert scheduler.requests["b"].status == RequestStatus.RUNNING
+    assert scheduler.requests["a"].status == RequestStatus.PREEMPTED  # a made way itself
+    _complete(scheduler, third)
+    assert scheduler.requests["b"].num_computed_tokens == 7

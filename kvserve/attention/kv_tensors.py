@@ -13,7 +13,10 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
+                       dtype: torch.dtype, device: str | torch.device = "cpu",
+                       num_layers: int | None = None) -> list[torch.Tensor]:
+    """Per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
+    `num_layers`: a pipeline stage's own layers (default: all of the model's)."""
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    count = config.num_hidden_layers if num_layers is None else num_layers
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]

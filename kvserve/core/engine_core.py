@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
@@ -64,7 +65,10 @@ class EngineCore:
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_partial_prefills=config.max_num_partial_prefills,
+            pipeline_depth=self.executor.max_concurrent_batches,
         ), self.kv_manager)
+        # batches submitted to a pipelined executor, oldest first, not yet collected
+        self._batch_queue: deque[SchedulerOutput] = deque()
         self._faults: dict[str, list[str]] = {}  # request id -> its test-only fault tags
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
         self.load_seconds = time.perf_counter() - start
@@ -142,7 +146,7 @@ class EngineCore:
             self._faults.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._failed)
+        return self.scheduler.has_unfinished() or bool(self._failed or self._batch_queue)
 
     def num_unfinished(self) -> int:
         return len(self.scheduler.requests)
@@ -168,9 +172,42 @@ class EngineCore:
         is not attributable and propagates to the caller.
         """
         self.thread_governor.tick()
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
         runner_output = self._execute(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """With pipeline stages: submit a new batch while fewer than one per stage are out,
+        and collect the oldest once the pipe is full or nothing new can run (vLLM's batch
+        queue). Collecting blocks only on the oldest batch, which the stages finish first.
+        A worker failure is a WorkerDiedError that ends the core (no per-request isolation:
+        see kvserve/executor/mp.py)."""
+        queue = self._batch_queue
+        if len(queue) < self.executor.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
+            if scheduler_output.scheduled or scheduler_output.finished_ids:
+                self.executor.submit(scheduler_output)  # finished ids alone: worker cleanup
+            if scheduler_output.scheduled:
+                queue.append(scheduler_output)
+                self.scheduler.in_flight.update(item.request.request_id
+                                                for item in scheduler_output.scheduled)
+                if len(queue) < self.executor.max_concurrent_batches:
+                    return self._update(SchedulerOutput(), ModelRunnerOutput({}, {}))
+        if not queue:
+            return self._update(SchedulerOutput(), ModelRunnerOutput({}, {}))
+        scheduler_output = queue.popleft()
+        runner_output = self.executor.collect()
+        for item in scheduler_output.scheduled:
+            self.scheduler.in_flight.discard(item.request.request_id)
+        return self._update(scheduler_output, runner_output)
+
+    def _update(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Advance the scheduler by a step's results; each sampling request's delta."""
         self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         outputs, self._failed = self._failed, []
         for item in scheduler_output.scheduled:

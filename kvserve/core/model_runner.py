@@ -1,7 +1,9 @@
 """ModelRunner: a SchedulerOutput -> one flattened ragged batch -> forward -> sampled tokens.
 
 The only part of the engine that touches tensors and device memory (the KV cache lives here).
-Logits are computed just for the rows that sample.
+Logits are computed just for the rows that sample. On a pipeline stage (`parallel` with pp_size
+> 1) it receives the previous stage's hidden states before its layers and sends its own to the
+next stage after them; only the last stage samples.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from kvserve.attention import build_attention_metadata
 from kvserve.attention.kv_tensors import allocate_kv_caches
 from kvserve.core.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.distributed.communication import recv_from_prev_stage, send_to_next_stage
+from kvserve.distributed.parallel_state import ParallelContext
+from kvserve.models.llama import IntermediateTensors
 
 
 @dataclass
@@ -24,14 +29,20 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0, kv_dtype: torch.dtype | None = None):
+                 seed: int = 0, kv_dtype: torch.dtype | None = None,
+                 parallel: ParallelContext | None = None):
         self.model = model
         self.config = model.config
         self.block_size = block_size
         self.device = torch.device(device)
         kv_dtype = kv_dtype or next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype, device)
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype, device,
+                                            getattr(model, "num_stage_layers", None))
         model.bind_kv_cache(self.kv_caches)
+        self.stage = parallel if parallel is not None and parallel.pp_size > 1 else None
+        if self.stage is not None:
+            self._intermediate_count = 1 if model.kernel_ops is None else 2  # eager: no residual
+            self._activation_dtype = model.activation_dtype
         ops = model.kernel_ops
         self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None)
         self._generators: dict[str, torch.Generator] = {}
@@ -50,7 +61,12 @@ class ModelRunner:
             self.block_size, self.device)
         input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long,
                                  device=self.device)
-        hidden = self.model(input_ids, positions, metadata)
+        if self.stage is None:
+            hidden = self.model(input_ids, positions, metadata)
+        else:
+            hidden = self._run_stage(input_ids, positions, metadata)
+            if hidden is None:
+                return ModelRunnerOutput({}, {})
         sampling = [s for s in scheduled if s.sample]
         if not sampling:
             return ModelRunnerOutput({}, {})
@@ -60,6 +76,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token_index])
         result = self.sampler(logits, [self._sampling_row(s) for s in sampling])
         return self._package(sampling, result)
+
+    def _run_stage(self, input_ids, positions, metadata) -> torch.Tensor | None:
+        """This stage's layers between the previous stage's hidden states and the next's;
+        the final hidden states on the last stage, None elsewhere."""
+        stage = self.stage
+        intermediate = None
+        if not stage.is_first_stage:
+            packed = torch.empty(self._intermediate_count, input_ids.shape[0],
+                                 self.config.hidden_size, dtype=self._activation_dtype,
+                                 device=self.device)
+            recv_from_prev_stage(packed, stage)
+            intermediate = IntermediateTensors.unpack(packed)
+        out = self.model(input_ids, positions, metadata, intermediate)
+        if stage.is_last_stage:
+            return out
+        send_to_next_stage(out.pack(), stage)
+        return None
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
         request = item.request

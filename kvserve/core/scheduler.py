@@ -5,12 +5,18 @@ its `num_tokens`: a decode needs 1, a prompt needs the rest of its prompt (chunk
 a preempted request needs everything again minus its prefix hits. Running requests go first, then
 waiting ones in policy order (FCFS or priority). When the pool runs dry, the lowest-priority /
 latest running request is preempted by recompute: blocks freed, back to waiting, nothing lost.
+
+With pipeline stages the engine keeps up to `pipeline_depth` batches in flight. A request in an
+unfinished batch (`in_flight`) is neither scheduled again nor preempted until its batch's
+results are in, and each batch takes at most 1/depth of the requests, so the next batch has
+requests of its own to run while the stages hold the earlier ones.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,10 +36,13 @@ class SchedulerConfig:
     # time serves a burst of short prompts in order: each gets its first token after its own
     # prefill instead of everyone's (see docs/performance.md, s3).
     max_num_partial_prefills: int | None = None
+    pipeline_depth: int = 1  # batches the engine may keep in flight (pipeline stages)
 
     def __post_init__(self):
         if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be at least 1 (or None: no cap)")
+        if self.pipeline_depth < 1:
+            raise ValueError("pipeline_depth must be at least 1")
 
 
 @dataclass
@@ -71,6 +80,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        self.in_flight: set[str] = set()  # ids of requests in batches not yet updated
+        self._batch_seq_limit: int | None = None  # this step's cap on requests (pipelines)
 
     # ---- queue management ----------------------------------------------------------------
     def _key(self, request: Request, front: bool = False) -> tuple:
@@ -107,6 +118,7 @@ class Scheduler:
         output = SchedulerOutput(finished_ids=self._finished_since_step)
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
+        self._batch_seq_limit = self._seq_limit()
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._schedule_waiting(output, budget, self._prefill_slots(output))
@@ -116,16 +128,27 @@ class Scheduler:
                 item.request.times.first_scheduled = now
         return output
 
+    def _seq_limit(self) -> int | None:
+        """Requests one batch may take when several are in flight: an even share of those
+        alive, so each stage of the pipeline has a batch of its own."""
+        depth = self.config.pipeline_depth
+        if depth == 1:
+            return None
+        return max(1, math.ceil((len(self.running) + len(self.waiting)) / depth))
+
+    def _batch_full(self, output: SchedulerOutput) -> bool:
+        return self._batch_seq_limit is not None and len(output.scheduled) >= self._batch_seq_limit
+
     def _tokens_wanted(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
         return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or self._batch_full(output):
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step to make room
+            if request.status != RequestStatus.RUNNING or request.request_id in self.in_flight:
+                continue  # preempted earlier in this step to make room, or its batch is out
             num_new = self._tokens_wanted(request, budget)
             if num_new == 0:
                 continue
@@ -140,9 +163,11 @@ class Scheduler:
         return budget
 
     def _pick_victim(self) -> Request:
+        """Never a request whose batch is still out (the request being scheduled never is)."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> int:
         """Free the request's blocks and requeue it; returns budget refunded if it was already
@@ -175,7 +200,7 @@ class Scheduler:
                           prefill_slots: int | None = None) -> None:
         skipped: list[tuple[tuple, Request]] = []
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and prefill_slots != 0):
+               and prefill_slots != 0 and not self._batch_full(output)):
             key, request = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             if self.kv.is_computing_elsewhere(request, num_hit):

@@ -81,6 +81,22 @@ def all_reduce_max(tensor: torch.Tensor, parallel: ParallelContext) -> torch.Ten
     return tensor
 
 
+def send_to_next_stage(packed: torch.Tensor, parallel: ParallelContext) -> None:
+    """A pipeline stage's output (contiguous) to the same tensor rank of the next stage."""
+    dist.send(packed, dst=parallel.next_stage_rank)
+
+
+def recv_from_prev_stage(packed: torch.Tensor, parallel: ParallelContext) -> None:
+    """Fill `packed` (its shape and dtype known from the step) from the previous stage."""
+    dist.recv(packed, src=parallel.prev_stage_rank)
+
+
+def world_barrier() -> None:
+    """Wait for every rank of every stage (load time: one rank writing the weight cache)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def barrier(parallel: ParallelContext | None) -> None:
     """Wait for every rank (load time: rank 0 writing the weight cache the others then read)."""
     if parallel is not None and parallel.tp_size > 1:

@@ -137,3 +137,57 @@ def take_shard(tensor: Any, rule: ShardRule | None) -> torch.Tensor:
         padding[rule.dim] = rule.pad_to - shard.shape[rule.dim]
         shard = torch.cat([shard, shard.new_zeros(padding)], dim=rule.dim)
     return shard
+
+
+# Pipeline stages -------------------------------------------------------------------------------
+
+# vLLM's name for the same override: comma-separated layer counts per stage, e.g. "19,11"
+PP_LAYER_PARTITION_ENV = "KVSERVE_PP_LAYER_PARTITION"
+
+
+def validate_pipeline_parallel(config: ModelConfig, pp_size: int) -> None:
+    """Raise ValueError when the model's layers cannot make pp_size stages of at least one."""
+    if pp_size < 1:
+        raise ValueError(f"pipeline-parallel size must be at least 1, got {pp_size}")
+    if config.num_hidden_layers < pp_size:
+        raise ValueError(f"the model's {config.num_hidden_layers} layers cannot make "
+                         f"{pp_size} pipeline stages")
+
+
+def stage_layer_counts(config: ModelConfig, pp_size: int) -> list[int]:
+    """Decoder layers per stage, balancing the weights each stage reads per token: the last
+    stage also runs the LM head (for SmolLM2-135M as large as 8 layers), so it takes fewer.
+    KVSERVE_PP_LAYER_PARTITION overrides (it must sum to the model's layers)."""
+    import os
+
+    layers = config.num_hidden_layers
+    validate_pipeline_parallel(config, pp_size)
+    override = os.environ.get(PP_LAYER_PARTITION_ENV)
+    if override:
+        counts = [int(part) for part in override.split(",")]
+        if len(counts) != pp_size or sum(counts) != layers or min(counts) < 1:
+            raise ValueError(f"{PP_LAYER_PARTITION_ENV}={override!r} must be {pp_size} "
+                             f"positive layer counts summing to {layers}")
+        return counts
+    if pp_size == 1:
+        return [layers]
+    head = config.vocab_size * config.hidden_size / max(1, _layer_weights(config))
+    share = (layers + head) / pp_size  # in layers' worth of weights per stage
+    last = max(1, min(layers - (pp_size - 1), round(share - head)))
+    rest = layers - last
+    counts = [rest // (pp_size - 1) + (1 if stage < rest % (pp_size - 1) else 0)
+              for stage in range(pp_size - 1)]
+    return counts + [last]
+
+
+def stage_layer_range(config: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers stage pp_rank holds."""
+    counts = stage_layer_counts(config, pp_size)
+    start = sum(counts[:pp_rank])
+    return start, start + counts[pp_rank]
+
+
+def _layer_weights(config: ModelConfig) -> int:
+    hidden = config.hidden_size
+    attention = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
+    return attention + 3 * hidden * config.intermediate_size

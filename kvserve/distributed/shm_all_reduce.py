@@ -133,7 +133,7 @@ def _map_shared_file(rank: int, group: dist.ProcessGroup, size: int) -> mmap.mma
             created = True
             os.ftruncate(fd, size)
             os.close(fd)
-        dist.broadcast_object_list(path, src=0, group=group)
+        dist.broadcast_object_list(path, group=group, group_src=0)
         fd = os.open(path[0], os.O_RDWR)
         try:
             mapping = mmap.mmap(fd, size)

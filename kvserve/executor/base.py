@@ -1,9 +1,16 @@
 """The executor interface the engine core drives: load the model, size and hold the KV cache,
-run one scheduler output, report health, shut down."""
+run scheduler outputs, report health, shut down.
+
+`execute` runs one step and returns its samples. Executors whose workers form a pipeline
+(pipeline parallelism) also take steps without waiting: `submit` hands a step over, `collect`
+returns the samples of the oldest step not yet collected that had something scheduled, and
+`max_concurrent_batches` says how many such steps may be in flight at once (1: `execute` only).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 import torch
 
@@ -17,6 +24,7 @@ class Executor(ABC):
     dtype: torch.dtype  # activations
     kv_dtype: torch.dtype  # K/V storage
     quantization: str
+    max_concurrent_batches: int = 1
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -25,6 +33,19 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step's batch; the sampled token (and logprobs) of each sampling request."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand a step over without waiting for it (here: run it now, keep the result). A step
+        with nothing scheduled (only finished ids for the workers) gives nothing to collect."""
+        if not hasattr(self, "_results"):
+            self._results: deque[ModelRunnerOutput] = deque()
+        output = self.execute(scheduler_output)
+        if scheduler_output.scheduled:
+            self._results.append(output)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The samples of the oldest submitted step with something scheduled."""
+        return self._results.popleft()
 
     def check_health(self) -> None:
         """Raise if a worker is gone (the uni executor has none to lose)."""

@@ -1,10 +1,11 @@
-"""The `mp` executor: one worker process per tensor-parallel rank on this host.
+"""The `mp` executor: one worker process per rank (tensor x pipeline) on this host.
 
 The engine core keeps the scheduler and the KV manager; the workers hold the model shards and
 the KV tensors. Each step the core sends every worker the same ExecuteStep over its own ZeroMQ
 PUSH socket (new requests' prompt and parameters once; per scheduled request the token ids it
-computes, the block ids added since it last ran, whether it samples) and waits for rank 0's
-sampled tokens. A worker that dies or fails takes the executor down with a WorkerDiedError, a
+computes, the block ids added since it last ran, whether it samples) and reads the output
+rank's sampled tokens (the last pipeline stage's tensor rank 0). With pipeline stages, up to
+one step per stage is in flight (`submit` / `collect`). A worker that dies or fails takes the executor down with a WorkerDiedError, a
 BaseException: per-request isolation cannot help when a collective lost a member, so the core
 ends and its front-end fails (or restarts) it.
 """
@@ -27,12 +28,10 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import Executor
 from kvserve.executor.protocol import (
-    ExecuteStep,
     FromWorker,
     InitKVCache,
     KVCacheReady,
-    NewRequestData,
-    ScheduledData,
+    StepEncoder,
     StepResult,
     StopWorker,
     WorkerFailed,
@@ -61,7 +60,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         _check_model_splits(config)
         self.config = config
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
+        self.max_concurrent_batches = config.pipeline_parallel_size
         self._dir = tempfile.mkdtemp(prefix="kvserve-workers-")
         self.context = zmq.Context()
         self.results = self.context.socket(zmq.PULL)
@@ -72,7 +72,8 @@ class MultiprocExecutor(Executor):
         self.decoder = msgspec.msgpack.Decoder(FromWorker)
         self.inputs: list[zmq.Socket] = []
         self.workers: list[subprocess.Popen] = []
-        self._sent_blocks: dict[str, list[int]] = {}  # request id -> block ids workers hold
+        self.step_encoder = StepEncoder()
+        self._pending = 0  # submitted steps with something scheduled, not yet collected
         self._closed = False
         # also when the executor is garbage-collected without shutdown(): workers never outlive
         # it (the list of sockets is filled as workers start)
@@ -91,7 +92,9 @@ class MultiprocExecutor(Executor):
         self.dtype = resolve_dtype(first.dtype)
         self.kv_dtype = resolve_dtype(first.kv_dtype)
         self.quantization = first.quantization
-        logger.info("%d workers ready (tensor parallel %d)", self.world_size, self.world_size)
+        logger.info("%d workers ready (tensor parallel %d, pipeline parallel %d)",
+                    self.world_size, config.tensor_parallel_size,
+                    config.pipeline_parallel_size)
 
     def _start_worker(self, rank: int, results_address: str, init_method: str) -> None:
         address = f"ipc://{self._dir}/input-{rank}"
@@ -109,9 +112,24 @@ class MultiprocExecutor(Executor):
         self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._broadcast(self._step_message(scheduler_output))
+        self.submit(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({}, {})
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Every worker gets the step; the pipeline's first stage starts on it while later
+        stages may still run earlier steps (workers run steps in the order sent)."""
+        self._broadcast(self.step_encoder.encode(scheduler_output))
+        if scheduler_output.scheduled:
+            self._pending += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output rank (last stage, tensor rank 0) answers steps in order, and only those
+        with something scheduled."""
+        if self._pending == 0:
+            raise RuntimeError("collect() without a submitted step to collect")
+        self._pending -= 1
         return self._receive(StepResult, timeout=None).output
 
     def check_health(self) -> None:
@@ -125,23 +143,7 @@ class MultiprocExecutor(Executor):
         self._closed = True
         self._finalizer()
 
-    # ---- what crosses per step ---------------------------------------------------------------
-    def _step_message(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
-        new_requests, scheduled = [], []
-        for item in scheduler_output.scheduled:
-            request = item.request
-            sent = self._sent_blocks.get(request.request_id)
-            if sent is None:
-                new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params))
-                sent = self._sent_blocks[request.request_id] = []
-            blocks, reset = _block_delta(sent, item.block_ids)
-            scheduled.append(ScheduledData(request.request_id, item.token_ids,
-                                           item.start_position, blocks, item.sample, reset))
-        for request_id in scheduler_output.finished_ids:
-            self._sent_blocks.pop(request_id, None)
-        return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids))
-
+    # ---- messages -------------------------------------------------------------------------
     def _broadcast(self, message) -> None:
         self.check_health()
         data = self.encoder.encode(message)
@@ -191,23 +193,13 @@ def _stop_workers(workers: list[subprocess.Popen], inputs: list[zmq.Socket],
 def _check_model_splits(config: EngineConfig) -> None:
     """A model that cannot split over the ranks is a ValueError here, before any worker starts
     (read from the model's config alone)."""
-    from kvserve.distributed.sharding import validate_tensor_parallel
+    from kvserve.distributed.sharding import validate_pipeline_parallel, validate_tensor_parallel
     from kvserve.model_source import resolve_model
     from kvserve.weights import load_config
 
-    validate_tensor_parallel(load_config(resolve_model(config.model)),
-                             config.tensor_parallel_size)
-
-
-def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
-    """(block ids to send, whether they replace the workers' table). Tables only grow while a
-    request runs; a preempted request comes back with a new table, sent whole."""
-    if len(current) >= len(sent) and current[:len(sent)] == sent:
-        added = current[len(sent):]
-        sent.extend(added)
-        return list(added), False
-    sent[:] = current
-    return list(current), True
+    model_config = load_config(resolve_model(config.model))
+    validate_tensor_parallel(model_config, config.tensor_parallel_size)
+    validate_pipeline_parallel(model_config, config.pipeline_parallel_size)
 
 
 __all__ = ["MultiprocExecutor", "WorkerDiedError"]

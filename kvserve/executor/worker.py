@@ -1,5 +1,7 @@
-"""A worker process of the `mp` executor: one tensor-parallel rank's model shard, its KV
-tensors and a ModelRunner, driven step by step by the engine core.
+"""A worker of the `mp` executor: one rank's model shard (its pipeline stage's layers, its
+tensor-parallel slice of them), its KV tensors and a ModelRunner, driven step by step by the
+engine core. `Worker` is the rank itself, whatever process holds it; `run_worker` is the
+process loop of the `mp` executor.
 
 Started by the core as `python -m kvserve.executor.worker IN OUT RANK WORLD INIT PARENT LOG`
 with the EngineConfig as JSON on stdin. It joins the process group (torch.distributed, gloo on
@@ -68,19 +70,26 @@ class WorkerSchedulerOutput:
 
 
 class Worker:
+    """One rank. Every rank gets every ExecuteStep, in order; `execute` returns the step's
+    samples on the output rank (last stage, tensor rank 0) and None elsewhere."""
+
     def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str):
+        from kvserve.distributed.parallel_state import output_rank
         from kvserve.executor.uni import load_engine_model
         from kvserve.platform import configure_threads
 
         self.config = config
         self.rank = rank
+        self.is_output_rank = rank == output_rank(config.tensor_parallel_size,
+                                                  config.pipeline_parallel_size)
         configure_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
         self.parallel = None
         if world_size > 1:
             from kvserve.distributed.parallel_state import init_distributed
 
-            self.parallel = init_distributed(rank, world_size, init_method,
-                                             device=config.device)
+            self.parallel = init_distributed(
+                rank, world_size, init_method, device=config.device,
+                pipeline_parallel_size=config.pipeline_parallel_size)
         self.loaded = load_engine_model(config, self.parallel)
         self.requests: dict[str, MirroredRequest] = {}
         self.runner = None
@@ -95,7 +104,7 @@ class Worker:
 
         self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,
                                   self.config.device, self.config.seed,
-                                  kv_dtype=self.loaded.kv_dtype)
+                                  kv_dtype=self.loaded.kv_dtype, parallel=self.parallel)
         return KVCacheReady(self.rank)
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
@@ -106,7 +115,7 @@ class Worker:
         output = self.runner.execute(WorkerSchedulerOutput(scheduled, step.finished_ids))
         for request_id in step.finished_ids:
             self.requests.pop(request_id, None)
-        if self.rank != 0 or not step.scheduled:  # the core waits for nothing else
+        if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
             return None
         for request_id, token in output.sampled_token_ids.items():
             self.requests[request_id].output_token_ids.append(token)

@@ -9,10 +9,18 @@ Given a ParallelContext with tp_size > 1 the model is one tensor-parallel rank's
 config is the rank's (kvserve/distributed/sharding.py), o_proj and down_proj outputs are partial
 sums all-reduced in place, the embedding and LM head hold a vocabulary range. With tp_size 1 the
 context is dropped (`self.tp` None) and nothing extra runs.
+
+Given pp_size > 1 the model is one pipeline stage: it builds only its decoder layers (the
+others are parameterless `PPMissingLayer`s, so parameter names keep their global layer index),
+the embedding on the first stage, the final norm and LM head on the last. A stage other than
+the first starts from the previous stage's `IntermediateTensors`; one other than the last
+returns its own instead of hidden states.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -22,9 +30,36 @@ from torch import nn
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import gather_vocab
-from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
+from kvserve.distributed.sharding import stage_layer_range, vocab_range
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the hidden states and, on the fused path, the
+    residual stream kept beside them (None on the eager path, where hidden includes it)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor | None = None
+
+    def pack(self) -> torch.Tensor:
+        """One contiguous tensor [1 or 2, tokens, hidden] for one send."""
+        if self.residual is None:
+            return self.hidden.unsqueeze(0).contiguous()
+        return torch.stack((self.hidden, self.residual))
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> "IntermediateTensors":
+        return IntermediateTensors(packed[0], packed[1] if packed.shape[0] == 2 else None)
+
+
+class PPMissingLayer(nn.Module):
+    """Stands where another pipeline stage holds a module: no parameters, never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage")
 
 
 class LlamaAttention(nn.Module):
@@ -109,36 +144,56 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  parallel: ParallelContext | None = None):
         super().__init__()
-        if active(parallel) is None:
+        pp_rank, pp_size = stage_of(parallel)
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = stage_layer_range(config, pp_rank, pp_size)
+        # the last stage keeps the embedding too when the LM head is tied to it
+        self.holds_embedding = self.is_first_stage or (self.is_last_stage
+                                                       and config.tie_word_embeddings)
+        if not self.holds_embedding:
+            self.embed_tokens = PPMissingLayer()
+        elif active(parallel) is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                        parallel)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, parallel) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, parallel)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.stage_layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage \
+            else PPMissingLayer()
         # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
         self.ops = getattr(backend, "ops", None)
 
-    def forward(self, input_ids, positions, metadata):
+    def forward(self, input_ids, positions, metadata,
+                intermediate: IntermediateTensors | None = None):
+        """Hidden states [T, H] on the last stage; the stage's IntermediateTensors elsewhere.
+        `intermediate`: the previous stage's (every stage but the first)."""
         if self.ops is not None:
-            return self._forward_fused(input_ids, positions, metadata)
-        hidden = self.embed_tokens(input_ids)
+            return self._forward_fused(input_ids, positions, metadata, intermediate)
+        hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate.hidden
         rotary = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers:
+        for layer in self.stage_layers:
             hidden = layer(rotary, hidden, metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden)
         return self.norm(hidden)
 
-    def _forward_fused(self, input_ids, positions, metadata):
+    def _forward_fused(self, input_ids, positions, metadata,
+                       intermediate: IntermediateTensors | None = None):
         """Same maths as the eager path with ~9 calls per layer: the residual stream is kept
         separately and each "add, then RMSNorm" is one in-place op (as vLLM's fused_add_rms_norm)."""
         ops = self.ops
-        residual = self.embed_tokens.forward(input_ids)
+        if intermediate is None:
+            residual, hidden = self.embed_tokens.forward(input_ids), None
+        else:
+            residual, hidden = intermediate.residual, intermediate.hidden
         cos_sin = self.rotary_emb.cos_sin
-        hidden = None
-        for layer in self.layers:
+        for layer in self.stage_layers:
             norm = layer.input_layernorm
             if hidden is None:
                 hidden = ops.rms_norm(residual, norm.weight, norm.eps)
@@ -151,6 +206,8 @@ class LlamaModel(nn.Module):
             hidden = mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(hidden)))
             if mlp.tp is not None:
                 mlp.tp.communicator.all_reduce_(hidden)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
         ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
@@ -177,16 +234,37 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.parallel = active(parallel)
         self.model = LlamaModel(config, backend, parallel)
-        if config.tie_word_embeddings:
+        self.has_lm_head = self.model.is_last_stage
+        if config.tie_word_embeddings or not self.has_lm_head:
             self.lm_head = None
         else:
-            rows = self.model.embed_tokens.weight.shape[0]  # the rank's vocabulary range
+            rows = config.vocab_size if self.parallel is None else vocab_range(
+                config.vocab_size, parallel.tp_size, parallel.tp_rank)[2]  # the rank's range
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+                metadata: AttentionMetadata,
+                intermediate: IntermediateTensors | None = None):
+        return self.model(input_ids, positions, metadata, intermediate)
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this stage runs (and holds KV for)."""
+        return len(self.model.stage_layers)
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage has a place for the checkpoint tensor `name` (HF or fused name):
+        false for other stages' layers, the embedding, final norm and LM head where absent."""
+        model = self.model
+        match = _LAYER_INDEX.match(name)
+        if match:
+            return model.start_layer <= int(match[1]) < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return model.holds_embedding
+        if name.startswith(("model.norm.", "lm_head.")):
+            return model.is_last_stage
+        return True
 
     @property
     def kernel_ops(self):
@@ -207,10 +285,12 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give layer i the tensor kv_caches[i] of shape [2, blocks, block_size, kv_heads, dim]."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"need {len(self.model.layers)} KV tensors, got {len(kv_caches)}")
-        for layer, cache in zip(self.model.layers, kv_caches):
+        """Give the stage's layer i the tensor kv_caches[i] of shape
+        [2, blocks, block_size, kv_heads, dim]."""
+        layers = self.model.stage_layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"need {len(layers)} KV tensors, got {len(kv_caches)}")
+        for layer, cache in zip(layers, kv_caches):
             layer.self_attn.kv_cache = cache
 
     @torch.no_grad()
@@ -225,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self.holds(name):
                 continue
             target, shard = _fused_target(name)
             if target not in params:
@@ -239,13 +319,13 @@ class LlamaForCausalLM(nn.Module):
         """Our parameters under HF checkpoint names, fused projections split (for export)."""
         params = dict(self.named_parameters())
         state = {}
-        for name in hf_parameter_names(self.config):
+        for name in filter(self.holds, hf_parameter_names(self.config)):
             target, shard = _fused_target(name)
             state[name] = _shard_view(params[target], shard, self.config, target).clone()
         return state
 
     def _check_complete(self, loaded: set[str]) -> None:
-        expected = set(hf_parameter_names(self.config))
+        expected = set(filter(self.holds, hf_parameter_names(self.config)))
         missing = sorted(expected - loaded)
         if missing:
             from kvserve.errors import CorruptModelFileError
@@ -253,6 +333,9 @@ class LlamaForCausalLM(nn.Module):
             raise CorruptModelFileError(
                 f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}"
             )
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

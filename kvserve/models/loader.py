@@ -4,9 +4,10 @@ A GGUF model, once converted, is cached as its own float32 state dict (fused lay
 memory-maps that file and assigns the tensors to the parameters without copying them (float32) or
 with one cast (other dtypes).
 
-With a ParallelContext of tp_size > 1 (`parallel=`) the model is the rank's shard: built from
-`shard_config`, filled with only its slices (kvserve/weights/sharded.py), quantized slice by
-slice. `parallel=None` (or tp_size 1) is the single-process path, unchanged.
+With a ParallelContext of more than one rank (`parallel=`) the model is the rank's shard: its
+pipeline stage's layers, built from `shard_config` for its tensor-parallel slice, filled with
+only its tensors and slices (kvserve/weights/sharded.py), quantized slice by slice.
+`parallel=None` (or one rank) is the single-process path, unchanged.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
-from kvserve.distributed.communication import barrier
-from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.distributed.communication import world_barrier
+from kvserve.distributed.parallel_state import ParallelContext, is_distributed
 from kvserve.distributed.sharding import shard_config, shard_rule
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
@@ -67,6 +68,7 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none", weights_ready
     if quantization == "none" and weights_ready:
         use_bf16_panels(model, dtype, model.kernel_ops)
     model.quantization = quantization
+    model.activation_dtype = dtype
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.model.rotary_emb.float().reset_tables()
@@ -89,7 +91,7 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], devic
                       parallel: ParallelContext | None = None):
     """The model holding `state` as it is (float32 from the weight cache)."""
     model = _construct_on_meta(config, attention_backend, use_cpu_kernels, device, parallel)
-    state = {name: tensor.to(device) for name, tensor in state.items()}
+    state = {name: tensor.to(device) for name, tensor in state.items() if model.holds(name)}
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
@@ -108,7 +110,7 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     config = load_config(source, use_cache)
     cached = cache.artifact_path(source.path, "weights.safetensors") \
         if source.format == "gguf" and use_cache else None
-    if active(parallel) is not None:
+    if is_distributed(parallel):
         model, how = _load_shard(source, config, cached, device, attention_backend,
                                  use_cpu_kernels, parallel)
     elif cached is not None and cached.is_file():
@@ -142,9 +144,13 @@ def _load_whole(source: ModelSource, config: ModelConfig, cached, device: str,
 def _load_shard(source: ModelSource, config: ModelConfig, cached, device: str,
                 attention_backend: str, use_cpu_kernels: bool, parallel: ParallelContext):
     """This rank's float32 shard. A GGUF is converted into the weight cache once, by rank 0
-    while the others wait; then every rank reads its slices of the cache (or of the HF
-    directory's files) lazily."""
+    while the others wait; then every rank reads its stage's tensors, and its slices of them,
+    from the cache (or the HF directory's files) lazily."""
     rank_config = shard_config(config, parallel.tp_size)
+    holds = _construct_on_meta(rank_config, attention_backend, use_cpu_kernels, device,
+                               parallel).holds
+    where = (f"(rank {parallel.rank}: stage {parallel.pp_rank} of {parallel.pp_size}, "
+             f"tensor rank {parallel.tp_rank} of {parallel.tp_size})")
 
     def rule_for(name: str):
         return shard_rule(name, config, parallel.tp_size, parallel.tp_rank)
@@ -152,22 +158,22 @@ def _load_shard(source: ModelSource, config: ModelConfig, cached, device: str,
     if cached is not None:
         # every rank meets at the barrier, whatever it sees on disk: deciding per rank whether
         # the cache exists deadlocked when rank 0 wrote it before a slower rank looked
-        if parallel.tp_rank == 0 and not cached.is_file():
+        if parallel.rank == 0 and not cached.is_file():
             _load_whole(source, config, cached, "cpu", "torch_ref", False)
-        barrier(parallel)
+        world_barrier()
     if cached is not None and cached.is_file():  # fused names, HF layout, float32
-        state = dict(iter_sharded_safetensors([cached], rule_for))
+        state = dict(iter_sharded_safetensors([cached], rule_for, holds))
         model = _model_from_state(rank_config, state, device, attention_backend,
                                   use_cpu_kernels, parallel)
-        return model, f"from cache {cached} (rank {parallel.tp_rank} of {parallel.tp_size})"
+        return model, f"from cache {cached} {where}"
     model = build_empty_model(rank_config, torch.float32, device, attention_backend,
                               use_cpu_kernels, parallel)
     if source.format == "hf":
-        tensors = iter_sharded_safetensors(safetensors_files(source.path), rule_for)
+        tensors = iter_sharded_safetensors(safetensors_files(source.path), rule_for, holds)
     else:  # a GGUF without the cache: dequantized whole, sliced in memory
         tensors = shard_tensors(load_hf_named_tensors(source, config).items(), rule_for)
     model.load_weights(tensors)
-    return model, f"from {source.path} (rank {parallel.tp_rank} of {parallel.tp_size})"
+    return model, f"from {source.path} {where}"
 
 
 def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
@@ -183,8 +189,8 @@ def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed
                  use_cpu_kernels: bool = True, quantization: str = "none",
                  parallel: ParallelContext | None = None):
     """A model with small random weights (deterministic for a seed), for fast tests. With
-    `parallel` (tp_size > 1): this rank's shard of exactly the model tp_size 1 gives for `config`
-    (the full model is drawn, then sliced)."""
+    `parallel` (several ranks): this rank's shard of exactly the model one rank gives for
+    `config` (the full model is drawn, then sliced)."""
     model = build_empty_model(config, torch.float32, device, attention_backend, use_cpu_kernels)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -193,7 +199,7 @@ def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    if active(parallel) is not None:
+    if is_distributed(parallel):
         state = dict(shard_tensors(model.state_dict().items(), lambda name: shard_rule(
             name, config, parallel.tp_size, parallel.tp_rank)))
         model = _model_from_state(shard_config(config, parallel.tp_size), state, device,

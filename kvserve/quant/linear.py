@@ -244,6 +244,8 @@ def use_bf16_panels(model: nn.Module, dtype: torch.dtype, ops) -> nn.Module:
             child = getattr(parent, name, None)
             if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
                 setattr(parent, name, Bf16PanelLinear(child, dtype, ops))
+    if not getattr(model, "has_lm_head", True):  # a pipeline stage before the last
+        return model
     linear = _head_as_linear(model)
     if linear.in_features % 32 == 0:
         model.logits_head = Bf16PanelLinear(linear, dtype, ops)
@@ -296,7 +298,8 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None,
                 if parallel is not None and name in ROW_PARALLEL_PROJECTIONS:
                     absmax = _whole_row_absmax(child, name, mode, parallel)
                 setattr(parent, name, _quantized(child, mode, dtype, ops, absmax))
-    model.logits_head = _quantized_lm_head(model, mode, dtype, ops)
+    if getattr(model, "has_lm_head", True):  # a pipeline stage before the last has none
+        model.logits_head = _quantized_lm_head(model, mode, dtype, ops)
     return model
 
 

@@ -16,15 +16,19 @@ from kvserve.distributed.sharding import ShardRule, take_shard
 from kvserve.errors import CorruptModelFileError
 
 
-def iter_sharded_safetensors(files: Iterable[Path], rule_for: Callable[[str], ShardRule | None]
+def iter_sharded_safetensors(files: Iterable[Path], rule_for: Callable[[str], ShardRule | None],
+                             keep: Callable[[str], bool] | None = None
                              ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's slice) for every tensor of the files; replicated tensors whole."""
+    """(name, this rank's slice) for every tensor of the files that `keep` accepts (a pipeline
+    stage's own: the others are never read); replicated tensors whole."""
     from safetensors import safe_open
 
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
+                    if keep is not None and not keep(name):
+                        continue
                     rule = rule_for(name)
                     if rule is None:
                         yield name, handle.get_tensor(name)
