@@ -30,8 +30,11 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
                  seed: int = 0, kv_dtype: torch.dtype | None = None,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, samples: bool = True):
+        """`samples`: False on ranks whose samples nobody reads (tensor ranks other than the
+        output rank: they join the logits gather, then stop)."""
         self.model = model
+        self.samples = samples
         self.config = model.config
         self.block_size = block_size
         self.device = torch.device(device)
@@ -74,6 +77,8 @@ class ModelRunner:
         rows = [i for i, s in enumerate(scheduled) if s.sample]
         last_token_index = torch.tensor([ends[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token_index])
+        if not self.samples:
+            return ModelRunnerOutput({}, {})
         result = self.sampler(logits, [self._sampling_row(s) for s in sampling])
         return self._package(sampling, result)
 

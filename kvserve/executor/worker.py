@@ -104,7 +104,8 @@ class Worker:
 
         self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,
                                   self.config.device, self.config.seed,
-                                  kv_dtype=self.loaded.kv_dtype, parallel=self.parallel)
+                                  kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
+                                  samples=self.is_output_rank)
         return KVCacheReady(self.rank)
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
