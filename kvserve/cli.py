@@ -89,12 +89,17 @@ def _run_generate(args) -> int:
     from kvserve.core.engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
-    prompt = args.prompt
-    if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        prompt = {"prompt": text,
-                  "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
-    _stream(engine, "cli", prompt, _sampling_params(args))
+    try:
+        prompt = args.prompt
+        if args.chat:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = {"prompt": text,
+                      "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        _stream(engine, "cli", prompt, _sampling_params(args))
+    finally:
+        # asks the core to stop; left to the exit-time finalizer, it would wait 5 s, then
+        # terminate the core process
+        engine.shutdown()
     return 0
 
 
@@ -102,6 +107,14 @@ def _run_chat(args) -> int:
     from kvserve.core.engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
+    try:
+        _chat_loop(engine, args)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _chat_loop(engine, args) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turn = 0
     print("kvserve chat: type a message, or Ctrl-D to quit.")
@@ -110,7 +123,7 @@ def _run_chat(args) -> int:
             user = input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
-            return 0
+            return
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
