@@ -86,7 +86,7 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
-                             f"--distributed-executor-backend mp")
+                             f"--distributed-executor-backend mp (this host) or ray")
 
     @property
     def world_size(self) -> int:

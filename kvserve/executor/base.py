@@ -52,3 +52,20 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers and free what they hold."""
+
+
+class PipelinedExecutor(Executor):
+    """An executor whose workers take steps without being waited on (mp, ray): `execute` is
+    `submit` then `collect`; subclasses implement those two."""
+
+    @abstractmethod
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    @abstractmethod
+    def collect(self) -> ModelRunnerOutput: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput({}, {})
+        return self.collect()

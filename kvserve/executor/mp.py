@@ -26,7 +26,7 @@ import zmq
 from kvserve.core.model_runner import ModelRunnerOutput
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
-from kvserve.executor.base import Executor
+from kvserve.executor.base import PipelinedExecutor
 from kvserve.executor.protocol import (
     FromWorker,
     InitKVCache,
@@ -56,7 +56,7 @@ class WorkerDiedError(BaseException):
     A BaseException so that the core's per-request isolation does not swallow it."""
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(PipelinedExecutor):
     def __init__(self, config: EngineConfig):
         _check_model_splits(config)
         self.config = config
@@ -110,12 +110,6 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._broadcast(InitKVCache(num_blocks, block_size))
         self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        if not scheduler_output.scheduled:
-            return ModelRunnerOutput({}, {})
-        return self.collect()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Every worker gets the step; the pipeline's first stage starts on it while later

@@ -29,7 +29,7 @@ import msgspec
 from kvserve.core.model_runner import ModelRunnerOutput
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
-from kvserve.executor.base import Executor
+from kvserve.executor.base import PipelinedExecutor
 from kvserve.executor.mp import WorkerDiedError, _check_model_splits
 from kvserve.executor.protocol import (
     InitKVCache,
@@ -101,7 +101,7 @@ class RayWorker:
             self.worker.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(PipelinedExecutor):
     def __init__(self, config: EngineConfig):
         _check_model_splits(config)
         ray = _import_ray()
@@ -168,12 +168,6 @@ class RayExecutor(Executor):
                                 for actor in self._held.actors], STARTUP_TIMEOUT_SECONDS)
         for reply in replies:
             msgspec.msgpack.decode(reply, type=KVCacheReady)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        if not scheduler_output.scheduled:
-            return ModelRunnerOutput({}, {})
-        return self.collect()
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Every actor gets the step (Ray keeps each actor's calls in order, so a pipeline's
