@@ -96,6 +96,7 @@ def test_layer_partition_favours_the_stage_with_the_lm_head(monkeypatch):
     assert stage_layer_counts(config, 2) == [19, 11]  # SmolLM2-135M's shape
     assert stage_layer_counts(config, 3) == [13, 12, 5]
     assert sum(stage_layer_counts(config, 7)) == 30 and min(stage_layer_counts(config, 7)) >= 1
+    assert stage_layer_counts(config, 2, head_cost=2.0) == [23, 7]  # 4-bit layers, int8 head
     monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "15,15")
     assert stage_layer_counts(config, 2) == [15, 15]
     monkeypatch.setenv(PP_LAYER_PARTITION_ENV, "20,20")

@@ -42,6 +42,9 @@ class ParallelContext:
     communicator: "Communicator | None" = field(default=None, compare=False)
     pp_rank: int = 0
     pp_size: int = 1
+    # decoder layers per stage (set by the loader, which knows the quantization); None: the
+    # default split of sharding.stage_layer_counts
+    layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -79,6 +82,17 @@ class ParallelContext:
 def output_rank(tp_size: int, pp_size: int) -> int:
     """The rank that reports a step's samples: tensor rank 0 of the last stage."""
     return (pp_size - 1) * tp_size
+
+
+def with_layer_partition(parallel: ParallelContext | None, config, quantization: str
+                         ) -> ParallelContext | None:
+    """The context with its stages' layer split for a model quantized as `quantization`."""
+    if parallel is None or parallel.pp_size == 1:
+        return parallel
+    from kvserve.distributed.sharding import head_cost_for, stage_layer_counts
+
+    counts = stage_layer_counts(config, parallel.pp_size, head_cost_for(quantization))
+    return dataclasses.replace(parallel, layer_partition=tuple(counts))
 
 
 def stage_of(parallel: ParallelContext | None) -> tuple[int, int]:

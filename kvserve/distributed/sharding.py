@@ -154,10 +154,12 @@ def validate_pipeline_parallel(config: ModelConfig, pp_size: int) -> None:
                          f"{pp_size} pipeline stages")
 
 
-def stage_layer_counts(config: ModelConfig, pp_size: int) -> list[int]:
-    """Decoder layers per stage, balancing the weights each stage reads per token: the last
-    stage also runs the LM head (for SmolLM2-135M as large as 8 layers), so it takes fewer.
-    KVSERVE_PP_LAYER_PARTITION overrides (it must sum to the model's layers)."""
+def stage_layer_counts(config: ModelConfig, pp_size: int, head_cost: float = 1.0) -> list[int]:
+    """Decoder layers per stage, balancing the weight bytes each stage reads per token: the last
+    stage also runs the LM head (for SmolLM2-135M as many weights as 8 layers), so it takes
+    fewer. `head_cost`: bytes per LM-head weight over bytes per layer weight (2 when 4-bit
+    layers sit beside the int8 head: `head_cost_for`). KVSERVE_PP_LAYER_PARTITION overrides (it
+    must sum to the model's layers)."""
     import os
 
     layers = config.num_hidden_layers
@@ -174,8 +176,8 @@ def stage_layer_counts(config: ModelConfig, pp_size: int) -> list[int]:
     # per rank: a tensor-parallel shard config holds 1/tp of each layer, and the LM head is
     # split by vocabulary rows the same way
     head_rows = config.vocab_size / config.tensor_parallel_size
-    head = head_rows * config.hidden_size / max(1, _layer_weights(config))
-    share = (layers + head) / pp_size  # in layers' worth of weights per stage
+    head = head_cost * head_rows * config.hidden_size / max(1, _layer_weights(config))
+    share = (layers + head) / pp_size  # in layers' worth of weight bytes per stage
     last = max(1, min(layers - (pp_size - 1), round(share - head)))
     rest = layers - last
     counts = [rest // (pp_size - 1) + (1 if stage < rest % (pp_size - 1) else 0)
@@ -183,9 +185,14 @@ def stage_layer_counts(config: ModelConfig, pp_size: int) -> list[int]:
     return counts + [last]
 
 
-def stage_layer_range(config: ModelConfig, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the decoder layers stage pp_rank holds."""
-    counts = stage_layer_counts(config, pp_size)
+def head_cost_for(quantization: str) -> float:
+    """Bytes per LM-head weight over bytes per decoder-layer weight: every quantized mode keeps
+    the head int8 (~1.06 bytes a weight), so only 4-bit layers (~0.53) make it dearer."""
+    return 2.0 if quantization == "int4" else 1.0
+
+
+def stage_layer_range(counts: list[int], pp_rank: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers stage pp_rank holds, for per-stage `counts`."""
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]
 

@@ -31,7 +31,7 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
-from kvserve.distributed.sharding import stage_layer_range, vocab_range
+from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
@@ -146,7 +146,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         pp_rank, pp_size = stage_of(parallel)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
-        self.start_layer, self.end_layer = stage_layer_range(config, pp_rank, pp_size)
+        counts = (parallel.layer_partition if parallel is not None and parallel.layer_partition
+                  else stage_layer_counts(config, pp_size))
+        self.start_layer, self.end_layer = stage_layer_range(list(counts), pp_rank)
         # the last stage keeps the embedding too when the LM head is tied to it
         self.holds_embedding = self.is_first_stage or (self.is_last_stage
                                                        and config.tie_word_embeddings)

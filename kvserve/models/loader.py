@@ -20,7 +20,11 @@ import torch
 from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import world_barrier
-from kvserve.distributed.parallel_state import ParallelContext, is_distributed
+from kvserve.distributed.parallel_state import (
+    ParallelContext,
+    is_distributed,
+    with_layer_partition,
+)
 from kvserve.distributed.sharding import shard_config, shard_rule
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
@@ -110,7 +114,11 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     config = load_config(source, use_cache)
     cached = cache.artifact_path(source.path, "weights.safetensors") \
         if source.format == "gguf" and use_cache else None
+    quantization = resolve_quantization(
+        quantization, config.source_weight_type, torch_dtype,
+        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels))
     if is_distributed(parallel):
+        parallel = with_layer_partition(parallel, config, quantization)
         model, how = _load_shard(source, config, cached, device, attention_backend,
                                  use_cpu_kernels, parallel)
     elif cached is not None and cached.is_file():
@@ -122,9 +130,6 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     else:
         model = _load_whole(source, config, cached, device, attention_backend, use_cpu_kernels)
         how = f"from {source.path}"
-    quantization = resolve_quantization(
-        quantization, config.source_weight_type, torch_dtype,
-        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels))
     model = _finish(model, torch_dtype, quantization)
     logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
                 quantization, how, time.perf_counter() - start)
