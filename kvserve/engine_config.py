@@ -80,10 +80,22 @@ class EngineConfig:
                             "the core's GIL; measured as fast or faster, docs/architecture.md) or "
                             "thread (a thread of the front-end process)",
                             choices=["process", "thread"])
+    kv_role: str | None = _opt(
+        None, "disaggregated prefill/decode: prefill (compute prompts, keep their KV for a "
+        "decode engine to pull), decode (pull a prompt's KV from the prefill engine named in "
+        "the request's kv_transfer_params) or both", choices=["prefill", "decode", "both"])
+    kv_transfer_config: str | None = _opt(
+        None, "vLLM's --kv-transfer-config JSON: kv_role (kv_producer, kv_consumer, kv_both), "
+        "kv_ip and kv_port (where this engine serves its held KV; default 127.0.0.1 and a free "
+        "port), kv_connector_extra_config {hold_timeout_s, transfer_timeout_s, "
+        "load_failure_policy: recompute | fail}")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        from kvserve.kv_transfer.config import kv_transfer_config
+
+        kv_transfer_config(self.kv_role, self.kv_transfer_config)  # a bad one fails here
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")

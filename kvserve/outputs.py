@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -58,3 +59,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None, repr=False)
+    num_transferred_tokens: int = 0  # prompt tokens whose KV a prefill engine computed
+    kv_transfer_params: Any = None  # from a prefill engine: where a decode engine pulls the KV

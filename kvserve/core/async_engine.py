@@ -123,10 +123,11 @@ class AsyncEngine:
 
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                priority: int = 0) -> PreparedRequest:
+                priority: int = 0, kv_transfer_params=None) -> PreparedRequest:
         if not self.is_ready or self.engine is None:
             raise EngineDeadError("the engine is not ready")
-        return self.engine.prepare_request(request_id, prompt, params, priority)
+        return self.engine.prepare_request(request_id, prompt, params, priority,
+                                           kv_transfer_params=kv_transfer_params)
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished; closing the stream early aborts the request."""

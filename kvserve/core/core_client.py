@@ -70,6 +70,7 @@ class InprocClient:
         self.core.abort_requests(request_ids)
 
     def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        self.core.housekeeping()  # held KV blocks pulled or expired (the engine loop's 0.5 s)
         if not self.core.has_unfinished():
             return EngineCoreOutputs([], self.core.stats())
         try:

@@ -88,13 +88,15 @@ class CoreLoop:
         core = self.core
         idle_reported = True  # the ready message said everything there is to say
         while self.running:
-            self._drain(block=idle_reported and not core.has_unfinished())
+            self._drain(block=idle_reported and not core.has_unfinished(),
+                        timeout=core.idle_poll_seconds())
             if not self.running:
                 return
+            freed = core.housekeeping()  # held KV blocks pulled or expired
             if core.has_unfinished():
                 self._send(self._step())
                 idle_reported = False
-            elif not idle_reported or self._applied:
+            elif not idle_reported or self._applied or freed:
                 # the last step (or an abort) left the core idle: one stats-only message, so
                 # the front-end's gauges (KV blocks in use) show it
                 self._send(EngineCoreOutputs([], core.stats()))
@@ -107,11 +109,12 @@ class CoreLoop:
             logger.exception("engine step failed; failing the requests in flight")
             return self.core.fail_all("running this request", exc)
 
-    def _drain(self, block: bool) -> None:
-        """Apply every message waiting; while idle, wait for the first one."""
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
+        """Apply every message waiting; while idle, wait for the first one (at most `timeout`
+        seconds when housekeeping is due)."""
         self._applied = False
         if block:
-            self.inputs.poll()
+            self.inputs.poll(None if timeout is None else int(timeout * 1000))
         while self.running:
             try:
                 data = self.inputs.recv(zmq.NOBLOCK, copy=False)

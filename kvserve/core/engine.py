@@ -18,6 +18,7 @@ from kvserve.core.core_client import InprocClient, make_core_client
 from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.core.output_processor import RequestGroup, SampleState
 from kvserve.engine_config import EngineConfig
+from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -47,6 +48,7 @@ class PreparedRequest:
     max_tokens: int
     priority: int
     arrival_time: float
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class LLMEngine:
@@ -83,9 +85,11 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def prepare_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | None = None, priority: int = 0,
-                        arrival_time: float | None = None) -> PreparedRequest:
+                        arrival_time: float | None = None,
+                        kv_transfer_params: KVTransferParams | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread); raises
-        InvalidRequestError if the request is bad."""
+        InvalidRequestError if the request is bad. `kv_transfer_params`: disaggregated
+        prefill/decode (kvserve/kv_transfer/)."""
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
@@ -95,8 +99,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             params.all_stop_token_ids.add(self.tokenizer.eos_token_id)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if kv_transfer_params is not None and params.n != 1:
+            raise InvalidRequestError("kv_transfer_params needs n = 1", param="n")
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, max_tokens, priority,
-                               arrival)
+                               arrival, kv_transfer_params)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, priority: int = 0,
@@ -124,7 +130,8 @@ class LLMEngine:
             group.samples.append(state)
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
-                prepared.priority, prepared.arrival_time, faults))
+                prepared.priority, prepared.arrival_time, faults,
+                prepared.kv_transfer_params))
         sent: list[str] = []
         try:
             for request in requests:

@@ -37,6 +37,8 @@ from kvserve.testing.faults import raise_tagged
 logger = logging.getLogger(__name__)
 
 WARMUP_REQUEST_ID = "__warmup__"
+LOAD_WAIT_SECONDS = 0.005  # an idle step's wait for a KV load to end
+HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for pullers looks at them
 
 
 class EngineCore:
@@ -66,7 +68,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_partial_prefills=config.max_num_partial_prefills,
             pipeline_depth=self.executor.max_concurrent_batches,
-        ), self.kv_manager)
+        ), self.kv_manager, self._make_kv_connector())
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._faults: dict[str, list[str]] = {}  # request id -> its test-only fault tags
@@ -75,6 +77,20 @@ class EngineCore:
         logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
                     "%d threads", self.load_seconds, self.executor.dtype,
                     self.executor.quantization, self.max_model_len, threads)
+
+    def _make_kv_connector(self):
+        """The KV transfer connector of a prefill or decode engine (--kv-role), or None."""
+        from kvserve.kv_transfer.config import kv_transfer_config
+
+        kv_config = kv_transfer_config(self.config.kv_role, self.config.kv_transfer_config)
+        if kv_config is None:
+            return None
+        if self.config.world_size > 1:
+            raise ValueError("KV transfer (--kv-role) runs with one rank for now: the KV "
+                             "tensors must live in the engine core's process")
+        from kvserve.kv_transfer.connector import make_connector
+
+        return make_connector(kv_config, self.executor.runner.kv_caches)
 
     @property
     def runner(self):
@@ -137,7 +153,8 @@ class EngineCore:
             self._faults[request.request_id] = request.faults
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
-            request.priority, request.arrival_time or time.monotonic()))
+            request.priority, request.arrival_time or time.monotonic(),
+            request.kv_transfer_params))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests wherever they are; their blocks are free at once."""
@@ -172,12 +189,40 @@ class EngineCore:
         is not attributable and propagates to the caller.
         """
         self.thread_governor.tick()
+        self.scheduler.release_held()
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
+        self._fail_loads()
+        if not scheduler_output.scheduled and self.scheduler.loading:
+            self._wait_for_loads()
         raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
         runner_output = self._execute(scheduler_output)
         return self._update(scheduler_output, runner_output)
+
+    # ---- KV transfer ------------------------------------------------------------------------
+    def _fail_loads(self) -> None:
+        """Loads that failed: recomputed (the scheduler already runs them), or failed with the
+        reason under --kv-transfer-config's load_failure_policy "fail"."""
+        failures, self.scheduler.load_failures = self.scheduler.load_failures, []
+        for request_id, why in failures:
+            logger.warning("KV load of %s failed: %s", request_id, why)
+            if self.scheduler.connector.config.load_failure_policy == "fail":
+                self.fail_request(request_id, "loading its KV", RuntimeError(why))
+
+    def _wait_for_loads(self) -> None:
+        """Nothing to run but loads in flight: wait briefly for one (no busy loop)."""
+        self.scheduler.finish_loads(self.scheduler.connector.finished_loads(LOAD_WAIT_SECONDS))
+
+    def housekeeping(self) -> bool:
+        """Between steps while idle: free held blocks that were pulled or expired. True when
+        that freed some (the front-end's gauges then need a stats message)."""
+        return self.scheduler.release_held() > 0
+
+    def idle_poll_seconds(self) -> float | None:
+        """How long an idle core may sleep before `housekeeping` is due (None: until a
+        message comes)."""
+        return HOUSEKEEPING_SECONDS if self.scheduler.held else None
 
     def _step_pipelined(self) -> EngineCoreOutputs:
         """With pipeline stages: submit a new batch while fewer than one per stage are out,
@@ -226,9 +271,11 @@ class EngineCore:
         if first:
             output.num_cached_tokens = request.num_cached_tokens
             output.first_scheduled_time = request.times.first_scheduled
+            output.num_transferred_tokens = request.num_transferred_tokens
         if request.is_finished:
             output.finish_reason = request.finish_reason()
             output.stop_reason = request.stop_reason
+            output.kv_transfer_params = request.kv_handle
             self._faults.pop(request.request_id, None)
         return output
 
@@ -282,4 +329,6 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.stats())
 
     def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.close()
         self.executor.shutdown()

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvserve.core.sampler import TokenLogprobs
+from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.sampling_params import SamplingParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -33,6 +34,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     # test-only fault kinds this request asks for (kvserve.testing.faults); the front-end sets
     # them only when its fault injector is on, so no client field can
     faults: list[str] = []
+    # disaggregated prefill/decode: keep the KV for a decode engine, or where to pull it from
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_WIRE):
@@ -68,6 +71,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     first_scheduled_time: float | None = None  # on the first output
     num_preemptions: int = 0
     error: str | None = None
+    num_transferred_tokens: int = 0  # prompt tokens whose KV was pulled, on the first output
+    kv_transfer_params: KVTransferParams | None = None  # the handle, on a held request's last
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

@@ -41,6 +41,8 @@ class SampleState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1
+        self.num_transferred_tokens = 0
+        self.kv_transfer_params = None  # the handle a prefill engine's last output carries
         self.num_preemptions = 0
         self.times = RequestTimes(arrival=arrival_time)
 
@@ -55,6 +57,10 @@ class SampleState:
             self.times.first_scheduled = delta.first_scheduled_time
         if delta.num_cached_tokens >= 0:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.num_transferred_tokens:
+            self.num_transferred_tokens = delta.num_transferred_tokens
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
         self.num_preemptions = delta.num_preemptions
         logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
         for token_id, token_logprobs in zip(delta.new_token_ids, logprobs):
@@ -149,6 +155,8 @@ class RequestGroup:
             finished=self.finished,
             num_cached_tokens=cached,
             metrics=_group_metrics(samples),
+            num_transferred_tokens=samples[0].num_transferred_tokens,
+            kv_transfer_params=samples[0].kv_transfer_params,
         )
 
 

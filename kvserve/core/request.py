@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.sampling_params import SamplingParams
 
@@ -16,6 +17,7 @@ from kvserve.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prompt's KV is being pulled
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -44,6 +46,7 @@ class Request:
     max_tokens: int
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    kv_transfer_params: Any = None  # kv_transfer.KVTransferParams of a disaggregated request
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -55,6 +58,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.times = RequestTimes(arrival=self.arrival_time)
+        self.kv_load_attempted = False  # its remote KV was asked for (once: a retry recomputes)
+        self.num_transferred_tokens = 0  # prompt tokens whose KV came from another engine
+        self.kv_handle: Any = None  # the KVTransferParams its last output hands a decode engine
 
     @property
     def num_tokens(self) -> int:

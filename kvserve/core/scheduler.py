@@ -71,9 +71,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, connector=None):
         self.config = config
         self.kv = kv_manager
+        self.connector = connector  # kv_transfer.connector.KVConnectorScheduler, or None
+        self.loading: dict[str, Request] = {}  # pulling their prompt's KV (decode side)
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a puller (prefill side)
+        self.load_failures: list[tuple[str, str]] = []  # (id, why) since the engine last looked
         self.waiting: list[tuple[tuple, Request]] = []  # sorted by policy key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -111,7 +115,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -119,6 +123,8 @@ class Scheduler:
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
         self._batch_seq_limit = self._seq_limit()
+        if self.connector is not None:
+            self.finish_loads(self.connector.finished_loads())
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._schedule_waiting(output, budget, self._prefill_slots(output))
@@ -199,9 +205,14 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int,
                           prefill_slots: int | None = None) -> None:
         skipped: list[tuple[tuple, Request]] = []
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs
                and prefill_slots != 0 and not self._batch_full(output)):
             key, request = self.waiting[0]
+            if self.connector is not None and self.connector.wants_load(request):
+                if not self._start_load(request):
+                    break
+                continue
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             if self.kv.is_computing_elsewhere(request, num_hit):
                 skipped.append(self.waiting.pop(0))
@@ -226,6 +237,49 @@ class Scheduler:
                 prefill_slots -= 1
         for item in skipped:
             bisect.insort(self.waiting, item, key=lambda entry: entry[0])
+
+    # ---- KV from elsewhere (kv_transfer) ----------------------------------------------------
+    def _start_load(self, request: Request) -> bool:
+        """Give the request blocks for its whole prompt and start pulling them; False (nothing
+        changed) when the pool cannot hold them yet."""
+        if not self.kv.allocate_slots(request, request.num_tokens):
+            return False
+        self.waiting.pop(0)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = 0
+        self.loading[request.request_id] = request
+        self.connector.start_load(request, self.kv.block_ids(request.request_id))
+        return True
+
+    def finish_loads(self, finished: list[tuple[str, str | None]]) -> None:
+        """Loaded requests run with their prompt computed but its last token; failed ones
+        recompute it. An aborted request's blocks are freed only now: the load wrote into
+        them until it ended."""
+        for request_id, error in finished:
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            if request.is_finished:
+                self.kv.free(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if error is None:
+                request.num_computed_tokens = request.num_tokens - 1
+                request.num_transferred_tokens = request.num_computed_tokens
+            else:
+                self.load_failures.append((request_id, error))
+
+    def release_held(self) -> int:
+        """Free the held blocks that were pulled or whose lease expired; how many requests."""
+        if self.connector is None or not self.held:
+            return 0
+        released = self.connector.releasable()
+        for request_id in released:
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        return len(released)
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -278,12 +332,17 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif not request.is_finished:
+        elif not request.is_finished and not loading:
             self._remove_waiting(request)
+        if self.connector is not None and self.connector.should_hold(request, status):
+            self.connector.hold(request, self.kv.block_ids(request_id))
+            self.held[request_id] = request
+        elif not loading:  # a load still writes into its blocks: freed when it ends
+            self.kv.free(request)
         request.status = status
         request.times.finished = time.monotonic()
-        self.kv.free(request)
         self._finished_since_step.append(request_id)
         return request

@@ -77,6 +77,14 @@ class _SamplingFields(_RequestBody):
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} to a prefill
+    # engine; the handle it answers with, to a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def kv_params(self):
+        from kvserve.kv_transfer.params import parse_kv_transfer_params
+
+        return parse_kv_transfer_params(self.kv_transfer_params)
 
     @field_validator("logit_bias")
     @classmethod

@@ -249,7 +249,10 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
         response_id = serving.new_id("cmpl")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = body.prompts()
-        prepared = [engine.prepare(f"{response_id}-{i}", p, params, body.priority)
+        kv_params = body.kv_params()
+        if kv_params is not None and len(prompts) != 1:
+            raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
+        prepared = [engine.prepare(f"{response_id}-{i}", p, params, body.priority, kv_params)
                     for i, p in enumerate(prompts)]
         echo = [p.prompt if p.prompt is not None else engine.engine.tokenizer.decode(
             p.prompt_token_ids, False) for p in prepared] if body.echo else []
@@ -270,7 +273,8 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
                                              **(body.chat_template_kwargs or {}))
         prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)}
         response_id = serving.new_id("chatcmpl")
-        prepared = [engine.prepare(response_id, prompt, params, body.priority)]
+        prepared = [engine.prepare(response_id, prompt, params, body.priority,
+                                   body.kv_params())]
         job = serving.make_job("chat", response_id, body, model_name(), prepared, [],
                                not config.disable_log_requests, num_top or 0)
         return await _run(job, body, raw, engine)

@@ -127,7 +127,10 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.num_cached_tokens for o in outputs),
+            # prompt tokens whose KV a prefill engine computed (disaggregated serving)
+            "transferred_tokens": sum(o.num_transferred_tokens for o in outputs)},
     }
 
 
@@ -180,8 +183,9 @@ def completion_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any
                 "finish_reason": sample.finish_reason,
                 "stop_reason": sample.stop_reason,
             })
-    return {"id": job.response_id, "object": "text_completion", "created": job.created,
-            "model": job.model, "choices": choices, "usage": usage(outputs)}
+    return _with_kv_handle({"id": job.response_id, "object": "text_completion",
+                            "created": job.created, "model": job.model, "choices": choices,
+                            "usage": usage(outputs)}, outputs)
 
 
 def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -192,8 +196,18 @@ def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
         "finish_reason": sample.finish_reason,
         "stop_reason": sample.stop_reason,
     } for sample in outputs[0].outputs]
-    return {"id": job.response_id, "object": "chat.completion", "created": job.created,
-            "model": job.model, "choices": choices, "usage": usage(outputs)}
+    return _with_kv_handle({"id": job.response_id, "object": "chat.completion",
+                            "created": job.created, "model": job.model, "choices": choices,
+                            "usage": usage(outputs)}, outputs)
+
+
+def _with_kv_handle(body: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill engine's answer carries the handle a decode engine pulls the KV with, at the
+    top level as vLLM puts it."""
+    handle = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params), None)
+    if handle is not None:
+        body["kv_transfer_params"] = handle.to_json()
+    return body
 
 
 def _sse(payload: dict[str, Any] | str) -> str:

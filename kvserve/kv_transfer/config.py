@@ -1,0 +1,82 @@
+"""Which side of a KV transfer an engine is on, and its settings, from `--kv-role` and/or vLLM's
+`--kv-transfer-config` JSON (`kv_role` kv_producer | kv_consumer | kv_both, `kv_ip`, `kv_port`,
+`kv_connector_extra_config`; `kv_connector` may name ours, "KVServeConnector", or be left out)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode", "both")
+_VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+CONNECTOR_NAME = "KVServeConnector"
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    role: str  # prefill: computes prompts and holds their KV for a decode engine; decode:
+    #            pulls it; both: either, per request
+    host: str = "127.0.0.1"  # the address decode engines reach this one's KV at
+    port: int = 0  # 0: any free port (the handle names the one bound)
+    hold_timeout_s: float = 30.0  # a held request's blocks are freed if nobody pulls by then
+    transfer_timeout_s: float = 10.0  # a pull that takes longer failed (a dead prefill engine)
+    load_failure_policy: str = "recompute"  # or fail: the request ends with an error
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"kv role {self.role!r}: choose one of {', '.join(ROLES)}")
+        if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv load failure policy {self.load_failure_policy!r}: choose one "
+                             f"of {', '.join(LOAD_FAILURE_POLICIES)}")
+        if self.hold_timeout_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("kv hold and transfer timeouts must be positive")
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+def kv_transfer_config(role: str | None, config_json: str | None) -> KVTransferConfig | None:
+    """The engine's KV transfer settings, or None when it takes no part in transfers. `role`
+    (--kv-role) wins over the JSON's kv_role."""
+    settings: dict = {}
+    if config_json:
+        try:
+            raw = json.loads(config_json)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        settings = _from_vllm_keys(raw)
+    if role is not None:
+        settings["role"] = role
+    if "role" not in settings:
+        if config_json:
+            raise ValueError("--kv-transfer-config needs kv_role (or pass --kv-role)")
+        return None
+    return KVTransferConfig(**settings)
+
+
+def _from_vllm_keys(raw: dict) -> dict:
+    connector = raw.get("kv_connector")
+    if connector not in (None, CONNECTOR_NAME):
+        raise ValueError(f"kv_connector {connector!r} is a vLLM connector; kvserve has its own "
+                         f"({CONNECTOR_NAME}): leave kv_connector out or name that")
+    settings: dict = {}
+    if "kv_role" in raw:
+        role = raw["kv_role"]
+        settings["role"] = _VLLM_ROLES.get(role, role)
+    if raw.get("kv_ip"):
+        settings["host"] = str(raw["kv_ip"])
+    if raw.get("kv_port") is not None:
+        settings["port"] = int(raw["kv_port"])
+    extra = raw.get("kv_connector_extra_config") or {}
+    for key in ("hold_timeout_s", "transfer_timeout_s", "load_failure_policy"):
+        if key in extra:
+            settings[key] = extra[key]
+    return settings

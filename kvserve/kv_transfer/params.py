@@ -1,0 +1,43 @@
+"""The handle a request carries between engines, in the OpenAI body as `kv_transfer_params`
+(vLLM's field and key names, so its proxies and ours speak the same JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvserve.errors import InvalidRequestError
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """To a prefill engine: `do_remote_decode` (keep the KV for a decode engine). From it, and
+    then to a decode engine: `do_remote_prefill` with where the KV is."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] = []
+    remote_host: str | None = None
+    remote_port: int | None = None
+    num_prompt_tokens: int = 0  # the prompt the blocks hold (the decode side checks its own)
+
+    @property
+    def wants_load(self) -> bool:
+        return (self.do_remote_prefill and bool(self.remote_block_ids)
+                and self.remote_host is not None and self.remote_port is not None
+                and self.remote_request_id is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def parse_kv_transfer_params(value: Any) -> KVTransferParams | None:
+    """The body's `kv_transfer_params` (a JSON object), or None; anything malformed is a 400."""
+    if value is None:
+        return None
+    try:
+        return msgspec.convert(value, KVTransferParams)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"kv_transfer_params: {exc}") from exc

@@ -1,0 +1,156 @@
+"""The TCP transport (ZeroMQ): a decode engine pulls a held request's blocks by id.
+
+The prefill engine's `KVSender` thread serves a ROUTER socket. A `Pull` names the request and
+the layout the puller expects (layers, block size, KV heads, head dim, dtype); the sender takes
+the lease (leases.py), gathers the request's blocks from every layer's KV tensor and answers
+with a `PullReply` header and one frame per layer ([2, blocks, block_size, kv_heads, head_dim],
+sent without copying once gathered), then marks the lease done. One round trip: there is no
+release message, and a puller that dies mid-reply costs the sender nothing. A sender that dies
+is a pull that times out (`transfer_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import msgspec
+import torch
+import zmq
+
+from kvserve.kv_transfer.leases import LeaseTable
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed: the sender is gone or too slow, the lease expired, the layouts differ."""
+
+
+class KVLayout(msgspec.Struct, frozen=True, array_like=True):
+    """What a block is: two engines exchange blocks only when these agree."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @classmethod
+    def of(cls, kv_caches: list[torch.Tensor]) -> "KVLayout":
+        _, _, block_size, kv_heads, head_dim = kv_caches[0].shape
+        return cls(len(kv_caches), block_size, kv_heads, head_dim,
+                   str(kv_caches[0].dtype).removeprefix("torch."))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+class Pull(msgspec.Struct, array_like=True):
+    request_id: str
+    layout: KVLayout
+
+
+class PullReply(msgspec.Struct, array_like=True):
+    ok: bool
+    error: str = ""
+    num_blocks: int = 0
+
+
+class KVSender:
+    """Serves pulls of held blocks from `kv_caches` on tcp://host:port (port 0: a free one,
+    then `self.port`), on its own thread."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], leases: LeaseTable, host: str,
+                 port: int = 0):
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.leases = leases
+        self.host = host
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        bind_host = "*" if host in ("0.0.0.0", "*") else host
+        if port:
+            self._socket.bind(f"tcp://{bind_host}:{port}")
+            self.port = port
+        else:
+            self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
+        self._thread.start()
+        logger.info("KV sender on tcp://%s:%d (%s)", host, self.port, self.layout)
+
+    def _serve(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(Pull)
+        while not self._stop.is_set():
+            if not self._socket.poll(POLL_MS):
+                continue
+            identity, payload = self._socket.recv_multipart()
+            try:
+                pull = decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                self._socket.send_multipart([identity, encoder.encode(
+                    PullReply(False, f"malformed pull: {exc}"))])
+                continue
+            self._answer(identity, pull, encoder)
+
+    def _answer(self, identity: bytes, pull: Pull, encoder) -> None:
+        if pull.layout != self.layout:
+            reply, frames = PullReply(False, f"KV layouts differ: the sender has {self.layout}, "
+                                             f"the puller {pull.layout}"), []
+        else:
+            block_ids = self.leases.begin_pull(pull.request_id)
+            if block_ids is None:
+                reply, frames = PullReply(False, f"no KV held for {pull.request_id!r} (unknown, "
+                                                 f"expired or already pulled)"), []
+            else:
+                try:
+                    frames = self._gather(block_ids)
+                finally:
+                    self.leases.end_pull(pull.request_id)
+                reply = PullReply(True, num_blocks=len(block_ids))
+        self._socket.send_multipart([identity, encoder.encode(reply), *frames], copy=False)
+
+    def _gather(self, block_ids: list[int]) -> list:
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return [cache.index_select(1, index).view(torch.uint8).numpy()
+                for cache in self.kv_caches]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+def pull_blocks(context: zmq.Context, host: str, port: int, request_id: str, layout: KVLayout,
+                timeout_s: float) -> list[torch.Tensor]:
+    """A held request's blocks, per layer [2, blocks, block_size, kv_heads, head_dim]; raises
+    KVTransferError when the sender refuses or does not answer within timeout_s."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://{host}:{port}")
+        socket.send(msgspec.msgpack.encode(Pull(request_id, layout)))
+        if not socket.poll(int(timeout_s * 1000)):
+            raise KVTransferError(f"no answer from the KV sender at {host}:{port} in "
+                                  f"{timeout_s:g}s")
+        header, *frames = socket.recv_multipart(copy=False)
+        reply = msgspec.msgpack.decode(header.buffer, type=PullReply)
+        if not reply.ok:
+            raise KVTransferError(reply.error)
+        if len(frames) != layout.num_layers:
+            raise KVTransferError(f"{len(frames)} layers received, {layout.num_layers} expected")
+        shape = (2, reply.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        with warnings.catch_warnings():  # read-only buffers: only read, then copied
+            warnings.simplefilter("ignore", UserWarning)
+            return [torch.frombuffer(frame.buffer, dtype=torch.uint8).view(layout.torch_dtype)
+                    .view(shape) for frame in frames]
+    finally:
+        socket.close(linger=0)

@@ -1,0 +1,298 @@
+"""Disaggregated prefill/decode inside one test process: a prefill engine computes prompts and
+holds their KV under a lease; a decode engine pulls it over TCP (ZeroMQ) and generates. Greedy
+tokens equal one aggregated engine's on 16 prompts (fp32 and the default dtype); the decode
+side reports the transferred tokens; both end with no blocks in use. Leases, the transport's
+failures (layout mismatch, expired or unknown lease, a sender that never answers) and the
+scheduler's handling of loads (others run meanwhile, aborts wait for the load, failures
+recompute) are tested apart."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+from kvserve import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine_config import EngineConfig
+from kvserve.kv_transfer.config import KVTransferConfig, kv_transfer_config
+from kvserve.kv_transfer.leases import LeaseTable
+from kvserve.kv_transfer.params import KVTransferParams
+from kvserve.kv_transfer.tcp import KVLayout, KVSender, KVTransferError, pull_blocks
+
+PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)
+            for i in range(12)] + ["Hi", "x", "Paris is", "1, 2, 3,"])
+
+
+# ---- config and leases -------------------------------------------------------------------
+def test_vllm_kv_transfer_config_json_is_understood():
+    config = kv_transfer_config(None, '{"kv_connector": "KVServeConnector", "kv_role": '
+                                      '"kv_producer", "kv_ip": "10.0.0.5", "kv_port": 15000, '
+                                      '"kv_connector_extra_config": {"hold_timeout_s": 5}}')
+    assert (config.role, config.host, config.port, config.hold_timeout_s) == (
+        "prefill", "10.0.0.5", 15000, 5)
+    assert kv_transfer_config("decode", '{"kv_role": "kv_producer"}').role == "decode"
+    assert kv_transfer_config(None, None) is None
+    with pytest.raises(ValueError, match="NixlConnector"):
+        kv_transfer_config(None, '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+    with pytest.raises(ValueError, match="kv role"):
+        EngineConfig(kv_role="sideways")
+
+
+def test_leases_are_pulled_once_and_expire_unpulled():
+    now = [0.0]
+    leases = LeaseTable(clock=lambda: now[0])
+    leases.hold("a", [1, 2], timeout_s=10)
+    leases.hold("b", [3], timeout_s=10)
+    assert leases.begin_pull("a") == [1, 2]
+    assert leases.begin_pull("a") is None  # one pull per lease
+    assert leases.take_releasable() == []  # still being read: never freed under a pull
+    leases.end_pull("a")
+    assert leases.take_releasable() == ["a"]
+    now[0] = 11.0
+    assert leases.begin_pull("b") is None  # expired: the puller must recompute
+    assert leases.take_releasable() == ["b"] and leases.num_expired == 1 and len(leases) == 0
+
+
+# ---- the TCP transport ---------------------------------------------------------------------
+def _caches(layers=3, blocks=8, fill=0.0, dtype=torch.float32):
+    return [torch.full((2, blocks, 4, 2, 8), fill, dtype=dtype) + torch.arange(
+        blocks, dtype=dtype).view(1, blocks, 1, 1, 1) * (i + 1) for i in range(layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tcp_pull_moves_the_held_blocks(dtype):
+    caches, leases = _caches(dtype=dtype), LeaseTable()
+    sender = KVSender(caches, leases, "127.0.0.1")
+    context = zmq.Context()
+    try:
+        leases.hold("r", [5, 2], timeout_s=10)
+        layers = pull_blocks(context, "127.0.0.1", sender.port, "r", KVLayout.of(caches), 5)
+        for cache, layer in zip(caches, layers):
+            assert torch.equal(layer, cache[:, [5, 2]])
+        with pytest.raises(KVTransferError, match="already pulled"):
+            pull_blocks(context, "127.0.0.1", sender.port, "r", KVLayout.of(caches), 5)
+        other = KVLayout.of(_caches(layers=2, dtype=dtype))
+        leases.hold("s", [1], timeout_s=10)
+        with pytest.raises(KVTransferError, match="layouts differ"):
+            pull_blocks(context, "127.0.0.1", sender.port, "s", other, 5)
+    finally:
+        sender.close()
+        context.term()
+
+
+def test_a_sender_that_never_answers_is_a_timeout():
+    silent = zmq.Context()
+    socket = silent.socket(zmq.ROUTER)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    context = zmq.Context()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KVTransferError, match="no answer"):
+            pull_blocks(context, "127.0.0.1", port, "r", KVLayout.of(_caches()), 0.3)
+        assert time.monotonic() - started < 3
+    finally:
+        socket.close(linger=0)
+        silent.term()
+        context.term()
+
+
+# ---- the scheduler with a connector --------------------------------------------------------
+class FakeConnector:
+    """Loads end when the test says so."""
+
+    def __init__(self):
+        self.config = KVTransferConfig(role="both")
+        self.started: dict[str, list[int]] = {}
+        self.done: list[tuple[str, str | None]] = []
+        self.held: dict[str, list[int]] = {}
+        self.released: list[str] = []
+
+    def wants_load(self, request):
+        params = request.kv_transfer_params
+        return params is not None and params.wants_load and not request.kv_load_attempted
+
+    def start_load(self, request, block_ids):
+        request.kv_load_attempted = True
+        self.started[request.request_id] = block_ids
+
+    def finished_loads(self, wait_s=0.0):
+        done, self.done = self.done, []
+        return done
+
+    def should_hold(self, request, status):
+        params = request.kv_transfer_params
+        return params is not None and params.do_remote_decode and status != \
+            RequestStatus.FINISHED_ABORTED
+
+    def hold(self, request, block_ids):
+        self.held[request.request_id] = block_ids
+
+    def releasable(self):
+        released, self.released = self.released, []
+        return released
+
+
+def _remote(request_id, prompt_len, max_tokens=3):
+    params = KVTransferParams(do_remote_prefill=True, remote_request_id="p-" + request_id,
+                              remote_block_ids=[0, 1], remote_host="h", remote_port=1,
+                              num_prompt_tokens=prompt_len)
+    sampling = SamplingParams(max_tokens=max_tokens)
+    sampling.all_stop_token_ids = set()
+    return Request(request_id, list(range(10, 10 + prompt_len)), sampling, max_tokens,
+                   kv_transfer_params=params)
+
+
+def _local(request_id, prompt_len):
+    sampling = SamplingParams(max_tokens=3)
+    sampling.all_stop_token_ids = set()
+    return Request(request_id, list(range(50, 50 + prompt_len)), sampling, 3)
+
+
+def _scheduler(connector, num_blocks=16):
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_model_len=64),
+                     KVCacheManager(num_blocks, 4), connector)
+
+
+def test_loading_requests_wait_without_holding_up_others_then_run_one_token():
+    connector = FakeConnector()
+    scheduler = _scheduler(connector)
+    scheduler.add_request(_remote("remote", 7))
+    scheduler.add_request(_local("local", 5))
+    first = scheduler.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["local"]
+    assert connector.started["remote"] == scheduler.kv.block_ids("remote")
+    assert scheduler.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    connector.done.append(("remote", None))
+    second = scheduler.schedule()
+    item = next(s for s in second.scheduled if s.request.request_id == "remote")
+    assert (item.start_position, item.num_new_tokens, item.sample) == (6, 1, True)
+    assert scheduler.requests["remote"].num_transferred_tokens == 6
+
+
+def test_a_failed_load_recomputes_and_an_aborted_one_frees_only_when_it_ends():
+    connector = FakeConnector()
+    scheduler = _scheduler(connector)
+    scheduler.add_request(_remote("failed", 7))
+    scheduler.add_request(_remote("aborted", 7))
+    scheduler.schedule()
+    used = scheduler.kv.pool.num_used_blocks
+    scheduler.finish_request("aborted", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv.pool.num_used_blocks == used  # the load still writes into them
+    connector.done += [("failed", "sender gone"), ("aborted", None)]
+    output = scheduler.schedule()
+    item = output.scheduled[0]
+    assert item.request.request_id == "failed" and (item.start_position,
+                                                     item.num_new_tokens) == (0, 7)
+    assert scheduler.load_failures == [("failed", "sender gone")]
+    assert scheduler.kv.block_ids("aborted") == []
+
+
+def test_prefill_side_holds_blocks_until_released():
+    connector = FakeConnector()
+    scheduler = _scheduler(connector)
+    request = _local("p", 6)
+    request.kv_transfer_params = KVTransferParams(do_remote_decode=True)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {"p": 1})
+    scheduler.finish_request("p", RequestStatus.FINISHED_LENGTH)
+    assert connector.held["p"] and scheduler.kv.pool.num_used_blocks == 2
+    assert scheduler.finish_request("p", RequestStatus.FINISHED_ABORTED) is None  # ignored
+    connector.released.append("p")
+    assert scheduler.release_held() == 1 and scheduler.kv.pool.num_used_blocks == 0
+
+
+# ---- two engines ---------------------------------------------------------------------------
+def _run(engine: LLMEngine, request_id, prompt, params, kv=None):
+    engine.add_prepared(engine.prepare_request(request_id, prompt, params,
+                                               kv_transfer_params=kv))
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+
+
+def _wait_idle(engine: LLMEngine, timeout=5.0) -> int:
+    deadline = time.monotonic() + timeout
+    core = engine.engine_core
+    while core.kv_manager.pool.num_used_blocks and time.monotonic() < deadline:
+        core.housekeeping()
+        time.sleep(0.02)
+    return core.kv_manager.pool.num_used_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype):
+    options = dict(model=str(tiny_model_dir), dtype=dtype, engine_core="thread",
+                   num_kv_blocks=96, max_num_batched_tokens=64)
+    engines = [LLMEngine(EngineConfig(**options)),
+               LLMEngine(EngineConfig(kv_role="prefill", **options)),
+               LLMEngine(EngineConfig(kv_role="decode", **options))]
+    aggregated, prefill, decode = engines
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            expected = _run(aggregated, f"a{i}", prompt, greedy)
+            handed = _run(prefill, f"p{i}", prompt, first_token,
+                          KVTransferParams(do_remote_decode=True))
+            handle = handed.kv_transfer_params
+            assert handle.do_remote_prefill and handle.remote_block_ids
+            got = _run(decode, f"d{i}", prompt, greedy, handle)
+            assert got.outputs[0].token_ids == expected.outputs[0].token_ids, prompt
+            assert got.num_transferred_tokens == len(expected.prompt_token_ids) - 1
+        assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
+        assert prefill.engine_core.scheduler.connector.leases.num_pulled == len(PROMPTS)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_unpulled_blocks_are_freed_after_the_hold_timeout(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", engine_core="thread",
+                          num_kv_blocks=32, kv_role="prefill",
+                          kv_transfer_config='{"kv_connector_extra_config": '
+                                             '{"hold_timeout_s": 0.3}}')
+    prefill = LLMEngine(config)
+    try:
+        _run(prefill, "p", "a prompt nobody pulls " * 4,
+             SamplingParams(max_tokens=1), KVTransferParams(do_remote_decode=True))
+        assert prefill.engine_core.kv_manager.pool.num_used_blocks > 0
+        assert _wait_idle(prefill, timeout=5) == 0
+        assert prefill.engine_core.scheduler.connector.leases.num_expired == 1
+    finally:
+        prefill.shutdown()
+
+
+def test_a_dead_prefill_engine_makes_the_decode_side_recompute(tiny_model_dir):
+    options = dict(model=str(tiny_model_dir), dtype="float32", engine_core="thread",
+                   num_kv_blocks=32)
+    aggregated = LLMEngine(EngineConfig(**options))
+    decode = LLMEngine(EngineConfig(kv_role="decode", kv_transfer_config=(
+        '{"kv_connector_extra_config": {"transfer_timeout_s": 0.5}}'), **options))
+    silent = zmq.Context()
+    socket = silent.socket(zmq.ROUTER)  # accepts the pull, never answers: a hung prefill side
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = "the prefill engine died " * 3
+    try:
+        expected = _run(aggregated, "a", prompt, greedy).outputs[0].token_ids
+        handle = KVTransferParams(do_remote_prefill=True, remote_request_id="gone",
+                                  remote_block_ids=[0, 1], remote_host="127.0.0.1",
+                                  remote_port=port)
+        started = time.monotonic()
+        got = _run(decode, "d", prompt, greedy, handle)
+        assert got.outputs[0].token_ids == expected and got.num_transferred_tokens == 0
+        assert time.monotonic() - started < 10
+        assert _wait_idle(decode) == 0
+    finally:
+        socket.close(linger=0)
+        silent.term()
+        aggregated.shutdown()
+        decode.shutdown()
