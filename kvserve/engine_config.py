@@ -89,6 +89,13 @@ class EngineConfig:
         "kv_ip and kv_port (where this engine serves its held KV; default 127.0.0.1 and a free "
         "port), kv_connector_extra_config {hold_timeout_s, transfer_timeout_s, "
         "load_failure_policy: recompute | fail}")
+    kv_events_config: str | None = _opt(
+        None, "vLLM's --kv-events-config JSON: publish which KV blocks this engine caches and "
+        "evicts, for `kvserve router --policy kv-aware`, e.g. {\"enable_kv_cache_events\": "
+        "true, \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
+        "\"tcp://127.0.0.1:5558\"}; keys: enable_kv_cache_events, publisher (zmq | null), "
+        "endpoint, replay_endpoint (replay, snapshots), topic, buffer_steps, hwm, "
+        "max_queue_size, heartbeat_seconds")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -96,6 +103,9 @@ class EngineConfig:
         from kvserve.kv_transfer.config import kv_transfer_config
 
         kv_transfer_config(self.kv_role, self.kv_transfer_config)  # a bad one fails here
+        from kvserve.kv_events import parse_kv_events_config
+
+        parse_kv_events_config(self.kv_events_config)
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")

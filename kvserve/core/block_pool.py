@@ -4,11 +4,16 @@ the map from prefix hashes to cached blocks. Pure bookkeeping in block ids; no t
 Free queue order (front is evicted first): blocks that can never be reused (no hash) go to the
 front; cached (hashed) blocks go to the back in the order they were freed, so the least recently
 used cached block is evicted first.
+
+With KV events on (`enable_events`), caching, evicting and resetting are recorded as vLLM's
+BlockStored / BlockRemoved / AllBlocksCleared (kvserve/kv_events.py) until `take_events`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BlockKey = tuple  # (parent_hash, token ids tuple, extra_keys)
 
@@ -76,6 +81,15 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
+        self.events: list | None = None  # None: KV events off, nothing recorded
+
+    def enable_events(self) -> None:
+        self.events = []
+
+    def take_events(self) -> list:
+        """The events since the last call (consecutive ones of a kind merged)."""
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,11 +146,28 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.block_hash, block.block_key = block_hash, block_key
         self.cached[block_hash] = block
+        if self.events is not None:
+            self._record_stored(block_hash, block_key)
+
+    def _record_stored(self, block_hash: int, block_key: BlockKey) -> None:
+        parent, tokens = block_key[0], block_key[1]
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+            last.block_hashes.append(block_hash)  # the next block of the same sequence
+            last.token_ids.extend(tokens)
+        else:
+            self.events.append(BlockStored([block_hash], parent, list(tokens), len(tokens)))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    last = self.events[-1] if self.events else None
+                    if isinstance(last, BlockRemoved):
+                        last.block_hashes.append(block.block_hash)
+                    else:
+                        self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = block.block_key = None
 
     def reset_prefix_cache(self) -> bool:
@@ -145,4 +176,6 @@ class BlockPool:
             return False
         for block in self.blocks:
             self._evict(block)
+        if self.events is not None:
+            self.events = [AllBlocksCleared()]  # supersedes what came before it
         return True

@@ -30,6 +30,7 @@ from kvserve.core.threads import ThreadGovernor, env_allows as threads_env_allow
 from kvserve.engine_config import EngineConfig
 from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
+from kvserve.kv_events import make_kv_event_source
 from kvserve.platform import configure_threads
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing.faults import raise_tagged
@@ -60,6 +61,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
                                          config.enable_prefix_caching)
+        self.kv_events = make_kv_event_source(config.kv_events_config, self.kv_manager)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -169,7 +171,9 @@ class EngineCore:
         return len(self.scheduler.requests)
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_manager.reset_prefix_cache()
+        reset = self.kv_manager.reset_prefix_cache()
+        self.kv_events.flush()  # AllBlocksCleared goes out now, not with the next step
+        return reset
 
     def stats(self) -> SchedulerStats:
         scheduler, kv = self.scheduler, self.kv_manager
@@ -261,6 +265,7 @@ class EngineCore:
             if item.sample and token is not None:
                 outputs.append(self._delta(request, token,
                                            runner_output.logprobs.get(request.request_id)))
+        self.kv_events.flush()
         return EngineCoreOutputs(outputs, self.stats())
 
     def _delta(self, request: Request, token: int, logprobs) -> EngineCoreOutput:
@@ -329,6 +334,7 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.stats())
 
     def shutdown(self) -> None:
+        self.kv_events.close()
         if self.scheduler.connector is not None:
             self.scheduler.connector.close()
         self.executor.shutdown()

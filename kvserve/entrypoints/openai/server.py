@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.kv_events import kv_events_info
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,13 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_events_info")
+    async def kv_events_endpoints():
+        """Where this replica publishes its KV events, and its block size (kvserve router)."""
+        info = kv_events_info(engine.config.kv_events_config, engine.config.block_size)
+        info["num_kv_blocks"] = engine.engine.core.ready.num_kv_blocks if engine.engine else None
+        return info
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
