@@ -8,7 +8,9 @@ recompute) are tested apart."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from kvserve.engine_config import EngineConfig
 from kvserve.kv_transfer.config import KVTransferConfig, kv_transfer_config
 from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.params import KVTransferParams
-from kvserve.kv_transfer.tcp import KVLayout, KVSender, KVTransferError, pull_blocks
+from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 
 PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)
             for i in range(12)] + ["Hi", "x", "Paris is", "1, 2, 3,"])
@@ -66,21 +68,26 @@ def _caches(layers=3, blocks=8, fill=0.0, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tcp_pull_moves_the_held_blocks(dtype):
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_a_pull_moves_the_held_blocks(dtype, use_shm):
     caches, leases = _caches(dtype=dtype), LeaseTable()
-    sender = KVSender(caches, leases, "127.0.0.1")
+    sender = KVSender(caches, leases, "127.0.0.1", use_shm=use_shm)
     context = zmq.Context()
+    target = _caches(dtype=dtype, fill=-7)
+    before = [cache.clone() for cache in target]
     try:
-        leases.hold("r", [5, 2], timeout_s=10)
-        layers = pull_blocks(context, "127.0.0.1", sender.port, "r", KVLayout.of(caches), 5)
-        for cache, layer in zip(caches, layers):
-            assert torch.equal(layer, cache[:, [5, 2]])
+        leases.hold("r", [5, 2, 6], timeout_s=10)
+        assert pull_into(context, "127.0.0.1", sender.port, "r", target, [1, 3], 5) == 2
+        for source, cache, old in zip(caches, target, before):
+            assert torch.equal(cache[:, [1, 3]], source[:, [5, 2]])
+            assert torch.equal(cache[:, [0, 2, 4]], old[:, [0, 2, 4]])  # the others stay
+        assert not list(Path("/dev/shm").glob(f"kvserve-kv-{os.getpid()}-*"))  # unlinked
         with pytest.raises(KVTransferError, match="already pulled"):
-            pull_blocks(context, "127.0.0.1", sender.port, "r", KVLayout.of(caches), 5)
-        other = KVLayout.of(_caches(layers=2, dtype=dtype))
+            pull_into(context, "127.0.0.1", sender.port, "r", target, [1], 5)
         leases.hold("s", [1], timeout_s=10)
         with pytest.raises(KVTransferError, match="layouts differ"):
-            pull_blocks(context, "127.0.0.1", sender.port, "s", other, 5)
+            pull_into(context, "127.0.0.1", sender.port, "s", _caches(layers=2, dtype=dtype),
+                      [0], 5)
     finally:
         sender.close()
         context.term()
@@ -94,7 +101,7 @@ def test_a_sender_that_never_answers_is_a_timeout():
     started = time.monotonic()
     try:
         with pytest.raises(KVTransferError, match="no answer"):
-            pull_blocks(context, "127.0.0.1", port, "r", KVLayout.of(_caches()), 0.3)
+            pull_into(context, "127.0.0.1", port, "r", _caches(), [0], 0.3)
         assert time.monotonic() - started < 3
     finally:
         socket.close(linger=0)
@@ -227,13 +234,19 @@ def _wait_idle(engine: LLMEngine, timeout=5.0) -> int:
     return core.kv_manager.pool.num_used_blocks
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype):
+@pytest.mark.parametrize("dtype, transport", [("float32", "auto"), ("float32", "tcp"),
+                                              ("auto", "auto")])
+def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype, transport):
+    """Both engines in this process: "auto" moves the blocks through /dev/shm, "tcp" as
+    frames."""
     options = dict(model=str(tiny_model_dir), dtype=dtype, engine_core="thread",
                    num_kv_blocks=96, max_num_batched_tokens=64)
+    kv_config = f'{{"kv_connector_extra_config": {{"transport": "{transport}"}}}}'
     engines = [LLMEngine(EngineConfig(**options)),
-               LLMEngine(EngineConfig(kv_role="prefill", **options)),
-               LLMEngine(EngineConfig(kv_role="decode", **options))]
+               LLMEngine(EngineConfig(kv_role="prefill", kv_transfer_config=kv_config,
+                                      **options)),
+               LLMEngine(EngineConfig(kv_role="decode", kv_transfer_config=kv_config,
+                                      **options))]
     aggregated, prefill, decode = engines
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -11,6 +11,7 @@ ROLES = ("prefill", "decode", "both")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 CONNECTOR_NAME = "KVServeConnector"
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+TRANSPORTS = ("auto", "tcp")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class KVTransferConfig:
     hold_timeout_s: float = 30.0  # a held request's blocks are freed if nobody pulls by then
     transfer_timeout_s: float = 10.0  # a pull that takes longer failed (a dead prefill engine)
     load_failure_policy: str = "recompute"  # or fail: the request ends with an error
+    transport: str = "auto"  # auto: shared memory between engines on one host, else TCP
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -29,6 +31,9 @@ class KVTransferConfig:
         if self.load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv load failure policy {self.load_failure_policy!r}: choose one "
                              f"of {', '.join(LOAD_FAILURE_POLICIES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv transport {self.transport!r}: choose one of "
+                             f"{', '.join(TRANSPORTS)}")
         if self.hold_timeout_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("kv hold and transfer timeouts must be positive")
 
@@ -76,7 +81,7 @@ def _from_vllm_keys(raw: dict) -> dict:
     if raw.get("kv_port") is not None:
         settings["port"] = int(raw["kv_port"])
     extra = raw.get("kv_connector_extra_config") or {}
-    for key in ("hold_timeout_s", "transfer_timeout_s", "load_failure_policy"):
+    for key in ("hold_timeout_s", "transfer_timeout_s", "load_failure_policy", "transport"):
         if key in extra:
             settings[key] = extra[key]
     return settings

@@ -26,7 +26,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.params import KVTransferParams
-from kvserve.kv_transfer.tcp import KVLayout, KVSender, KVTransferError, pull_blocks
+from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ class KVConnectorWorker:
                  leases: LeaseTable):
         self.config = config
         self.kv_caches = kv_caches
-        self.layout = KVLayout.of(kv_caches)
-        self.sender = KVSender(kv_caches, leases, config.host, config.port) \
+        self.sender = KVSender(kv_caches, leases, config.host, config.port,
+                               config.transport != "tcp", config.transfer_timeout_s) \
             if config.produces else None
         self._context = zmq.Context()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load") \
@@ -54,13 +54,9 @@ class KVConnectorWorker:
 
     def _load(self, request_id: str, params: KVTransferParams, block_ids: list[int]) -> None:
         try:
-            layers = pull_blocks(self._context, params.remote_host, params.remote_port,
-                                 params.remote_request_id, self.layout,
-                                 self.config.transfer_timeout_s)
-            count = min(len(block_ids), layers[0].shape[1])
-            index = torch.tensor(block_ids[:count], dtype=torch.long)
-            for cache, layer in zip(self.kv_caches, layers):
-                cache.index_copy_(1, index, layer[:, :count])
+            pull_into(self._context, params.remote_host, params.remote_port,
+                      params.remote_request_id, self.kv_caches, block_ids,
+                      self.config.transfer_timeout_s, self.config.transport != "tcp")
             self.report(request_id, None)
         except KVTransferError as exc:
             self.report(request_id, str(exc))

@@ -1,4 +1,4 @@
-"""The TCP transport (ZeroMQ): a decode engine pulls a held request's blocks by id.
+"""The transport (ZeroMQ over TCP): a decode engine pulls a held request's blocks by id.
 
 The prefill engine's `KVSender` thread serves a ROUTER socket. A `Pull` names the request and
 the layout the puller expects (layers, block size, KV heads, head dim, dtype); the sender takes
@@ -6,7 +6,9 @@ the lease (leases.py), gathers the request's blocks from every layer's KV tensor
 with a `PullReply` header and one frame per layer ([2, blocks, block_size, kv_heads, head_dim],
 sent without copying once gathered), then marks the lease done. One round trip: there is no
 release message, and a puller that dies mid-reply costs the sender nothing. A sender that dies
-is a pull that times out (`transfer_timeout_s`).
+is a pull that times out (`transfer_timeout_s`). When both engines are on one host (the pull
+names the puller's host and it matches) the blocks go through a /dev/shm file instead of
+frames (shm.py), unless the sender's transport is "tcp".
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 import zmq
 
 from kvserve.kv_transfer.leases import LeaseTable
+from kvserve.kv_transfer.shm import (
+    ShmJanitor,
+    host_identity,
+    read_blocks,
+    shm_available,
+    write_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +62,14 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
 class Pull(msgspec.Struct, array_like=True):
     request_id: str
     layout: KVLayout
+    host_id: str = ""  # the puller's machine (shm.host_identity): same as ours -> shared memory
 
 
 class PullReply(msgspec.Struct, array_like=True):
     ok: bool
     error: str = ""
     num_blocks: int = 0
+    shm_path: str = ""  # the blocks are in this /dev/shm file, not in frames
 
 
 class KVSender:
@@ -66,11 +77,14 @@ class KVSender:
     then `self.port`), on its own thread."""
 
     def __init__(self, kv_caches: list[torch.Tensor], leases: LeaseTable, host: str,
-                 port: int = 0):
+                 port: int = 0, use_shm: bool = True, transfer_timeout_s: float = 10.0):
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.leases = leases
         self.host = host
+        self.host_id = host_identity()
+        self.use_shm = use_shm and shm_available()
+        self.janitor = ShmJanitor(2 * transfer_timeout_s) if self.use_shm else None
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -89,6 +103,8 @@ class KVSender:
         encoder = msgspec.msgpack.Encoder()
         decoder = msgspec.msgpack.Decoder(Pull)
         while not self._stop.is_set():
+            if self.janitor is not None:
+                self.janitor.sweep()
             if not self._socket.poll(POLL_MS):
                 continue
             identity, payload = self._socket.recv_multipart()
@@ -111,46 +127,73 @@ class KVSender:
                                                  f"expired or already pulled)"), []
             else:
                 try:
-                    frames = self._gather(block_ids)
+                    reply, frames = self._blocks(block_ids, pull.host_id == self.host_id)
                 finally:
                     self.leases.end_pull(pull.request_id)
-                reply = PullReply(True, num_blocks=len(block_ids))
         self._socket.send_multipart([identity, encoder.encode(reply), *frames], copy=False)
 
-    def _gather(self, block_ids: list[int]) -> list:
+    def _blocks(self, block_ids: list[int], same_host: bool) -> tuple[PullReply, list]:
+        """The reply and its frames: the blocks through shared memory when the puller is on
+        this host (falling back to frames when /dev/shm cannot take them), else as frames."""
         index = torch.tensor(block_ids, dtype=torch.long)
-        return [cache.index_select(1, index).view(torch.uint8).numpy()
-                for cache in self.kv_caches]
+        if same_host and self.use_shm:
+            try:
+                path = write_blocks(self.kv_caches, index)
+                self.janitor.created(path)
+                return PullReply(True, num_blocks=len(block_ids), shm_path=path), []
+            except OSError as exc:
+                logger.warning("KV through /dev/shm failed (%s): sending frames", exc)
+        frames = [cache.index_select(1, index).view(torch.uint8).numpy()
+                  for cache in self.kv_caches]
+        return PullReply(True, num_blocks=len(block_ids)), frames
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self.janitor is not None:
+            self.janitor.close()
         self._socket.close(linger=0)
         self._context.term()
 
 
-def pull_blocks(context: zmq.Context, host: str, port: int, request_id: str, layout: KVLayout,
-                timeout_s: float) -> list[torch.Tensor]:
-    """A held request's blocks, per layer [2, blocks, block_size, kv_heads, head_dim]; raises
-    KVTransferError when the sender refuses or does not answer within timeout_s."""
+def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
+              kv_caches: list[torch.Tensor], block_ids: list[int], timeout_s: float,
+              use_shm: bool = True) -> int:
+    """Pull a held request's blocks into `block_ids` of kv_caches (as many as both have);
+    returns how many blocks arrived. Raises KVTransferError when the sender refuses or does
+    not answer within timeout_s."""
+    layout = KVLayout.of(kv_caches)
+    host_id = host_identity() if use_shm and shm_available() else ""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(f"tcp://{host}:{port}")
-        socket.send(msgspec.msgpack.encode(Pull(request_id, layout)))
+        socket.send(msgspec.msgpack.encode(Pull(request_id, layout, host_id)))
         if not socket.poll(int(timeout_s * 1000)):
             raise KVTransferError(f"no answer from the KV sender at {host}:{port} in "
                                   f"{timeout_s:g}s")
         header, *frames = socket.recv_multipart(copy=False)
-        reply = msgspec.msgpack.decode(header.buffer, type=PullReply)
-        if not reply.ok:
-            raise KVTransferError(reply.error)
-        if len(frames) != layout.num_layers:
-            raise KVTransferError(f"{len(frames)} layers received, {layout.num_layers} expected")
-        shape = (2, reply.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        with warnings.catch_warnings():  # read-only buffers: only read, then copied
-            warnings.simplefilter("ignore", UserWarning)
-            return [torch.frombuffer(frame.buffer, dtype=torch.uint8).view(layout.torch_dtype)
-                    .view(shape) for frame in frames]
     finally:
         socket.close(linger=0)
+    reply = msgspec.msgpack.decode(header.buffer, type=PullReply)
+    if not reply.ok:
+        raise KVTransferError(reply.error)
+    count = min(len(block_ids), reply.num_blocks)
+    index = torch.tensor(block_ids[:count], dtype=torch.long)
+    if reply.shm_path:
+        try:
+            read_blocks(reply.shm_path, kv_caches, index, reply.num_blocks)
+        except OSError as exc:
+            raise KVTransferError(f"cannot read the KV the sender left in "
+                                  f"{reply.shm_path}: {exc}") from exc
+        return count
+    if len(frames) != layout.num_layers:
+        raise KVTransferError(f"{len(frames)} layers received, {layout.num_layers} expected")
+    shape = (2, reply.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    with warnings.catch_warnings():  # read-only buffers: only read, then copied
+        warnings.simplefilter("ignore", UserWarning)
+        for cache, frame in zip(kv_caches, frames):
+            layer = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(
+                layout.torch_dtype).view(shape)
+            cache.index_copy_(1, index, layer[:, :count])
+    return count
