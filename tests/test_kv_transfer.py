@@ -234,10 +234,10 @@ def _wait_idle(engine: LLMEngine, timeout=5.0) -> int:
     return core.kv_manager.pool.num_used_blocks
 
 
-@pytest.mark.parametrize("dtype, transport", [("float32", "auto"), ("float32", "tcp"),
-                                              ("auto", "auto")])
+@pytest.mark.parametrize("dtype, transport", [("float32", "shm"), ("float32", "tcp"),
+                                              ("auto", "tcp")])
 def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype, transport):
-    """Both engines in this process: "auto" moves the blocks through /dev/shm, "tcp" as
+    """Both engines in this process: "shm" moves the blocks through /dev/shm, "tcp" as
     frames."""
     options = dict(model=str(tiny_model_dir), dtype=dtype, engine_core="thread",
                    num_kv_blocks=96, max_num_batched_tokens=64)

@@ -11,7 +11,7 @@ ROLES = ("prefill", "decode", "both")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 CONNECTOR_NAME = "KVServeConnector"
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-TRANSPORTS = ("auto", "tcp")
+TRANSPORTS = ("tcp", "shm")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,10 @@ class KVTransferConfig:
     hold_timeout_s: float = 30.0  # a held request's blocks are freed if nobody pulls by then
     transfer_timeout_s: float = 10.0  # a pull that takes longer failed (a dead prefill engine)
     load_failure_policy: str = "recompute"  # or fail: the request ends with an error
-    transport: str = "auto"  # auto: shared memory between engines on one host, else TCP
+    # tcp: frames over ZeroMQ; shm: through a /dev/shm file when both engines share a host
+    # (else frames). tcp is the default: measured as fast or faster on one host
+    # (benchmarks/kv_transfer.py, docs/performance.md)
+    transport: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -39,7 +39,7 @@ class KVConnectorWorker:
         self.config = config
         self.kv_caches = kv_caches
         self.sender = KVSender(kv_caches, leases, config.host, config.port,
-                               config.transport != "tcp", config.transfer_timeout_s) \
+                               config.transport == "shm", config.transfer_timeout_s) \
             if config.produces else None
         self._context = zmq.Context()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load") \
@@ -56,7 +56,7 @@ class KVConnectorWorker:
         try:
             pull_into(self._context, params.remote_host, params.remote_port,
                       params.remote_request_id, self.kv_caches, block_ids,
-                      self.config.transfer_timeout_s, self.config.transport != "tcp")
+                      self.config.transfer_timeout_s, self.config.transport == "shm")
             self.report(request_id, None)
         except KVTransferError as exc:
             self.report(request_id, str(exc))
