@@ -1,4 +1,4 @@
-"""`kvserve` command: generate, chat, serve, bench."""
+"""`kvserve` command: generate, chat, serve, router, bench."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_dataclass_args(serve, ServerConfig, "server")
     add_engine_args(serve)
+    router = commands.add_parser("router", help="OpenAI-compatible router over several "
+                                 "kvserve replicas (KV-aware placement from their KV events)")
+    from kvserve.router.app import RouterConfig
+
+    router.add_argument("--replica", action="append", required=True, dest="replicas",
+                        metavar="URL", help="a replica's base URL, e.g. http://127.0.0.1:8000 "
+                        "(repeat for each; kv-aware needs them started with "
+                        "--kv-events-config)")
+    add_dataclass_args(router, RouterConfig, "router")
     from kvserve.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
@@ -83,6 +92,12 @@ def _stream(engine, request_id: str, prompt, params) -> str:
             printed = len(text)
     sys.stdout.write("\n")
     return text
+
+
+def _run_router(args) -> int:
+    from kvserve.router.app import RouterConfig, run_router
+
+    return run_router(dataclass_from_args(RouterConfig, args), args.replicas)
 
 
 def _run_generate(args) -> int:
@@ -136,14 +151,14 @@ def _chat_loop(engine, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvserve.errors import KVServeError
 
     try:
         commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve,
-                    "bench": _run_bench}
+                    "router": _run_router, "bench": _run_bench}
         return commands[args.command](args)
     except KVServeError as exc:
         print(f"error: {exc}", file=sys.stderr)

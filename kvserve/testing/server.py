@@ -1,4 +1,5 @@
-"""Start a real `kvserve serve` subprocess on a free loopback port, for end-to-end tests."""
+"""Start a real `kvserve serve` (or `kvserve router`) subprocess on a free loopback port, for
+end-to-end tests."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class ServerProcess:
     """`with ServerProcess([...flags]) as server:` -> server.base_url; SIGTERM on exit."""
 
     def __init__(self, args: list[str], startup_timeout: float = 180.0,
-                 log_path: Path | None = None, env: dict[str, str] | None = None):
+                 log_path: Path | None = None, env: dict[str, str] | None = None,
+                 subcommand: str = "serve"):
+        self.subcommand = subcommand
         self.port = free_port()
         self.args = args
         self.env = env or {}
@@ -39,15 +42,22 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "ServerProcess":
-        command = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+        self.start()
+        self._wait_healthy()
+        return self
+
+    def start(self) -> None:
+        """Launch without waiting for /health (start several, then enter each). From the
+        thread that will outlive the server: the child dies with the thread that forked it."""
+        if self.process is not None:
+            return
+        command = [sys.executable, "-m", "kvserve.cli", self.subcommand, "--port", str(self.port),
                    *self.args]
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         # a test run killed mid-way (SIGTERM skips fixture finalizers) takes its servers along
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                                         preexec_fn=die_with_parent)
-        self._wait_healthy()
-        return self
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
