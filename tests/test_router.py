@@ -1,0 +1,220 @@
+"""`kvserve router` in front of two real replicas (the tiny model; one with a process core, one
+with a thread core, both publishing KV events): sessions stick to the replica holding their
+prefix under kv-aware (and every placement is the best one by the replicas' own count), round-
+robin alternates, chat and streaming pass through, replica errors pass through, and a replica
+killed with -9 costs no client more than a clean error: requests it had not answered are
+retried on the survivor, which then serves everything."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from kvserve.testing.server import ServerProcess, free_port
+from tests.server_helpers import read_metrics, tiny_server_flags
+from tests.test_engine_process import wait_gone
+
+pytestmark = pytest.mark.multiprocess
+
+# the next turn of a session comes after its events reached the router: they leave the engine
+# within ~15 ms of the step that cached the blocks (docs/architecture.md)
+THINK_SECONDS = 0.3
+DEADLINE_SECONDS = 20
+
+
+def _events_config() -> str:
+    return json.dumps({"enable_kv_cache_events": True,
+                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    servers = [ServerProcess(tiny_server_flags(tiny_model_dir, "--engine-core", core,
+                                               "--kv-events-config", _events_config(),
+                                               kv_blocks=512))
+               for core in ("process", "thread")]
+    for server in servers:  # both load at once
+        server.start()
+    for server in servers:
+        server.__enter__()
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@contextmanager
+def running_router(model_dir, replicas, policy: str):
+    args = ["--model", str(model_dir), "--policy", policy, "--health-interval", "0.5",
+            "--measure-placement", "--seed", "0", "--disable-log-requests"]
+    for replica in replicas:
+        args += ["--replica", replica.base_url]
+    with ServerProcess(args, subcommand="router", startup_timeout=60) as router:
+        deadline = time.monotonic() + 30
+        while True:  # every replica up and its index in step
+            state = httpx.get(router.base_url + "/router/state", timeout=5).json()["replicas"]
+            if all(s["healthy"] and s["synced"] for s in state.values()):
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        yield router
+
+
+def _complete(client: httpx.Client, prompt: str, max_tokens: int = 8, stream: bool = False):
+    """(replica, text) of a greedy completion through the router."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    if not stream:
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.headers["x-kvserve-replica"], response.json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        replica = response.headers["x-kvserve-replica"]
+    assert data[-1] == "[DONE]"
+    return replica, "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]
+                            if json.loads(d)["choices"])
+
+
+def _placements(router) -> dict[str, float]:
+    metrics = read_metrics(router.base_url)
+    return {name: metrics[f"kvserve_router:placement_{name}_total"]
+            for name in ("decisions", "best", "index_exact")}
+
+
+def test_kv_aware_sessions_stick_to_their_prefix(tiny_model_dir, replicas):
+    sessions = [f"Session {s}. " + " ".join(f"fact{s}-{i}" for i in range(40))
+                for s in range(4)]
+    with running_router(tiny_model_dir, replicas, "kv-aware") as router, \
+            httpx.Client(base_url=router.base_url, timeout=60) as client:
+        placed: dict[int, list[str]] = {}
+        histories = list(sessions)
+        for turn in range(3):
+            for s in range(len(sessions)):
+                histories[s] += f"\nUser: question {turn}?\nAssistant:"
+                replica, text = _complete(client, histories[s], stream=turn == 2)
+                histories[s] += text
+                placed.setdefault(s, []).append(replica)
+            time.sleep(THINK_SECONDS)
+        for s, chosen in placed.items():
+            assert chosen == [chosen[0]] * 3, (s, placed)
+        placements = _placements(router)
+        assert placements["decisions"] == 12
+        assert placements["best"] == 12, placements  # always a replica holding the most
+        assert placements["index_exact"] == 12, placements  # the index knew exactly
+        state = client.get("/router/state").json()["replicas"]
+        assert all(r["fresh"] and r["resyncs"] == 1 for r in state.values()), state
+        assert all(state[c[0]]["indexed_blocks"] > 0 for c in placed.values()), state
+
+
+def test_kv_aware_chat_follows_the_chat_template(tiny_model_dir, replicas):
+    """The router renders the chat template as the server does: its index overlap for the
+    second turn is exact, and the turn goes where the first one ran."""
+    messages = [{"role": "system", "content": "You answer in riddles. " * 12},
+                {"role": "user", "content": "Where is the library?"}]
+    with running_router(tiny_model_dir, replicas, "kv-aware") as router, \
+            httpx.Client(base_url=router.base_url, timeout=60) as client:
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        first = client.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        answer = first.json()["choices"][0]["message"]["content"]
+        time.sleep(THINK_SECONDS)
+        body["messages"] = messages + [{"role": "assistant", "content": answer},
+                                       {"role": "user", "content": "And then?"}]
+        body["stream"] = True
+        with client.stream("POST", "/v1/chat/completions", json=body) as second:
+            assert second.status_code == 200
+            lines = [line for line in second.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert second.headers["x-kvserve-replica"] == first.headers["x-kvserve-replica"]
+        assert _placements(router) == {"decisions": 2, "best": 2, "index_exact": 2}
+
+
+def test_round_robin_alternates_and_errors_pass_through(tiny_model_dir, replicas):
+    urls = [replica.base_url for replica in replicas]
+    with running_router(tiny_model_dir, replicas, "round-robin") as router, \
+            httpx.Client(base_url=router.base_url, timeout=60) as client:
+        chosen = [_complete(client, "The same prompt every time.")[0] for _ in range(4)]
+        assert chosen == urls + urls
+        # the replica's own 400 and 404, status and body as it sent them
+        bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        assert client.post("/v1/completions", content=b"{not json").status_code == 400
+        models = client.get("/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["object"] == "model"
+
+
+async def _stream_outcome(client: httpx.AsyncClient, prompt: str) -> tuple[int, list[str]]:
+    body = {"prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    return response.status_code, lines
+
+
+async def _until_generating(base_url: str) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = (await client.get("/metrics")).text
+            running = [line for line in text.splitlines()
+                       if line.startswith("kvserve:num_requests_running")]
+            if running and float(running[0].split()[-1]) >= 2:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the replica never ran both requests")
+
+
+def test_a_replica_killed_behind_the_router(tiny_model_dir, replicas):
+    """Round-robin puts a stream and a plain request on the first replica, which is killed
+    with -9 mid-generation: the plain request (not answered yet) is retried on the survivor;
+    the stream ends at once, with an SSE error event and [DONE] if it had begun (else it was
+    retried too); later requests all go to the survivor; the router stays healthy."""
+    victim, survivor = replicas
+    with running_router(tiny_model_dir, replicas, "round-robin") as router:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+                stream = asyncio.ensure_future(_stream_outcome(client, "A long story."))
+                await asyncio.sleep(0.2)
+                short = await client.post("/v1/completions", json={
+                    "prompt": "Short.", "max_tokens": 4, "temperature": 0})
+                plain = asyncio.ensure_future(client.post("/v1/completions", json={
+                    "prompt": "Another long story.", "max_tokens": 1500, "temperature": 0,
+                    "ignore_eos": True}))
+                await _until_generating(victim.base_url)
+                os.kill(victim.process.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                (status, lines), answer = await asyncio.wait_for(
+                    asyncio.gather(stream, plain), DEADLINE_SECONDS)
+                return short, status, lines, answer, time.monotonic() - killed
+
+        short, status, lines, answer, seconds = asyncio.run(scenario())
+        assert short.headers["x-kvserve-replica"] == survivor.base_url
+        assert seconds < DEADLINE_SECONDS
+        assert answer.status_code == 200, answer.text  # retried on the survivor
+        assert answer.headers["x-kvserve-replica"] == survivor.base_url
+        assert answer.json()["usage"]["completion_tokens"] == 1500
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        payloads = [json.loads(line[6:]) for line in lines[:-1]]
+        finished = any(c.get("finish_reason") for p in payloads for c in p.get("choices", []))
+        failed = any("error" in p for p in payloads)
+        assert finished != failed, payloads[-2:]  # a whole answer (retried) or a clean error
+        with httpx.Client(base_url=router.base_url, timeout=60) as client:
+            after = [_complete(client, f"After the kill {i}.")[0] for i in range(4)]
+            assert after == [survivor.base_url] * 4
+            assert client.get("/health").json() == {"healthy_replicas": [survivor.base_url]}
+            state = client.get("/router/state").json()["replicas"][victim.base_url]
+            assert not state["healthy"] and state["indexed_blocks"] == 0
+        assert wait_gone(victim.process.pid)
