@@ -298,3 +298,68 @@ def test_bench_kernels_streams_past_the_cache_and_shows_the_autotune_table(monke
         assert kernels.stream_copies(matrix_bytes) * matrix_bytes > 64 * 2**20
     monkeypatch.setattr(autotune, "describe", lambda: "int4:960x576: ours up to 16 rows")
     assert kernels.autotune_description() == "int4:960x576: ours up to 16 rows"
+
+
+# --- multi-turn sessions for routers: shared system prompt, turns, the servers' counters ---
+def test_multi_turn_sessions_share_a_system_prompt_and_grow():
+    import asyncio
+
+    from kvserve.bench.client import run_sessions
+
+    source = workloads.TextSource(FakeTokenizer(), 0)
+    sessions = workloads.multi_turn_workload(source, 16, 3, 20, 8, system_prompt_len=50)
+    assert len({s.system_prompt for s in sessions}) == 1
+    assert len(sessions[0].system_prompt) == 51  # 50 tokens and a newline
+
+    class Client:
+        def __init__(self):
+            self.prompts = []
+
+        async def complete(self, prompt, max_tokens):
+            self.prompts.append(prompt)
+            return RequestResult(sent=0.0, first_token=0.1, finished=0.2, output_tokens=1,
+                                 output_text=f" answer{len(self.prompts)}")
+
+    client = Client()
+    results = asyncio.run(run_sessions(client, sessions[:2], max_concurrency=1,
+                                       progress=False))
+    assert [r.turn for r in results] == [0, 1, 2, 0, 1, 2]
+    first, second, third = client.prompts[:3]
+    assert first.startswith(sessions[0].system_prompt)
+    assert second.startswith(first + " answer1") and third.startswith(second + " answer2")
+
+
+def test_server_metrics_hit_rate_and_placement_behind_a_router(monkeypatch):
+    import httpx
+
+    from kvserve.bench import server_metrics
+
+    counters = {"a": [100.0, 40.0], "b": [50.0, 10.0]}
+    placement = {"decisions": 4.0, "best": 3.0, "chosen_blocks": 30.0, "best_blocks": 40.0,
+                 "index_exact": 4.0}
+
+    def fake_get(url, **_):
+        request = httpx.Request("GET", url)
+        if url == "http://router/router/state":
+            return httpx.Response(200, json={"replicas": {"http://a": {}, "http://b": {}}},
+                                  request=request)
+        if url == "http://router/metrics":
+            return httpx.Response(200, request=request, text="".join(
+                f"kvserve_router:placement_{k}_total {v}\n" for k, v in placement.items()))
+        queries, hits = counters[url[len("http://"):url.index("/metrics")]]
+        return httpx.Response(200, request=request, text=(
+            f"kvserve:prefix_cache_queries_total {queries}\n"
+            f"kvserve:prefix_cache_hits_total {hits}\n"))
+
+    monkeypatch.setattr(server_metrics.httpx, "get", fake_get)
+    urls, router = server_metrics.metrics_urls("http://router", None, {})
+    assert urls == ["http://a", "http://b"] and router
+    before = server_metrics.read("http://router", urls, router, {})
+    counters["a"], counters["b"] = [300.0, 190.0], [150.0, 60.0]
+    placement.update(decisions=14.0, best=12.0, chosen_blocks=130.0, best_blocks=140.0)
+    delta = server_metrics.run_delta(before, server_metrics.read("http://router", urls, router,
+                                                                 {}))
+    assert delta["prefix_cache_hit_rate"] == pytest.approx(200 / 300)
+    assert delta["placement_accuracy"] == pytest.approx(9 / 10)
+    assert delta["placement_block_ratio"] == pytest.approx(1.0)
+    assert "66.7%" in server_metrics.describe(delta, urls)

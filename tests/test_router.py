@@ -156,6 +156,28 @@ def test_round_robin_alternates_and_errors_pass_through(tiny_model_dir, replicas
         assert models.status_code == 200 and models.json()["data"][0]["object"] == "model"
 
 
+def test_bench_multi_turn_reports_hit_rate_and_placement_through_the_router(
+        tiny_model_dir, replicas, tmp_path, capsys):
+    """The benchmark driver end to end on a toy load (not a measurement): it finds the
+    replicas behind the router, and reports their hit rate and the router's placements."""
+    from kvserve.cli import main
+
+    with running_router(tiny_model_dir, replicas, "kv-aware") as router:
+        output = tmp_path / "multi-turn.json"
+        assert main(["bench", "serve", "--base-url", router.base_url, "--model",
+                     str(tiny_model_dir), "--tokenizer", str(tiny_model_dir), "--workload",
+                     "multi-turn", "--num-prompts", "3", "--turns", "2", "--input-len", "20",
+                     "--output-len", "4", "--system-prompt-len", "40", "--no-progress",
+                     "--output-json", str(output)]) == 0
+    printed = capsys.readouterr().out
+    assert "prefix-cache hit rate" in printed and "placement:" in printed
+    summary = json.loads(output.read_text())["summary"]
+    assert summary["completed"] == 6
+    assert summary["server"]["placement_decisions"] == 6
+    assert summary["server"]["prefix_cache_hits"] > 0  # the shared system prompt at least
+    assert summary["ttft_later_turns_s"]["p50"] > 0
+
+
 async def _stream_outcome(client: httpx.AsyncClient, prompt: str) -> tuple[int, list[str]]:
     body = {"prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -177,7 +199,7 @@ async def _until_generating(base_url: str) -> None:
     raise AssertionError("the replica never ran both requests")
 
 
-def test_a_replica_killed_behind_the_router(tiny_model_dir, replicas):
+def test_a_replica_killed_behind_the_router(tiny_model_dir, replicas):  # last: kills one
     """Round-robin puts a stream and a plain request on the first replica, which is killed
     with -9 mid-generation: the plain request (not answered yet) is retried on the survivor;
     the stream ends at once, with an SSE error event and [DONE] if it had begun (else it was

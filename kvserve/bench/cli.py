@@ -6,8 +6,8 @@ import asyncio
 import json
 import time
 
-from kvserve.bench import machine, report, roofline, workloads
-from kvserve.bench.stats import SLO, summarize
+from kvserve.bench import machine, report, roofline, server_metrics, workloads
+from kvserve.bench.stats import SLO, describe, summarize
 
 
 def add_bench_parser(commands) -> None:
@@ -36,6 +36,12 @@ def add_bench_parser(commands) -> None:
     serve.add_argument("--prefix-len", type=int, default=1024)
     serve.add_argument("--long-len", type=int, default=2048, help="long-prompt: long length")
     serve.add_argument("--turns", type=int, default=6, help="multi-turn: turns per session")
+    serve.add_argument("--system-prompt-len", type=int, default=0,
+                       help="multi-turn: a system prompt of this many tokens opens every "
+                       "session (shared prefix; routers: try 256 with >= 16 sessions)")
+    serve.add_argument("--metrics-url", action="append", default=None,
+                       help="server whose prefix-cache counters (/metrics) the report adds up "
+                       "(repeat; default: the base URL, or a router's replicas)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--temperature", type=float, default=0.0,
                        help="sent in every request body (default 0: greedy)")
@@ -108,7 +114,7 @@ def _build_workload(args, source: workloads.TextSource):
         return workloads.long_prompt_workload(source, args.num_prompts, args.input_len,
                                               args.output_len, args.long_len)
     return workloads.multi_turn_workload(source, args.num_prompts, args.turns, args.input_len,
-                                         args.output_len)
+                                         args.output_len, args.system_prompt_len)
 
 
 async def _drive(args, specs):
@@ -152,12 +158,21 @@ def _serve(args) -> int:
 def _serve_once(args) -> int:
     source = workloads.TextSource(_tokenizer(args.tokenizer), args.seed)
     specs = _build_workload(args, source)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    urls, router = server_metrics.metrics_urls(args.base_url, args.metrics_url, headers)
+    before = server_metrics.read(args.base_url, urls, router, headers)
     results, duration = asyncio.run(_drive(args, specs))
+    counted = server_metrics.run_delta(before, server_metrics.read(args.base_url, urls, router,
+                                                                    headers))
     slo = None
     if any(v is not None for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)):
         slo = SLO(*(None if v is None else v / 1000
                     for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
     summary = summarize(results, duration, slo)
+    summary["server"] = counted
+    if args.workload == "multi-turn":  # the turns a prefix cache (and a router) can help
+        summary["ttft_later_turns_s"] = describe(
+            [r.ttft for r in results if r.ok and r.turn and r.ttft is not None])
     row = {"system": args.label, "scenario": args.workload, "machine": machine.machine_header(),
            "summary": summary,
            "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
@@ -166,6 +181,7 @@ def _serve_once(args) -> int:
                             "output_tokens": r.output_tokens, "error": r.error}
                            for r in results]}
     print(report.markdown_table([row]))
+    print(server_metrics.describe(counted, urls))
     if summary["failed"]:
         print(f"{summary['failed']} requests failed, e.g. {row['errors'][:2]}")
     if args.output_json:

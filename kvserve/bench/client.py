@@ -129,11 +129,12 @@ async def run_sessions(client: BenchClient, sessions: list[Session], max_concurr
     bar = tqdm(total=total, desc="turns", disable=not progress)
 
     async def one(session: Session) -> list[RequestResult]:
-        history, results = "", []
+        history, results = session.system_prompt, []
         async with limit:
-            for user_turn in session.user_turns:
+            for turn, user_turn in enumerate(session.user_turns):
                 history += f"\nUser: {user_turn}\nAssistant:"
                 result = await client.complete(history, session.output_len)
+                result.turn = turn
                 history += result.output_text
                 results.append(result)
                 bar.update(1)

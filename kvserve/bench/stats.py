@@ -23,6 +23,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str | None = None
     output_text: str = ""
+    turn: int | None = None  # multi-turn: the turn's index in its session
 
     @property
     def ok(self) -> bool:

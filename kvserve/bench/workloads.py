@@ -24,10 +24,12 @@ class RequestSpec:
 
 @dataclass
 class Session:
-    """Multi-turn: each turn's prompt is the conversation so far plus the next user turn."""
+    """Multi-turn: each turn's prompt is the system prompt (shared by every session), the
+    conversation so far and the next user turn."""
 
     user_turns: list[str]
     output_len: int
+    system_prompt: str = ""
 
 
 def corpus_tokens(tokenizer) -> list[int]:
@@ -93,6 +95,10 @@ def long_prompt_workload(source: TextSource, num_prompts: int, input_len: int, o
 
 
 def multi_turn_workload(source: TextSource, num_sessions: int, turns: int, user_len: int,
-                        output_len: int) -> list[Session]:
-    return [Session([source.take(user_len) for _ in range(turns)], output_len)
+                        output_len: int, system_prompt_len: int = 0) -> list[Session]:
+    """Sessions of `turns` user turns; with `system_prompt_len`, one system prompt of that
+    many tokens opens every session (a shared prefix, then each session's own growing
+    history: what a KV-aware router places by)."""
+    system = source.take(system_prompt_len) + "\n" if system_prompt_len else ""
+    return [Session([source.take(user_len) for _ in range(turns)], output_len, system)
             for _ in range(num_sessions)]
