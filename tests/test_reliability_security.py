@@ -28,6 +28,8 @@ EXPECTED_ROUTES = {
     ("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/metrics"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    # where the engine publishes its KV events (for a router): endpoints and block size only
+    ("GET", "/kv_events_info"),
     # FastAPI's generated docs: the schema and two HTML pages, built in memory
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
     ("GET", "/redoc"),
