@@ -76,3 +76,16 @@ def configure_threads(num_threads: int | None) -> int:
     if num_threads:
         torch.set_num_threads(num_threads)
     return torch.get_num_threads()
+
+
+def host_identity() -> str:
+    """This machine: host name and kernel boot id (containers may share a host name; two
+    processes share /dev/shm and loopback only when both match)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot_id = handle.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"

@@ -208,6 +208,8 @@ class EngineCore:
     def _fail_loads(self) -> None:
         """Loads that failed: recomputed (the scheduler already runs them), or failed with the
         reason under --kv-transfer-config's load_failure_policy "fail"."""
+        if not self.scheduler.load_failures:  # every step: nothing to do without a connector
+            return
         failures, self.scheduler.load_failures = self.scheduler.load_failures, []
         for request_id, why in failures:
             logger.warning("KV load of %s failed: %s", request_id, why)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -169,17 +168,11 @@ def build_context(rank: int, world_size: int, group: dist.ProcessGroup, all_redu
 def _one_host(group: dist.ProcessGroup) -> bool:
     """Every rank on this machine: same host name and kernel boot id (containers may share a
     host name)."""
-    names: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, (socket.gethostname(), _boot_id()), group=group)
+    from kvserve.platform import host_identity
+
+    names: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, host_identity(), group=group)
     return len(set(names)) == 1
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
 
 
 def destroy_distributed(parallel: ParallelContext | None) -> None:

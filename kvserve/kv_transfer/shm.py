@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import socket
 import time
 import uuid
 import warnings
@@ -24,16 +23,6 @@ SHM_DIR = Path("/dev/shm")
 # fault the file's pages in with one call rather than one 4 KiB fault at a time
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 PREFIX = "kvserve-kv-"
-
-
-def host_identity() -> str:
-    """This machine: host name and kernel boot id (containers may share a host name; two
-    engines see each other's /dev/shm only when both match)."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
 
 
 def shm_available() -> bool:

@@ -22,13 +22,8 @@ import torch
 import zmq
 
 from kvserve.kv_transfer.leases import LeaseTable
-from kvserve.kv_transfer.shm import (
-    ShmJanitor,
-    host_identity,
-    read_blocks,
-    shm_available,
-    write_blocks,
-)
+from kvserve.kv_transfer.shm import ShmJanitor, read_blocks, shm_available, write_blocks
+from kvserve.platform import host_identity
 
 logger = logging.getLogger(__name__)
 
