@@ -56,10 +56,16 @@ def _build_parser() -> argparse.ArgumentParser:
                                  "kvserve replicas (KV-aware placement from their KV events)")
     from kvserve.router.app import RouterConfig
 
-    router.add_argument("--replica", action="append", required=True, dest="replicas",
+    router.add_argument("--replica", action="append", default=[], dest="replicas",
                         metavar="URL", help="a replica's base URL, e.g. http://127.0.0.1:8000 "
                         "(repeat for each; kv-aware needs them started with "
                         "--kv-events-config)")
+    router.add_argument("--prefill", action="append", default=[], dest="prefill_replicas",
+                        metavar="URL", help="disaggregated mode: a prefill server (started "
+                        "with --kv-role prefill; repeatable; needs --decode)")
+    router.add_argument("--decode", action="append", default=[], dest="decode_replicas",
+                        metavar="URL", help="disaggregated mode: a decode server (started "
+                        "with --kv-role decode; repeatable; needs --prefill)")
     add_dataclass_args(router, RouterConfig, "router")
     from kvserve.bench.cli import add_bench_parser
 
@@ -95,9 +101,15 @@ def _stream(engine, request_id: str, prompt, params) -> str:
 
 
 def _run_router(args) -> int:
-    from kvserve.router.app import RouterConfig, run_router
+    from kvserve.router.app import RouterConfig, replica_roles, run_router
 
-    return run_router(dataclass_from_args(RouterConfig, args), args.replicas)
+    try:
+        replica_roles(args.replicas, args.prefill_replicas, args.decode_replicas)
+    except ValueError as exc:  # which replicas, in what roles: the command line's error
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_router(dataclass_from_args(RouterConfig, args), args.replicas,
+                      args.prefill_replicas, args.decode_replicas)
 
 
 def _run_generate(args) -> int:

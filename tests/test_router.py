@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from kvserve.testing.server import ServerProcess, free_port
-from tests.server_helpers import read_metrics, tiny_server_flags
+from kvserve.testing.server import ServerProcess
+from tests.server_helpers import kv_events_config, read_metrics, tiny_server_flags
 from tests.test_engine_process import wait_gone
 
 pytestmark = pytest.mark.multiprocess
@@ -29,16 +29,10 @@ THINK_SECONDS = 0.3
 DEADLINE_SECONDS = 20
 
 
-def _events_config() -> str:
-    return json.dumps({"enable_kv_cache_events": True,
-                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
-
-
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
     servers = [ServerProcess(tiny_server_flags(tiny_model_dir, "--engine-core", core,
-                                               "--kv-events-config", _events_config(),
+                                               "--kv-events-config", kv_events_config(),
                                                kv_blocks=512))
                for core in ("process", "thread")]
     for server in servers:  # both load at once

@@ -283,6 +283,9 @@ class EngineCore:
             output.finish_reason = request.finish_reason()
             output.stop_reason = request.stop_reason
             output.kv_transfer_params = request.kv_handle
+            if request.kv_handle is not None and "kv_send" in self._faults.get(
+                    request.request_id, ()):
+                self.scheduler.connector.leases.stall(request.request_id)  # test-only fault
             self._faults.pop(request.request_id, None)
         return output
 

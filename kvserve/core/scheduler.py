@@ -108,7 +108,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting to be scheduled, those waiting for their KV from a prefill engine included
+        (as vLLM counts them)."""
+        return len(self.waiting) + len(self.loading)
 
     @property
     def num_running(self) -> int:

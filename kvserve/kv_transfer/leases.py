@@ -28,6 +28,7 @@ class Lease:
     block_ids: list[int]
     deadline: float
     state: LeaseState = LeaseState.HELD
+    stalled: bool = False  # test-only (kvserve.testing.faults `kv_send`): pulls go unanswered
 
 
 class LeaseTable:
@@ -41,6 +42,18 @@ class LeaseTable:
     def hold(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         with self._lock:
             self._leases[request_id] = Lease(list(block_ids), self._clock() + timeout_s)
+
+    def stall(self, request_id: str) -> None:
+        """Test-only fault: never answer pulls of this lease (it expires as if unpulled)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.stalled = True
+
+    def is_stalled(self, request_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is not None and lease.stalled
 
     def begin_pull(self, request_id: str) -> list[int] | None:
         """The blocks to send, now PULLING; None when unknown, expired or already pulled."""

@@ -112,6 +112,8 @@ class KVSender:
             self._answer(identity, pull, encoder)
 
     def _answer(self, identity: bytes, pull: Pull, encoder) -> None:
+        if self.leases.is_stalled(pull.request_id):
+            return  # test-only fault: a sender hung mid-transfer (the puller times out)
         if pull.layout != self.layout:
             reply, frames = PullReply(False, f"KV layouts differ: the sender has {self.layout}, "
                                              f"the puller {pull.layout}"), []

@@ -1,5 +1,8 @@
 """The router's HTTP side: OpenAI routes forwarded to the replica the policy ranks first.
 
+In disaggregated mode (--prefill and --decode URLs instead of --replica) the replicas are
+decode servers, and each prompt first goes to a prefill server (router/disagg.py).
+
 A request's body is forwarded as it came (the router tokenizes it only to score replicas). A
 replica that fails before answering (refused, reset, or a stream that ends before its first
 chunk) is marked down and the request goes once to the next-ranked replica; after the first
@@ -28,6 +31,7 @@ from kvserve.core.block_hash import block_hashes
 from kvserve.entrypoints.openai.errors import error_body, error_response
 from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
+from kvserve.router.disagg import PrefillStage
 from kvserve.router.index import KVIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import POLICIES, Candidate, make_policy
@@ -70,21 +74,32 @@ class RouterConfig:
                                    "ROUTER socket) and count whether the chosen one held the "
                                    "most (/metrics kvserve_router:placement_*); costs a round "
                                    "trip per replica per request")
+    max_local_prefill_length: int = _opt(0, "disaggregated mode: a prompt whose part not "
+                                         "cached on the chosen decode server is at most this "
+                                         "many tokens is prefilled there, without a prefill "
+                                         "server (Dynamo's conditional disaggregation; 0: "
+                                         "only prompts it holds whole)")
     seed: int | None = _opt(None, "seed of the tie-breaking random choice")
     disable_log_requests: bool = _opt(False, "do not log each routing decision")
 
 
 class Router:
     def __init__(self, config: RouterConfig, replica_urls: list[str],
-                 prompts: PromptTokenizer | None = None):
-        if not replica_urls:
-            raise ValueError("the router needs at least one --replica URL")
+                 prompts: PromptTokenizer | None = None, prefill_urls: list[str] = (),
+                 decode_urls: list[str] = ()):
+        roles = replica_roles(replica_urls, prefill_urls, decode_urls)
         self.config = config
-        self.replicas = {url.rstrip("/"): Replica(url.rstrip("/")) for url in replica_urls}
+        self.replicas = {url: Replica(url, role) for url, role in roles.items()}
+        self.disaggregated = bool(prefill_urls)
+        self.client_role = "decode" if self.disaggregated else "both"  # who answers clients
+        self.prefill_stage = PrefillStage(self)
         self.prompts = prompts
         self.index = KVIndex()
         self.subscriber = EventSubscriber(self.index)
-        self.policy = make_policy(config.policy, config.overlap_weight, config.seed)
+        # one per role: round-robin takes each pool's replicas in turn
+        self.policies = {role: make_policy(config.policy, config.overlap_weight, config.seed)
+                         for role in ("both", "prefill", "decode")}
+        self.policy = self.policies[self.client_role]
         self.metrics = RouterMetrics()
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout),
@@ -116,11 +131,18 @@ class Router:
             self._probe_context.term()
 
     # ---- scoring -------------------------------------------------------------------------
-    def rank(self, token_ids: list[int] | None) -> tuple[list[Candidate], int]:
-        """Healthy replicas, best first, and the prompt's full blocks."""
+    def block_size(self, role: str) -> int:
+        return next((r.block_size for r in self.replicas.values()
+                     if r.role == role and r.healthy and r.block_size), DEFAULT_BLOCK_SIZE)
+
+    def rank(self, token_ids: list[int] | None, role: str | None = None
+             ) -> tuple[list[Candidate], int]:
+        """Healthy replicas of `role` (default: those answering clients), best first, and the
+        prompt's full blocks."""
         now = time.monotonic()
-        healthy = [r for r in self.replicas.values() if r.healthy]
-        block_size = next((r.block_size for r in healthy if r.block_size), DEFAULT_BLOCK_SIZE)
+        role = role or self.client_role
+        healthy = [r for r in self.replicas.values() if r.healthy and r.role == role]
+        block_size = self.block_size(role)
         prompt_blocks = len(token_ids) // block_size if token_ids else 0
         overlaps: dict[str, int] = {}
         if token_ids and self.policy.uses_overlap:
@@ -133,7 +155,7 @@ class Router:
                 overlaps.update(self.index.overlaps(block_hashes(token_ids, size), names))
         candidates = [Candidate(r.url, overlaps.get(r.url, 0),
                                 r.active_blocks(now, self.config.stale_after)) for r in healthy]
-        return self.policy.rank(candidates, prompt_blocks), prompt_blocks
+        return self.policies[role].rank(candidates, prompt_blocks), prompt_blocks
 
     # ---- forwarding ----------------------------------------------------------------------
     async def forward(self, raw: Request, path: str) -> Response:
@@ -154,6 +176,14 @@ class Router:
         self.metrics.prompt_blocks.inc(prompt_blocks)
         self.metrics.predicted_blocks.inc(ranked[0].overlap_blocks)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        extra_headers: dict = {}
+        if self.disaggregated:
+            prefilled = await self.prefill_stage.run(raw, path, payload, token_ids, headers,
+                                                     ranked[0], self.block_size("decode"))
+            if prefilled.response is not None:
+                return prefilled.response
+            body = prefilled.body or body
+            extra_headers = prefilled.headers
         load = prompt_blocks + 1  # its prompt and the block it decodes into
         last_error: BaseException | None = None
         for attempt, candidate in enumerate(ranked[:2]):
@@ -177,8 +207,8 @@ class Router:
                             "active, attempt %d)", path, replica.url, candidate.overlap_blocks,
                             prompt_blocks, candidate.active_blocks, attempt + 1)
             if streaming and upstream.status_code == 200:
-                return self._relay(replica, serial, upstream, chunks, first)
-            return await self._answer(replica, serial, upstream, raw)
+                return self._relay(replica, serial, upstream, chunks, first, extra_headers)
+            return await self._answer(replica, serial, upstream, raw, extra_headers)
         return error_response(502, f"the replica failed before answering "
                               f"({type(last_error).__name__}: {last_error})",
                               code="replica_unavailable")
@@ -203,7 +233,7 @@ class Router:
         return upstream, chunks, first
 
     def _relay(self, replica: Replica, serial: int, upstream: httpx.Response, chunks,
-               first: bytes) -> StreamingResponse:
+               first: bytes, extra_headers: dict) -> StreamingResponse:
         async def relay():
             try:
                 if first:
@@ -224,39 +254,48 @@ class Router:
                                  media_type=upstream.headers.get("content-type",
                                                                  "text/event-stream"),
                                  headers={"Cache-Control": "no-cache",
-                                          "X-Kvserve-Replica": replica.url})
+                                          "X-Kvserve-Replica": replica.url, **extra_headers})
 
-    async def _answer(self, replica: Replica, serial: int, upstream: httpx.Response,
-                      raw: Request) -> Response:
-        """A whole answer, passed through; the replica's request is dropped (so it aborts)
-        when our client goes away meanwhile."""
-        task = asyncio.ensure_future(upstream.aread())
+    @staticmethod
+    async def until_disconnected(raw: Request, awaitable):
+        """The awaitable's result, or None (it cancelled) once our client has gone away: the
+        replica's request is dropped, so it aborts."""
+        task = asyncio.ensure_future(awaitable)
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=0.2)
                 if not task.done() and await raw.is_disconnected():
-                    return Response(status_code=499)
-            content = task.result()
+                    return None
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _answer(self, replica: Replica, serial: int, upstream: httpx.Response,
+                      raw: Request, extra_headers: dict) -> Response:
+        """A whole answer, passed through (499 when our client went away meanwhile)."""
+        try:
+            content = await self.until_disconnected(raw, upstream.aread())
+            if content is None:
+                return Response(status_code=499)
         except httpx.HTTPError as exc:
             self.metrics.failures.labels(replica.url).inc()
             self.monitor.mark_down(replica, f"{type(exc).__name__}: {exc}")
             return error_response(502, f"the replica failed while answering "
                                   f"({type(exc).__name__})", code="replica_unavailable")
         finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
             replica.inflight.pop(serial, None)
             await upstream.aclose()
         return Response(content, status_code=upstream.status_code,
                         media_type=upstream.headers.get("content-type"),
-                        headers={"X-Kvserve-Replica": replica.url})
+                        headers={"X-Kvserve-Replica": replica.url, **extra_headers})
 
     async def get_from_replica(self, path: str, raw: Request) -> Response:
-        """GET routes (/v1/models): the first healthy replica that answers."""
+        """GET routes (/v1/models): the first healthy replica answering clients that answers."""
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
         for replica in self.replicas.values():
-            if not replica.healthy:
+            if not replica.healthy or replica.role != self.client_role:
                 continue
             try:
                 response = await self.http.get(replica.url + path, headers=headers)
@@ -269,8 +308,9 @@ class Router:
 
     # ---- placement accuracy (benchmarks) -------------------------------------------------
     async def _measure_placement(self, chosen: Candidate, token_ids: list[int]) -> None:
-        replicas = [r for r in self.replicas.values()
-                    if r.healthy and (r.events_info or {}).get("replay_endpoint")]
+        role = self.replicas[chosen.name].role
+        replicas = [r for r in self.replicas.values() if r.healthy and r.role == role
+                    and (r.events_info or {}).get("replay_endpoint")]
         held = await asyncio.gather(*(asyncio.to_thread(self._probe, r, token_ids)
                                       for r in replicas))
         actual = {r.url: n for r, n in zip(replicas, held) if n is not None}
@@ -301,6 +341,7 @@ class Router:
         for replica in self.replicas.values():
             sync = self.subscriber.sync(replica.url)
             replicas[replica.url] = {
+                "role": replica.role,
                 "healthy": replica.healthy,
                 "kv_events": bool((replica.events_info or {}).get("enabled")),
                 "synced": bool(sync and sync.synced),
@@ -316,7 +357,8 @@ class Router:
                 "prefix_cache_queries": replica.prefix_queries,
                 "prefix_cache_hits": replica.prefix_hits,
             }
-        return {"policy": self.policy.name, "replicas": replicas}
+        return {"policy": self.policy.name, "disaggregated": self.disaggregated,
+                "replicas": replicas}
 
     def render_metrics(self) -> bytes:
         now = time.monotonic()
@@ -353,8 +395,10 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 while some replica can answer clients (in disaggregated mode a decode server:
+        without prefill servers it prefills itself)."""
         healthy = [r.url for r in router.replicas.values() if r.healthy]
-        if healthy:
+        if any(router.replicas[url].role == router.client_role for url in healthy):
             return JSONResponse({"healthy_replicas": healthy})
         return error_response(503, "no healthy replica", code="no_replica")
 
@@ -369,14 +413,35 @@ def build_router_app(router: Router) -> FastAPI:
     return app
 
 
-def run_router(config: RouterConfig, replica_urls: list[str]) -> int:
+def replica_roles(replica_urls, prefill_urls, decode_urls) -> dict[str, str]:
+    """URL -> role; aggregated (--replica) or disaggregated (--prefill and --decode), not both."""
+    if bool(prefill_urls) != bool(decode_urls):
+        raise ValueError("disaggregated mode needs both --prefill and --decode URLs")
+    if prefill_urls and replica_urls:
+        raise ValueError("give either --replica URLs (aggregated) or --prefill and --decode "
+                         "URLs (disaggregated), not both")
+    if not replica_urls and not prefill_urls:
+        raise ValueError("the router needs at least one --replica URL (or --prefill and "
+                         "--decode URLs)")
+    roles: dict[str, str] = {}
+    for urls, role in ((replica_urls, "both"), (prefill_urls, "prefill"),
+                       (decode_urls, "decode")):
+        for url in urls:
+            url = url.rstrip("/")
+            if roles.setdefault(url, role) != role:
+                raise ValueError(f"{url} is given as both a prefill and a decode server")
+    return roles
+
+
+def run_router(config: RouterConfig, replica_urls: list[str], prefill_urls: list[str] = (),
+               decode_urls: list[str] = ()) -> int:
     import uvicorn
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per polled request
     prompts = PromptTokenizer.load(config.model)
-    router = Router(config, replica_urls, prompts)
+    router = Router(config, replica_urls, prompts, prefill_urls, decode_urls)
     logger.info("routing %s over %d replicas: %s", config.policy, len(router.replicas),
-                ", ".join(router.replicas))
+                ", ".join(f"{url} ({r.role})" for url, r in router.replicas.items()))
     uvicorn.run(build_router_app(router), host=config.host, port=config.port,
                 log_level="info", access_log=False)
     return 0

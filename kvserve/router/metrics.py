@@ -7,7 +7,7 @@ replica and the best replica actually held (asked of every replica before forwar
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class RouterMetrics:
@@ -43,6 +43,20 @@ class RouterMetrics:
         self.index_matches = Counter("kvserve_router:placement_index_exact", "Measured "
                                      "placements where the index's overlap for the chosen "
                                      "replica was exact", registry=r)
+
+        self.remote_prefills = Counter("kvserve_router:remote_prefills", "Disaggregated mode: "
+                                       "prompts prefilled on a prefill server and handed to a "
+                                       "decode server", registry=r)
+        self.local_prefills = Counter("kvserve_router:local_prefills", "Disaggregated mode: "
+                                      "prompts the decode server prefilled itself, by why "
+                                      "(short, several_choices, several_prompts, unreadable, "
+                                      "no_prefill_replica, prefill_failed)", ["reason"],
+                                      registry=r)
+        self.prefill_seconds = Histogram("kvserve_router:prefill_seconds", "Disaggregated "
+                                         "mode: seconds of the prefill step (request to "
+                                         "handle)", registry=r, buckets=(
+                                             .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10,
+                                             30))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

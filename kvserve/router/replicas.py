@@ -25,6 +25,7 @@ HEALTH_TIMEOUT_SECONDS = 2.0
 @dataclass
 class Replica:
     url: str
+    role: str = "both"  # both (aggregated), prefill or decode (the router's disaggregated mode)
     healthy: bool = False
     events_info: dict | None = None  # its /kv_events_info while healthy
     inflight: dict[int, int] = field(default_factory=dict)  # routed request -> its blocks

@@ -3,8 +3,10 @@
 Off unless the process was started with KVSERVE_FAULT_INJECTION=1 (or a test sets
 `engine.faults = FaultInjector(True)`): a request field alone never turns it on. When on, a
 request whose prompt text contains `kvserve-fault:<kind>` triggers the fault `<kind>`:
-`execute` (the batched forward raises), `output` (output processing raises) or `engine_thread`
-(a BaseException ends the engine core's loop: its thread, or its process).
+`execute` (the batched forward raises), `output` (output processing raises), `engine_thread`
+(a BaseException ends the engine core's loop: its thread, or its process) or `kv_send` (a
+prefill engine holds the request's KV for a decode engine but its sender never answers the
+pull: a prefill server hung, or dying, mid-transfer).
 
 The front-end reads the markers from the prompt text and, only while it is on, tags the request
 with the kinds it asks for (`EngineCoreRequest.faults`); the engine core, in this process or in
@@ -18,7 +20,7 @@ from typing import Iterable
 
 ENV_VAR = "KVSERVE_FAULT_INJECTION"
 MARKER = "kvserve-fault:"
-KINDS = ("execute", "output", "engine_thread")
+KINDS = ("execute", "output", "engine_thread", "kv_send")
 
 
 class InjectedFault(RuntimeError):
