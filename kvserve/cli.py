@@ -52,6 +52,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_dataclass_args(serve, ServerConfig, "server")
     add_engine_args(serve)
+    from kvserve.ray_serve.config import RayServeConfig
+
+    add_dataclass_args(serve, RayServeConfig, "replicas (Ray Serve)")
     router = commands.add_parser("router", help="OpenAI-compatible router over several "
                                  "kvserve replicas (KV-aware placement from their KV events)")
     from kvserve.router.app import RouterConfig
@@ -82,6 +85,12 @@ def _run_bench(args) -> int:
 def _run_serve(args) -> int:
     from kvserve.entrypoints.openai.server import ServerConfig, run_server
 
+    if args.replicas > 1:  # engine replicas as Ray Serve deployments (kvserve/ray_serve/)
+        from kvserve.ray_serve.app import run_replicas
+        from kvserve.ray_serve.config import RayServeConfig
+
+        return run_replicas(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
+                            dataclass_from_args(RayServeConfig, args))
     return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args))
 
 

@@ -1,0 +1,126 @@
+"""One engine replica as a Ray Serve deployment: an AsyncEngine and the plain server's OpenAI app.
+
+Requests arrive as `OpenAIRequest`s through the ingress's DeploymentHandle and run through the
+same FastAPI app `kvserve serve` uses (entrypoints/openai/server.py), in process (asgi.py); the
+replica streams back the app's status and headers, the body chunks, and last its prefix-cache
+counters (the ingress's /metrics adds them up for `kvserve bench`).
+
+Each replica publishes its KV events on free ports of its node's address, so the router can
+subscribe wherever it runs, and tells the router where, with its block size and pool size, in
+`record_replica_metadata` (once, when ready) and again with its load in `record_routing_stats`
+(every `request_routing_stats_period_s`). A dead engine fails `check_health`, and Serve
+replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import socket
+import time
+from typing import AsyncIterator
+
+from kvserve.engine_config import EngineConfig
+from kvserve.entrypoints.openai.server import ServerConfig, build_app
+from kvserve.kv_events import kv_events_info
+from kvserve.ray_serve.asgi import call_app, http_scope
+from kvserve.ray_serve.request import OpenAIRequest
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-kvserve-replica"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def with_kv_events(config: EngineConfig, host: str) -> EngineConfig:
+    """The engine config with KV events on, both sockets on free ports of `host`; other keys of
+    a --kv-events-config given (topic, buffers, heartbeat) are kept."""
+    events = json.loads(config.kv_events_config) if config.kv_events_config else {}
+    bracketed = f"[{host}]" if ":" in host else host
+    events.update(enable_kv_cache_events=True, publisher="zmq",
+                  endpoint=f"tcp://{bracketed}:{free_port(host)}",
+                  replay_endpoint=f"tcp://{bracketed}:{free_port(host)}")
+    return dataclasses.replace(config, kv_events_config=json.dumps(events))
+
+
+class EngineReplica:
+    """The deployment class (app.py wraps it with `serve.deployment`)."""
+
+    async def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                       kv_events_host: str | None = None):
+        from ray import serve
+        from ray.util import get_node_ip_address
+
+        from kvserve.core.async_engine import AsyncEngine
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.config = with_kv_events(engine_config, kv_events_host or get_node_ip_address())
+        self.engine = AsyncEngine(self.config, server_config.served_model_name,
+                                  restart_on_failure=server_config.restart_engine_on_failure,
+                                  max_restarts=server_config.max_engine_restarts)
+        self.app = build_app(self.engine, server_config)
+        self.engine.start()
+        # Serve routes to a replica once its constructor returns: not before warm-up
+        await asyncio.to_thread(self.engine.ready.wait)
+        error = self.engine.startup_error
+        if error is not None:
+            raise RuntimeError(f"the engine failed to start: {type(error).__name__}: {error}")
+        logger.info("replica %s ready; KV events %s", self.replica_id, self.kv_events())
+
+    # ---- requests ------------------------------------------------------------------------
+    async def handle(self, request: OpenAIRequest) -> AsyncIterator:
+        """("start", status, headers, replica id), then body chunks (bytes), then ("end",
+        counters). Closed early by the caller: the app sees its client disconnect."""
+        scope = http_scope(request.method, request.path, request.headers, request.body)
+        async for message in call_app(self.app, scope, request.body):
+            if message["type"] == "http.response.start":
+                headers = [(k.decode("latin-1"), v.decode("latin-1"))
+                           for k, v in message.get("headers", [])]
+                yield ("start", message["status"], headers, self.replica_id)
+            elif message.get("body"):
+                yield message["body"]
+        yield ("end", self.counters())
+
+    # ---- what the router and the ingress learn -------------------------------------------
+    def kv_events(self) -> dict:
+        info = kv_events_info(self.config.kv_events_config, self.config.block_size)
+        ready = self.engine.engine.core.ready if self.engine.engine else None
+        info["num_kv_blocks"] = ready.num_kv_blocks if ready else None
+        return info
+
+    def counters(self) -> dict:
+        """The engine's cumulative prefix-cache counters (they survive core restarts)."""
+        from kvserve.router.replicas import parse_metrics
+
+        values = parse_metrics(self.engine.metrics.render().decode())
+        return {"replica": self.replica_id, "kv_events": self.kv_events(),
+                "prefix_cache_queries": values.get("kvserve:prefix_cache_queries_total", 0.0),
+                "prefix_cache_hits": values.get("kvserve:prefix_cache_hits_total", 0.0)}
+
+    def record_replica_metadata(self) -> dict:
+        return {"kv_events": self.kv_events()}
+
+    def record_routing_stats(self) -> dict:
+        stats = self.engine.engine.last_stats if self.engine.engine else None
+        return {"kv_events": self.kv_events(), "time": time.time(),
+                "num_running": stats.num_running if stats else 0,
+                "num_waiting": stats.num_waiting if stats else 0,
+                "kv_blocks_used": stats.num_used_blocks if stats else 0,
+                "kv_usage": stats.kv_usage if stats else 0.0}
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive:
+            error = self.engine.fatal_error or self.engine.startup_error
+            raise RuntimeError(f"the engine is not running: {error}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop(timeout=10.0)
