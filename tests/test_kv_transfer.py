@@ -124,7 +124,7 @@ class FakeConnector:
         params = request.kv_transfer_params
         return params is not None and params.wants_load and not request.kv_load_attempted
 
-    def start_load(self, request, block_ids):
+    def start_load(self, request, block_ids, first_block=0):
         request.kv_load_attempted = True
         self.started[request.request_id] = block_ids
 
@@ -262,6 +262,34 @@ def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype, transport)
             assert got.num_transferred_tokens == len(expected.prompt_token_ids) - 1
         assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
         assert prefill.engine_core.scheduler.connector.leases.num_pulled == len(PROMPTS)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_a_decode_engine_pulls_only_what_its_prefix_cache_lacks(tiny_model_dir):
+    """The decode engine already holds a conversation's earlier turn: it takes those blocks from
+    its prefix cache and pulls only the rest; the tokens are still one engine's."""
+    options = dict(model=str(tiny_model_dir), dtype="float32", engine_core="thread",
+                   num_kv_blocks=96)
+    engines = [LLMEngine(EngineConfig(**options)),
+               LLMEngine(EngineConfig(kv_role="prefill", **options)),
+               LLMEngine(EngineConfig(kv_role="decode", **options))]
+    aggregated, prefill, decode = engines
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    earlier = "System: you are a guide to rivers. User: name a long river. " * 3
+    prompt = earlier + "Assistant: the Nile. User: and in Europe?"
+    try:
+        expected = _run(aggregated, "a", prompt, greedy)
+        _run(decode, "earlier", earlier, greedy)  # the earlier turn, prefilled on decode
+        handle = _run(prefill, "p", prompt, SamplingParams(max_tokens=1),
+                      KVTransferParams(do_remote_decode=True)).kv_transfer_params
+        got = _run(decode, "d", prompt, greedy, handle)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        num_prompt = len(expected.prompt_token_ids)
+        assert got.num_cached_tokens >= 32  # whole blocks of the earlier turn
+        assert got.num_transferred_tokens == num_prompt - 1 - got.num_cached_tokens > 0
+        assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
     finally:
         for engine in engines:
             engine.shutdown()

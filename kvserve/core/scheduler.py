@@ -242,15 +242,20 @@ class Scheduler:
 
     # ---- KV from elsewhere (kv_transfer) ----------------------------------------------------
     def _start_load(self, request: Request) -> bool:
-        """Give the request blocks for its whole prompt and start pulling them; False (nothing
-        changed) when the pool cannot hold them yet."""
-        if not self.kv.allocate_slots(request, request.num_tokens):
+        """Give the request blocks for its whole prompt, its prefix-cache hit first, and start
+        pulling the blocks after the hit; False (nothing changed) when the pool cannot hold
+        them yet."""
+        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - num_hit, computed_blocks):
             return False
         self.waiting.pop(0)
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.num_cached_tokens = 0
+        request.num_computed_tokens = request.num_cached_tokens = num_hit
         self.loading[request.request_id] = request
-        self.connector.start_load(request, self.kv.block_ids(request.request_id))
+        first_block = num_hit // self.kv.block_size
+        self.connector.start_load(request, self.kv.block_ids(request.request_id)[first_block:],
+                                  first_block)
         return True
 
     def finish_loads(self, finished: list[tuple[str, str | None]]) -> None:
@@ -266,9 +271,10 @@ class Scheduler:
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if error is None:
+            if error is None:  # else it computes from its prefix-cache hit on
+                request.num_transferred_tokens = \
+                    request.num_tokens - 1 - request.num_computed_tokens
                 request.num_computed_tokens = request.num_tokens - 1
-                request.num_transferred_tokens = request.num_computed_tokens
             else:
                 self.load_failures.append((request_id, error))
 

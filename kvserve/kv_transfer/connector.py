@@ -47,16 +47,18 @@ class KVConnectorWorker:
         self._finished: queue.Queue[tuple[str, str | None]] = queue.Queue()
 
     def start_load(self, request_id: str, params: KVTransferParams,
-                   block_ids: list[int]) -> None:
-        """Pull `params`' blocks into `block_ids` (in order) on a load thread; the outcome
-        comes back through `finished_loads`."""
-        self._pool.submit(self._load, request_id, params, list(block_ids))
+                   block_ids: list[int], first_block: int = 0) -> None:
+        """Pull `params`' blocks from its `first_block`th on into `block_ids` (in order) on a
+        load thread; the outcome comes back through `finished_loads`."""
+        self._pool.submit(self._load, request_id, params, list(block_ids), first_block)
 
-    def _load(self, request_id: str, params: KVTransferParams, block_ids: list[int]) -> None:
+    def _load(self, request_id: str, params: KVTransferParams, block_ids: list[int],
+              first_block: int) -> None:
         try:
             pull_into(self._context, params.remote_host, params.remote_port,
                       params.remote_request_id, self.kv_caches, block_ids,
-                      self.config.transfer_timeout_s, self.config.transport == "shm")
+                      self.config.transfer_timeout_s, self.config.transport == "shm",
+                      first_block)
             self.report(request_id, None)
         except KVTransferError as exc:
             self.report(request_id, str(exc))
@@ -104,7 +106,9 @@ class KVConnectorScheduler:
         return (self.config.consumes and params is not None and params.wants_load
                 and not request.kv_load_attempted)
 
-    def start_load(self, request: Request, block_ids: list[int]) -> None:
+    def start_load(self, request: Request, block_ids: list[int], first_block: int = 0) -> None:
+        """Pull the request's blocks from `first_block` on (those before it are this engine's
+        prefix-cache hit) into `block_ids`."""
         request.kv_load_attempted = True
         params = request.kv_transfer_params
         if params.num_prompt_tokens and params.num_prompt_tokens != request.num_prompt_tokens:
@@ -112,7 +116,7 @@ class KVConnectorScheduler:
                 f"the prefill engine's prompt has {params.num_prompt_tokens} tokens, this one "
                 f"{request.num_prompt_tokens}: not the same prompt"))
             return
-        self.worker.start_load(request.request_id, params, block_ids)
+        self.worker.start_load(request.request_id, params, block_ids, first_block)
 
     def finished_loads(self, wait_s: float = 0.0) -> list[tuple[str, str | None]]:
         return self.worker.finished_loads(wait_s)

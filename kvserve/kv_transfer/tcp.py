@@ -58,6 +58,7 @@ class Pull(msgspec.Struct, array_like=True):
     request_id: str
     layout: KVLayout
     host_id: str = ""  # the puller's machine (shm.host_identity): same as ours -> shared memory
+    first_block: int = 0  # the puller holds the blocks before this one (its prefix cache)
 
 
 class PullReply(msgspec.Struct, array_like=True):
@@ -124,7 +125,8 @@ class KVSender:
                                                  f"expired or already pulled)"), []
             else:
                 try:
-                    reply, frames = self._blocks(block_ids, pull.host_id == self.host_id)
+                    reply, frames = self._blocks(block_ids[pull.first_block:],
+                                                 pull.host_id == self.host_id)
                 finally:
                     self.leases.end_pull(pull.request_id)
         self._socket.send_multipart([identity, encoder.encode(reply), *frames], copy=False)
@@ -155,9 +157,9 @@ class KVSender:
 
 def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
               kv_caches: list[torch.Tensor], block_ids: list[int], timeout_s: float,
-              use_shm: bool = True) -> int:
-    """Pull a held request's blocks into `block_ids` of kv_caches (as many as both have);
-    returns how many blocks arrived. Raises KVTransferError when the sender refuses or does
+              use_shm: bool = True, first_block: int = 0) -> int:
+    """Pull a held request's blocks, from its `first_block`th on, into `block_ids` of kv_caches
+    (as many as both have); returns how many blocks arrived. Raises KVTransferError when the sender refuses or does
     not answer within timeout_s."""
     layout = KVLayout.of(kv_caches)
     host_id = host_identity() if use_shm and shm_available() else ""
@@ -165,7 +167,7 @@ def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(f"tcp://{host}:{port}")
-        socket.send(msgspec.msgpack.encode(Pull(request_id, layout, host_id)))
+        socket.send(msgspec.msgpack.encode(Pull(request_id, layout, host_id, first_block)))
         if not socket.poll(int(timeout_s * 1000)):
             raise KVTransferError(f"no answer from the KV sender at {host}:{port} in "
                                   f"{timeout_s:g}s")
