@@ -18,6 +18,7 @@ PrefixCacheAffinityRouter serves the same app deployed through `build_app`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import pickle
 import time
@@ -31,7 +32,7 @@ from kvserve import SamplingParams
 from kvserve.ray_serve.request import OpenAIRequest
 from kvserve.testing.server import ServerProcess, free_port
 from tests.conftest import RAW_PROMPTS
-from tests.server_helpers import tiny_server_flags
+from tests.server_helpers import read_metrics, tiny_server_flags
 from tests.test_router_policy import BLOCK, _cache, _publisher, _wait
 
 ray = pytest.importorskip("ray")
@@ -224,8 +225,12 @@ def test_build_app_arguments_are_the_serve_flags():
     assert ours.request_router_kwargs == {"model": "/m", "policy": "kv-aware",
                                           "overlap_weight": 2.0, "stale_after": 3.0}
     theirs = request_router_config(EngineConfig(), RayServeConfig(
-        request_router="prefix-cache-affinity"))  # imports without vLLM or pyarrow
+        request_router="prefix-cache-affinity", request_router_kwargs='{"imbalanced_threshold":'
+        ' 4}'))  # imports without vLLM or pyarrow
     assert theirs.request_router_class.endswith(":TextPrefixCacheAffinityRouter")
+    assert theirs.request_router_kwargs == {"imbalanced_threshold": 4}
+    with pytest.raises(ValueError):
+        request_router_config(EngineConfig(), RayServeConfig(request_router_kwargs="[4]"))
 
 
 # ---- end to end: kvserve serve --replicas 2 on a local Ray ------------------------------------
@@ -249,7 +254,8 @@ def ray_address():
 @pytest.fixture(scope="module")
 def serving(ray_address, tiny_model_dir, tmp_path_factory):
     flags = tiny_server_flags(tiny_model_dir, "--replicas", "2", "--num-cpus-per-replica",
-                              "0.5", "--request-router", "kv-aware", kv_blocks=512)
+                              "0.5", "--request-router", "kv-aware", "--measure-placement",
+                              kv_blocks=512)
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
     server = ServerProcess(flags, startup_timeout=240, log_path=log,
                            env={"RAY_ADDRESS": ray_address})
@@ -268,16 +274,20 @@ def _current_replicas(base_url: str) -> dict[str, dict]:
 
 
 def _until_replicas(base_url: str, count: int, timeout: float = 60.0, gone: str | None = None):
-    """Requests until the router knows `count` replicas, all in step with their events."""
+    """Requests until the router knows `count` replicas, all in step with their events, and
+    each has answered one (so the ingress knows where to probe it)."""
     deadline = time.monotonic() + timeout
-    while True:
-        httpx.post(base_url + COMPLETIONS, json={"prompt": "warm", "max_tokens": 1}, timeout=30)
+    answered = set()
+    for serial in itertools.count():
+        response = httpx.post(base_url + COMPLETIONS, timeout=30,
+                              json={"prompt": f"warm-up {serial}", "max_tokens": 1})
+        answered.add(response.headers.get("x-kvserve-replica"))
         current = _current_replicas(base_url)
-        if len(current) == count and gone not in current \
+        if len(current) == count and gone not in current and set(current) <= answered \
                 and all(r["synced"] and r["fresh"] for r in current.values()):
             return current
-        assert time.monotonic() < deadline, current
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, (current, answered)
+        time.sleep(0.2)
 
 
 def _complete(base_url: str, body: dict, path: str = COMPLETIONS):
@@ -343,6 +353,7 @@ def test_kv_aware_sessions_land_where_their_prefix_is_cached(serving):
                 for s in range(4)]
     placed: dict[int, list[str]] = {}
     cached: dict[int, list[int]] = {}
+    before = read_metrics(serving.base_url)
     for turn in range(3):
         for s in range(len(sessions)):
             sessions[s] += f"\nUser: question {turn}?\nAssistant:"
@@ -358,6 +369,11 @@ def test_kv_aware_sessions_land_where_their_prefix_is_cached(serving):
         assert chosen == [chosen[0]] * 3, placed
         # the engine itself found the session's earlier turns in its cache
         assert all(tokens >= 100 for tokens in cached[s][1:]), cached
+    after = read_metrics(serving.base_url)  # --measure-placement: the engines' own count
+    placements = {name: after[f"kvserve_router:placement_{name}_total"]
+                  - before[f"kvserve_router:placement_{name}_total"]
+                  for name in ("decisions", "best")}
+    assert placements == {"decisions": 12, "best": 12}, placements
     from kvserve.bench import server_metrics
 
     urls, behind_router = server_metrics.metrics_urls(serving.base_url, None, {})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -57,6 +58,11 @@ def request_router_config(engine_config: EngineConfig, serve_config: RayServeCon
         kwargs = {"model": engine_config.model, "policy": name,
                   "overlap_weight": serve_config.overlap_weight,
                   "stale_after": max(3.0, 3 * serve_config.request_routing_stats_period_s)}
+    if serve_config.request_router_kwargs:
+        extra = json.loads(serve_config.request_router_kwargs)
+        if not isinstance(extra, dict):
+            raise ValueError("--request-router-kwargs must be a JSON object")
+        kwargs.update(extra)
     return RequestRouterConfig(
         request_router_class=router_class, request_router_kwargs=kwargs,
         request_routing_stats_period_s=serve_config.request_routing_stats_period_s)
@@ -100,7 +106,8 @@ def build_deployments(engine_config: EngineConfig, server_config: ServerConfig,
         graceful_shutdown_timeout_s=server_config.shutdown_timeout)
     return ingress.bind(replica.bind(engine_config, server_config, serve_config.kv_events_host),
                         serve_config.request_router, server_config.api_key,
-                        server_config.max_request_body_bytes)
+                        server_config.max_request_body_bytes,
+                        engine_config.model if serve_config.measure_placement else None)
 
 
 # ---- serve run kvserve.ray_serve.app:build_app ----------------------------------------------

@@ -25,6 +25,10 @@ class RayServeConfig:
         "least-loaded, prefix-cache-affinity (Ray Serve LLM's PrefixCacheAffinityRouter: a "
         "character prefix tree of past prompts) or power-of-two-choices (Ray Serve's default)",
         choices=list(REQUEST_ROUTERS))
+    request_router_kwargs: str | None = _opt(
+        None, "JSON object of extra request_router_kwargs for the chosen router, e.g. "
+        "{\"imbalanced_threshold\": 20} for prefix-cache-affinity (Ray's example; its default "
+        "is infinity: never balance load) or {\"stale_after\": 5} for ours")
     overlap_weight: float = _opt(1.0, "kv-aware: weight of the uncached prompt blocks against "
                                  "the blocks in use (>1 favours TTFT, <1 spreads load)")
     num_cpus_per_replica: float | None = _opt(
@@ -36,6 +40,11 @@ class RayServeConfig:
     request_routing_stats_period_s: float = _opt(
         1.0, "seconds between the replicas' routing stats (KV blocks in use, running and "
         "waiting requests) reaching the router")
+    measure_placement: bool = _opt(
+        False, "benchmarks: before each request the ingress asks every replica how many of the "
+        "prompt's leading blocks it caches and counts whether the router chose one holding the "
+        "most (/metrics kvserve_router:placement_*), whichever router runs; costs a round trip "
+        "per replica per request")
     kv_events_host: str | None = _opt(
         None, "address each replica binds its KV event sockets to, on free ports (default: "
         "its node's IP as Ray reports it, so a router on another node can subscribe; the "

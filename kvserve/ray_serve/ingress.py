@@ -10,7 +10,8 @@ and [DONE]. Answers carry `X-Kvserve-Replica`. A client that goes away cancels t
 the replica aborts its engine requests.
 
 For `kvserve bench`, /metrics sums the replicas' prefix-cache counters (each answer ends with
-its replica's) and /router/state lists the replicas as URLs whose /metrics are theirs.
+its replica's) and /router/state lists the replicas as URLs whose /metrics are theirs; with
+--measure-placement it also counts how good each placement was (placement.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class OpenAIIngress:
     """The ingress deployment class (app.py wraps it with serve.ingress and serve.deployment)."""
 
     def __init__(self, engine, request_router: str, api_key: str | None = None,
-                 max_request_body_bytes: int = 16 * 2**20):
+                 max_request_body_bytes: int = 16 * 2**20,
+                 measure_placement_model: str | None = None):
         self.engine = engine  # DeploymentHandle of the EngineReplica deployment
         self.request_router = request_router
         self.api_key = api_key
@@ -74,6 +76,11 @@ class OpenAIIngress:
         self.metrics = RouterMetrics()
         self.metrics.registry.register(PrefixCounters(self.counters))
         self.gone = _replica_gone_errors()
+        self.placement = None
+        if measure_placement_model:
+            from kvserve.ray_serve.placement import PlacementMeter
+
+            self.placement = PlacementMeter(measure_placement_model, self.metrics)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_ingress_app(self)
@@ -83,6 +90,8 @@ class OpenAIIngress:
         body = await raw.body() if method == "POST" else b""
         headers = [(k, v) for k, v in raw.headers.raw if k.lower() in _FORWARDED_HEADERS]
         request = OpenAIRequest(path, body, headers, method)
+        held = await self.placement.held(path, request.payload) \
+            if self.placement is not None and method == "POST" else {}
         last_error: BaseException | None = None
         for attempt in range(2):
             chunks = self.engine.options(stream=True).handle.remote(request)
@@ -102,6 +111,8 @@ class OpenAIIngress:
                 raise
             _, status, replica_headers, replica = start
             self.metrics.requests.labels(replica).inc()
+            if self.placement is not None:
+                self.placement.record(held, replica)
             headers = {k: v for k, v in replica_headers if k.lower() in _PASSED_BACK_HEADERS}
             headers[REPLICA_HEADER] = replica
             if request.stream and status == 200:
@@ -112,6 +123,11 @@ class OpenAIIngress:
         return error_response(502, f"the replica failed before answering "
                               f"({type(last_error).__name__})", code="replica_unavailable")
 
+    def _finished(self, replica: str, counters: dict) -> None:
+        self.counters[replica] = counters
+        if self.placement is not None:
+            self.placement.learn(replica, counters.get("kv_events"))
+
     async def _relay(self, chunks, replica: str):
         finished = False
         try:
@@ -119,7 +135,7 @@ class OpenAIIngress:
                 if isinstance(item, bytes):
                     yield item
                 elif item[0] == "end":
-                    self.counters[replica] = item[1]
+                    self._finished(replica, item[1])
             finished = True
         except self.gone as exc:  # the replica died mid-stream
             self.metrics.failures.labels(replica).inc()
@@ -139,7 +155,7 @@ class OpenAIIngress:
                 if isinstance(item, bytes):
                     parts.append(item)
                 elif item[0] == "end":
-                    self.counters[replica] = item[1]
+                    self._finished(replica, item[1])
             finished = True
         except self.gone as exc:
             self.metrics.failures.labels(replica).inc()
