@@ -16,6 +16,7 @@ its replica's) and /router/state lists the replicas as URLs whose /metrics are t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 _FORWARDED_HEADERS = (b"authorization", b"content-type", b"accept", b"x-request-id",
                       b"user-agent")
 _PASSED_BACK_HEADERS = ("content-type", "retry-after")
+HEALTH_TIMEOUT_SECONDS = 5.0
 
 
 def _replica_gone_errors() -> tuple[type[BaseException], ...]:
@@ -210,8 +212,14 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
 
     @app.get("/health")
     async def health(raw: Request):
-        """200 when a replica answers its own /health."""
-        return await ingress.forward(raw, "/health", "GET")
+        """200 when a replica answers its own /health; 503 when none does in time (Ray
+        Serve's router waits for a replica while there is none)."""
+        try:
+            return await asyncio.wait_for(ingress.forward(raw, "/health", "GET"),
+                                          HEALTH_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            return error_response(503, f"no engine replica answered within "
+                                  f"{HEALTH_TIMEOUT_SECONDS:.0f} s", code="no_replica")
 
     @app.get("/version")
     async def version():
