@@ -400,7 +400,7 @@ def _engine_cores_under_replicas() -> set[int]:
 def test_a_killed_replica_costs_a_clean_error_and_serve_replaces_it(serving):
     base_url = serving.base_url
     long_body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    started, victim, stream_lines = time.monotonic(), [], []
+    victim, stream_lines = [], []
 
     def stream():
         with httpx.stream("POST", base_url + COMPLETIONS, timeout=60,
@@ -440,7 +440,6 @@ def test_a_killed_replica_costs_a_clean_error_and_serve_replaces_it(serving):
     replaced = _until_replicas(base_url, 2, timeout=90, gone=victim[0])
     assert victim[0] not in replaced
     _wait(lambda: len(_engine_cores_under_replicas()) == 2, timeout=DEADLINE_SECONDS)
-    assert time.monotonic() - started < 150
 
 
 @pytest.mark.multiprocess

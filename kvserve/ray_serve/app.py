@@ -90,6 +90,8 @@ def build_deployments(engine_config: EngineConfig, server_config: ServerConfig,
     from kvserve.ray_serve.replica import EngineReplica
 
     cpus = replica_cpus(serve_config)
+    # Serve's access log is a line per call in each actor, shipped to the driver
+    logging_config = {"enable_access_log": not server_config.disable_log_requests}
     if engine_config.num_threads is None:
         engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(cpus)))
     replica = serve.deployment(
@@ -97,12 +99,12 @@ def build_deployments(engine_config: EngineConfig, server_config: ServerConfig,
         max_ongoing_requests=serve_config.max_ongoing_requests,
         ray_actor_options={"num_cpus": cpus},
         request_router_config=request_router_config(engine_config, serve_config),
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=logging_config,
         graceful_shutdown_timeout_s=server_config.shutdown_timeout)
     ingress = serve.deployment(
         serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
         max_ongoing_requests=serve_config.replicas * serve_config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0}, logging_config=logging_config,
         graceful_shutdown_timeout_s=server_config.shutdown_timeout)
     return ingress.bind(replica.bind(engine_config, server_config, serve_config.kv_events_host),
                         serve_config.request_router, server_config.api_key,
