@@ -21,11 +21,13 @@ Results: benchmarks/results/<cpu>/<name>.{md,json}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -43,20 +45,26 @@ SERVER_FLAGS = ["--replicas", str(REPLICAS), "--num-threads", "1", "--no-adaptiv
 
 
 def _warm_up(base_url: str, timeout: float = 120.0) -> None:
-    """Distinct short prompts until every replica has answered one (the ingress learns where
-    to probe a replica from its answers)."""
+    """Rounds of concurrent short requests until every replica has answered one (the ingress
+    learns where to probe a replica from its answers). Concurrent, because with every queue
+    empty power-of-two-choices keeps picking the same replica; texts differing from their
+    first character, because Ray's prefix tree would send matching texts to one replica."""
     answered: set[str] = set()
     deadline = time.monotonic() + timeout
-    serial = 0
-    while len(answered) < REPLICAS:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {sorted(answered)} answered")
-        # texts differing from their first character: Ray's prefix tree matches none of them
+
+    def one(serial: int) -> str:
         response = httpx.post(base_url + "/v1/completions", timeout=60,
-                              json={"prompt": f"{serial} warm-up", "max_tokens": 1})
+                              json={"prompt": f"{serial} warm-up", "max_tokens": 8})
         response.raise_for_status()
-        answered.add(response.headers["x-kvserve-replica"])
-        serial += 1
+        return response.headers["x-kvserve-replica"]
+
+    with ThreadPoolExecutor(2 * REPLICAS) as pool:
+        for round_start in itertools.count(0, 2 * REPLICAS):
+            answered.update(pool.map(one, range(round_start, round_start + 2 * REPLICAS)))
+            if len(answered) >= REPLICAS:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {sorted(answered)} answered")
 
 
 def router_flags(spec: str) -> list[str]:
