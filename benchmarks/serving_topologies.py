@@ -30,21 +30,15 @@ import httpx
 
 from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
 from kvserve.cli import main as kvserve_main
-from kvserve.testing.server import ServerProcess, free_port
+from kvserve.testing.server import ServerProcess, kv_events_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("kv-aware", "round-robin", "least-loaded")
 
 
-def _events() -> str:
-    return json.dumps({"enable_kv_cache_events": True,
-                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
-
-
 def _server(logs: Path, name: str, *flags: str) -> ServerProcess:
     return ServerProcess(["--num-threads", "1", "--no-adaptive-threads",
-                          "--disable-log-requests", "--kv-events-config", _events(), *flags],
+                          "--disable-log-requests", "--kv-events-config", kv_events_config(), *flags],
                          log_path=logs / f"{name}.log")
 
 

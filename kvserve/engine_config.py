@@ -3,15 +3,12 @@ fields' metadata (help text), so an option added here appears everywhere."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvserve.entrypoints.cli_args import option as _opt
 from kvserve.model_source import DEFAULT_MODEL
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)

@@ -57,17 +57,6 @@ def tiny_server_flags(model_dir, *extra: str, kv_blocks: int = 1024,
             "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
 
 
-def kv_events_config() -> str:
-    """--kv-events-config publishing (and replaying) on free loopback ports."""
-    import json
-
-    from kvserve.testing.server import free_port
-
-    return json.dumps({"enable_kv_cache_events": True,
-                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
-
-
 def rss_bytes(pid: int) -> int:
     import psutil
 

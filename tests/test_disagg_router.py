@@ -21,9 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from kvserve.testing.server import ServerProcess
-from tests.server_helpers import (kv_events_config, read_metrics, tiny_server_flags,
-                                  wait_idle)
+from kvserve.testing.server import ServerProcess, kv_events_config
+from tests.server_helpers import read_metrics, tiny_server_flags, wait_idle
 
 pytestmark = pytest.mark.multiprocess
 

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from kvserve.testing.server import ServerProcess
-from tests.server_helpers import kv_events_config, read_metrics, tiny_server_flags
+from kvserve.testing.server import ServerProcess, kv_events_config
+from tests.server_helpers import read_metrics, tiny_server_flags
 from tests.test_engine_process import wait_gone
 
 pytestmark = pytest.mark.multiprocess

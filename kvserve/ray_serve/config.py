@@ -3,15 +3,13 @@ one per request. Kept free of Ray imports, so the CLI can list these flags witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvserve.entrypoints.cli_args import option as _opt
 
 # ours (kvserve.router.policy, inside KVAwareRequestRouter), then Ray Serve's own routers
 REQUEST_ROUTERS = ("kv-aware", "round-robin", "least-loaded", "prefix-cache-affinity",
                    "power-of-two-choices")
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)

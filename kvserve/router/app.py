@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import zmq
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.core.block_hash import block_hashes
+from kvserve.entrypoints.cli_args import option as _opt
 from kvserve.entrypoints.openai.errors import error_body, error_response
 from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
@@ -44,10 +45,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 # request headers a replica should see; the rest (host, length, hop-by-hop) are httpx's
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "user-agent")
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def kv_events_config() -> str:
+    """--kv-events-config publishing (and replaying) on free loopback ports."""
+    import json
+
+    return json.dumps({"enable_kv_cache_events": True,
+                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})
+
+
 class ServerProcess:
     """`with ServerProcess([...flags]) as server:` -> server.base_url; SIGTERM on exit."""
 

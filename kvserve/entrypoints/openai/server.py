@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.core.async_engine import AsyncEngine, EngineDeadError
+from kvserve.entrypoints.cli_args import option as _opt
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import (
     error_response,
@@ -37,10 +38,6 @@ from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv_events import kv_events_info
 
 logger = logging.getLogger(__name__)
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)
