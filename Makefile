@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
+	$(BIN)/lint-imports  # layers as folders, arrows only downward (pyproject's importlinter)
 	$(BIN)/python -m pytest -q
 
 test-fast: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -m "not slow and not soak"
 
 # the full reliability soak: 256 clients x 2,000 requests, the 500-client disconnect storm and

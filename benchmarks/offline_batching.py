@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import platform
-import time
 import textwrap
+import time
 
 from kvserve import LLM, SamplingParams
 

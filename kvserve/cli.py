@@ -122,7 +122,7 @@ def _run_router(args) -> int:
 
 
 def _run_generate(args) -> int:
-    from kvserve.core.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
     try:
@@ -140,7 +140,7 @@ def _run_generate(args) -> int:
 
 
 def _run_chat(args) -> int:
-    from kvserve.core.engine import LLMEngine
+    from kvserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
     try:

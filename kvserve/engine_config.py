@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.entrypoints.cli_args import option as _opt
 from kvserve.model_source import DEFAULT_MODEL
+from kvserve.options import option as _opt
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 

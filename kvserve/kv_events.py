@@ -30,7 +30,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from kvserve.core.block_hash import HASH_ALGORITHM
+from kvserve.protocol.block_hash import HASH_ALGORITHM
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ def _deployment(model_dir, tmp_path, num_decode: int = 1, default_dtype: bool = 
                 router_flags=()):
     """Prefill server, decode servers (all started at once) and the router over them."""
     prefill = _server(model_dir, tmp_path, "prefill", "prefill", default_dtype,
-                      env={"KVSERVE_FAULT_INJECTION": "1"})
+                      env={"KVSERVE_PLUGINS": "kvserve.testing.faults:register"})
     decodes = [_server(model_dir, tmp_path, "decode", f"decode{i}", default_dtype)
                for i in range(num_decode)]
     with ExitStack() as stack:

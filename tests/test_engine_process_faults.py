@@ -43,9 +43,9 @@ def _descendants(server: ServerProcess) -> list[int]:
 
 
 def _worker_pids(server: ServerProcess) -> list[int]:
-    """The core's model workers (`python -m kvserve.executor.worker`), in rank order."""
+    """The core's model workers (`python -m kvserve.worker.worker`), in rank order."""
     core = psutil.Process(_core_pid(server))
-    workers = [child for child in core.children() if "kvserve.executor.worker" in
+    workers = [child for child in core.children() if "kvserve.worker.worker" in
                child.cmdline()]
     return [w.pid for w in sorted(workers, key=lambda w: int(w.cmdline()[-5]))]
 

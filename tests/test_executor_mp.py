@@ -107,14 +107,14 @@ def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
     core = llm.llm_engine.engine_core
     depths, submit = [], core.executor.submit
 
-    def recording_submit(scheduler_output):
-        if scheduler_output.scheduled:
-            ids = {item.request.request_id for item in scheduler_output.scheduled}
+    def recording_submit(step):
+        if step.scheduled:
+            ids = {item.request_id for item in step.scheduled}
             in_flight = {item.request.request_id for batch in core._batch_queue
                          for item in batch.scheduled}
             assert not ids & in_flight  # batches in flight share no request
             depths.append(len(core._batch_queue))
-        submit(scheduler_output)
+        submit(step)
 
     core.executor.submit = recording_submit
     try:
@@ -160,16 +160,16 @@ def test_a_step_with_nothing_scheduled_leaves_no_stale_reply(tiny_model_dir):
     """The core skips waiting for an empty step's reply, so rank 0 must send none: a stale reply
     would be read as the next step's tokens."""
     from kvserve.core.engine_core import EngineCore
-    from kvserve.core.messages import EngineCoreRequest
-    from kvserve.core.scheduler import SchedulerOutput
     from kvserve.engine_config import EngineConfig
+    from kvserve.protocol.engine_core import EngineCoreRequest
+    from kvserve.protocol.worker import ExecuteStep
 
     def run(core) -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         core.add_request(EngineCoreRequest("r", [5, 6, 7, 8, 9], params, 6))
         tokens = []
         while core.has_unfinished():
-            core.executor.execute(SchedulerOutput())  # nothing scheduled, between real steps
+            core.executor.execute(ExecuteStep([], [], []))  # nothing scheduled, between real steps
             tokens += [t for out in core.step().outputs for t in out.new_token_ids]
         return tokens
 

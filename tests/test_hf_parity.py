@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from tests.conftest import RAW_PROMPTS, chat_prompts, long_text
 
 pytestmark = pytest.mark.slow

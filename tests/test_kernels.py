@@ -10,7 +10,6 @@ from kvserve.attention import build_attention_metadata
 from kvserve.kernels import get_ops, reference
 
 
-
 @pytest.fixture
 def compiled(kernels):
     """Every test here runs once per instruction-set level (conftest's `kernels`)."""

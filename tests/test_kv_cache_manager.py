@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.sampling_params import SamplingParams
 
@@ -138,7 +138,7 @@ def test_prefix_caching_off():
 
 
 def test_double_free_is_detected():
-    from kvserve.core.block_pool import BlockPool
+    from kvserve.core.kv_cache.block_pool import BlockPool
 
     pool = BlockPool(2)
     [block] = pool.allocate(1)

@@ -10,8 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvserve.core.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.kv_events import (
     AllBlocksCleared,
@@ -23,6 +22,7 @@ from kvserve.kv_events import (
     parse_kv_events_config,
     seq_from_bytes,
 )
+from kvserve.protocol.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing.server import free_port
 

@@ -17,14 +17,14 @@ import torch
 import zmq
 
 from kvserve import SamplingParams
-from kvserve.core.engine import LLMEngine
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.kv_transfer.config import KVTransferConfig, kv_transfer_config
 from kvserve.kv_transfer.leases import LeaseTable
-from kvserve.kv_transfer.params import KVTransferParams
+from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 
 PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)

@@ -7,7 +7,7 @@ import torch
 
 from kvserve.attention import build_attention_metadata
 from kvserve.models import random_model
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config
 
 PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(45)]

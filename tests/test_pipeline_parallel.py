@@ -16,7 +16,7 @@ from kvserve.distributed.sharding import (
     validate_pipeline_parallel,
 )
 from kvserve.models import random_model
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config
 
 VOCAB = 1000

@@ -15,7 +15,7 @@ from kvserve.quant.linear import (
     quantize_int4_groupwise,
     resolve_quantization,
 )
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config
 
 

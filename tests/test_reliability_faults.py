@@ -4,8 +4,8 @@ tokens), and the engine must end idle. If the engine thread dies, /health goes 5
 clients get a 503 body or an SSE error event instead of hanging. (Clients that disconnect are in
 test_reliability_load.py, which shares its server with the load tests.)
 
-Faults are injected through kvserve.testing.faults, which is off unless the server process has
-KVSERVE_FAULT_INJECTION=1.
+Faults are injected through kvserve.testing.faults, a general plugin: off unless the test turns
+it on in its own process (`faults.enable()`) or starts the server with KVSERVE_PLUGINS naming it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import httpx
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.core.engine import RequestFailedError
-from kvserve.testing.faults import ENV_VAR, FaultInjector
+from kvserve.engine.llm_engine import RequestFailedError
+from kvserve.plugins import ENV_VAR as PLUGINS_ENV_VAR
+from kvserve.testing import faults
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, complete, finished_by_reason, tiny_server_flags
+from tests.server_helpers import (
+    assert_idle,
+    complete,
+    finished_by_reason,
+    tiny_server_flags,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is"]
@@ -30,9 +36,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is"]
 @pytest.fixture
 def faulty_engine(tiny_llm):
     engine = tiny_llm.llm_engine
-    engine.faults = FaultInjector(True)
+    faults.enable(True)
     yield engine
-    engine.faults = FaultInjector(False)
+    faults.enable(False)
     engine.abort_request(list(engine.groups))
 
 
@@ -73,7 +79,6 @@ def test_offline_generate_raises_for_a_failed_request(tiny_llm, faulty_engine):
 
 
 def test_fault_hook_is_off_by_default(tiny_llm):
-    assert not tiny_llm.llm_engine.faults.enabled
     out = tiny_llm.generate("kvserve-fault:execute kvserve-fault:output", GREEDY,
                             use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
@@ -84,7 +89,7 @@ def test_fault_hook_is_off_by_default(tiny_llm):
 def fault_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fault-server") / "server.log"
     flags = tiny_server_flags(tiny_model_dir, max_model_len=2048)
-    with ServerProcess(flags, log_path=log, env={ENV_VAR: "1"}) as process:
+    with ServerProcess(flags, log_path=log, env={PLUGINS_ENV_VAR: faults.PLUGIN}) as process:
         yield process
     # the last test kills the engine: the server then exits non-zero on its own
     assert process.exit_code == 1

@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
-from kvserve.core.async_engine import AsyncEngine
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.testing.server import ServerProcess

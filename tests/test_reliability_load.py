@@ -21,7 +21,12 @@ import asyncio
 import httpx
 import pytest
 
-from kvserve.testing.loadgen import disconnect_plan, mixed_workload, run_disconnects, run_load
+from kvserve.testing.loadgen import (
+    disconnect_plan,
+    mixed_workload,
+    run_disconnects,
+    run_load,
+)
 from kvserve.testing.server import ServerProcess
 from tests.server_helpers import (
     assert_idle,

@@ -13,7 +13,7 @@ import pytest
 from starlette.routing import Mount
 
 from kvserve.cli import _build_parser
-from kvserve.core.async_engine import AsyncEngine
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.testing.server import ServerProcess

@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.core.block_hash import HASH_ALGORITHM, block_hashes
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.kv_events import (
     BlockRemoved,
@@ -21,6 +20,7 @@ from kvserve.kv_events import (
     KVSnapshot,
     make_kv_event_source,
 )
+from kvserve.protocol.block_hash import HASH_ALGORITHM, block_hashes
 from kvserve.router.index import EventSync, KVIndex
 from kvserve.router.policy import Candidate, make_policy
 from kvserve.router.replicas import Replica, ReplicaMonitor

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvserve.core.sampler import Sampler, SamplingRow
 from kvserve.errors import InvalidRequestError
+from kvserve.sample.sampler import Sampler, SamplingRow
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 10
@@ -209,7 +209,7 @@ SETTINGS = TYPICAL + [
 def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
     """Each setting alone and all of them in one batch, on peaked to flat rows (flat ones take
     the histogram-sized window or the whole-row fallback): the sort's tokens, bit for bit."""
-    from kvserve.core.sampler import _filtered_probs
+    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab)
     params = params_for(SETTINGS)
@@ -224,7 +224,7 @@ def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
 def test_typical_settings_equal_the_former_float32_sort(spread):
     """The usual settings at the usual vocabulary: the former code's tokens and probabilities,
     bit for bit (not a float64 rerun of it)."""
-    from kvserve.core.sampler import _filtered_probs
+    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(len(TYPICAL), 49152, spread, seed=int(spread * 100))
     params = params_for(TYPICAL)
@@ -237,8 +237,9 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab):
     """Where the former float32 code kept other tokens (top_p near 1, long tails, 262k rows):
     its softmax of the sorted row summed best first and lost the tail's smallest terms (at 262k
     its probabilities added up to 1.0001), so it cut early. The kept sets are nested, and they
-    and the probabilities differ by less than 2e-4."""
-    from kvserve.core.sampler import _filtered_probs
+    and the probabilities differ by less than 3e-4 (how much the former sums lost depends on the
+    CPU's vector width: 2e-4 on AVX-512, 2.02e-4 at 262k on AVX2)."""
+    from kvserve.sample.sampler import _filtered_probs
 
     params = params_for(SETTINGS)
     differing_rows = 0
@@ -253,15 +254,15 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab):
             differing_rows += 1
             kept, old_kept = new[i] > 0, old[i] > 0
             assert bool((kept & ~old_kept).sum() == 0) or bool((old_kept & ~kept).sum() == 0)
-            assert float(unfiltered[i][kept ^ old_kept].sum()) < 2e-4
+            assert float(unfiltered[i][kept ^ old_kept].sum()) < 3e-4
             both = kept & old_kept
-            torch.testing.assert_close(new[i][both], old[i][both], rtol=2e-4, atol=0)
+            torch.testing.assert_close(new[i][both], old[i][both], rtol=3e-4, atol=0)
     assert differing_rows > 0  # the case is real: this test would otherwise prove nothing
 
 
 def test_every_window_path_is_taken(monkeypatch):
     """The first window, the histogram-sized window and the whole row, each against the sort."""
-    from kvserve.core import sampler
+    from kvserve.sample import sampler
 
     windows: list[int] = []
     real = sampler._nucleus_in_window
@@ -288,7 +289,7 @@ def test_every_window_path_is_taken(monkeypatch):
 def test_small_first_windows(monkeypatch, first_window):
     """Windows far smaller than the nucleus: every row widens, some twice, ties and -inf fall on
     window edges, and a window's last token can be its cut (what follows it is then unknown)."""
-    from kvserve.core import sampler
+    from kvserve.sample import sampler
 
     monkeypatch.setattr(sampler, "_FIRST_WINDOW", first_window)
     gen = torch.Generator().manual_seed(first_window)
@@ -307,7 +308,7 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
     """Integer logits tie in big groups, so top-k and top-p cuts fall inside one: as many tokens
     as the sort keeps, with the same probabilities, and of the tied ones the lowest ids (what a
     stable sort keeps; torch's sort, not stable, keeps an arbitrary few)."""
-    from kvserve.core.sampler import _filtered_probs
+    from kvserve.sample.sampler import _filtered_probs
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randint(0, 6, (4, vocab), generator=gen).float()
@@ -326,7 +327,7 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
 def test_masked_tokens_and_tiny_vocabularies():
     """-inf logits (min_tokens, logit_bias) inside and at the edge of the first window; a row of
     fewer tokens than the window."""
-    from kvserve.core.sampler import _filtered_probs
+    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(3, 2000, 2.0, seed=3)
     logits[0, logits[0].topk(300).indices[1:]] = float("-inf")  # one finite token left near top
@@ -344,12 +345,12 @@ def test_masked_tokens_and_tiny_vocabularies():
 def test_top_p_one_keeps_every_token_in_any_batch():
     """The sort cut a top_p = 1.0 row's tail when another row of the batch filtered and its
     float32 running sum rounded past 1.0; now such a row is left whole, as it was when alone."""
-    from kvserve.core.sampler import _filtered_probs
+    from kvserve.sample.sampler import _filtered_probs
 
     logits = torch.randint(0, 6, (2, 49152), generator=torch.Generator().manual_seed(0)).float()
     params = params_for([(1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0)])
-    batched_before = torch.softmax(reference_top_k_top_p(logits, [0, 0], [1.0, 0.9]), dim=-1)
-    assert int((batched_before[0] > 0).sum()) < 49152  # the former quirk, for the record
+    # (the former code cut this row's tail where torch's float32 cumsum rounded past 1.0: on
+    # AVX-512 machines, not on AVX2 ones, whose reductions round differently)
     assert torch.equal(_filtered_probs(logits, params)[0], torch.softmax(logits[0], dim=-1))
 
 

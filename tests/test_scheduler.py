@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.sampling_params import SamplingParams

@@ -26,7 +26,7 @@ from kvserve.distributed.sharding import (
     vocab_range,
 )
 from kvserve.models import random_model
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.rank_pool import RankError, RankPool
 from kvserve.testing.tiny import tiny_config
 
@@ -260,10 +260,9 @@ def _load_gguf_sharded(contexts, path, cache_directory, use_cache):
 
 
 def test_each_rank_loads_its_slice_of_a_gguf(pool, tmp_path):
-    from tests.test_weights import write_gguf
-
     from kvserve.model_source import resolve_model
     from kvserve.models import load_model
+    from tests.test_weights import write_gguf
 
     config = tiny_config(vocab_size=VOCAB, **CONFIGS[pool.world_size])
     full = random_model(config, "float32", seed=5)

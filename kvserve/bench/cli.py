@@ -221,8 +221,7 @@ def _offline(args) -> int:
 def _perplexity(args) -> int:
     from kvserve.bench.perplexity import held_out_text, perplexity
     from kvserve.model_source import resolve_model
-    from kvserve.models.loader import load_model
-    from kvserve.models.loader import resolve_dtype
+    from kvserve.models.loader import load_model, resolve_dtype
     from kvserve.platform import default_dtype, kv_cache_dtype
     from kvserve.tokenizer import load_tokenizer
 

@@ -40,7 +40,7 @@ def held_out_text() -> str:
 def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: int = 4,
                max_windows: int | None = None, kv_dtype: torch.dtype | None = None) -> dict:
     """exp(mean negative log-likelihood) over every predicted position of every window."""
-    from kvserve.testing.paged_loop import PagedLoop
+    from kvserve.models.paged_loop import PagedLoop
 
     windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
     windows = windows[:max_windows] if max_windows else windows

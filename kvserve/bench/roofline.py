@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvserve.config import ModelConfig
 from kvserve import platform
+from kvserve.config import ModelConfig
 
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

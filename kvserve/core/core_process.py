@@ -20,7 +20,9 @@ import sys
 import msgspec
 import zmq
 
-from kvserve.core.messages import (
+from kvserve.engine_config import EngineConfig
+from kvserve.platform import exit_when_parent_dies
+from kvserve.protocol.engine_core import (
     AbortRequests,
     Codec,
     CoreFailed,
@@ -30,8 +32,6 @@ from kvserve.core.messages import (
     UtilityCall,
     UtilityResult,
 )
-from kvserve.engine_config import EngineConfig
-from kvserve.platform import exit_when_parent_dies
 
 logger = logging.getLogger(__name__)
 

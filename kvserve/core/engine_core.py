@@ -15,25 +15,27 @@ from collections import deque
 from typing import Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
-from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.messages import (
+from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.step_encoder import StepEncoder
+from kvserve.core.threads import ThreadGovernor
+from kvserve.core.threads import env_allows as threads_env_allows
+from kvserve.engine_config import EngineConfig
+from kvserve.executor import Executor, make_executor
+from kvserve.kernels import autotune
+from kvserve.kv_events import make_kv_event_source
+from kvserve.platform import configure_threads
+from kvserve.plugins import load_plugins
+from kvserve.protocol.engine_core import (
     CoreReady,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
-from kvserve.core.model_runner import ModelRunnerOutput
-from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.core.threads import ThreadGovernor, env_allows as threads_env_allows
-from kvserve.engine_config import EngineConfig
-from kvserve.executor import Executor, make_executor
-from kvserve.kernels import autotune
-from kvserve.kv_events import make_kv_event_source
-from kvserve.platform import configure_threads
+from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.testing.faults import raise_tagged
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class EngineCore:
     UTILITIES = ("reset_prefix_cache", "stats", "num_unfinished")
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        load_plugins()
         self.config = config
         start = time.perf_counter()
         threads = configure_threads(config.num_threads)
@@ -71,9 +74,9 @@ class EngineCore:
             max_num_partial_prefills=config.max_num_partial_prefills,
             pipeline_depth=self.executor.max_concurrent_batches,
         ), self.kv_manager, self._make_kv_connector())
+        self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
-        self._faults: dict[str, list[str]] = {}  # request id -> its test-only fault tags
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
         self.load_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
@@ -151,8 +154,6 @@ class EngineCore:
                 request.request_id, finish_reason="error",
                 error=f"request id {request.request_id!r} is already in the engine"))
             return
-        if request.faults:
-            self._faults[request.request_id] = request.faults
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
@@ -162,7 +163,6 @@ class EngineCore:
         """Finish these requests wherever they are; their blocks are free at once."""
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            self._faults.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed or self._batch_queue)
@@ -200,7 +200,6 @@ class EngineCore:
         self._fail_loads()
         if not scheduler_output.scheduled and self.scheduler.loading:
             self._wait_for_loads()
-        raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
         runner_output = self._execute(scheduler_output)
         return self._update(scheduler_output, runner_output)
 
@@ -239,9 +238,9 @@ class EngineCore:
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
-            raise_tagged("engine_thread", self._tags(scheduler_output.scheduled))
             if scheduler_output.scheduled or scheduler_output.finished_ids:
-                self.executor.submit(scheduler_output)  # finished ids alone: worker cleanup
+                # finished ids alone: worker cleanup
+                self.executor.submit(self.step_encoder.encode(scheduler_output))
             if scheduler_output.scheduled:
                 queue.append(scheduler_output)
                 self.scheduler.in_flight.update(item.request.request_id
@@ -283,22 +282,11 @@ class EngineCore:
             output.finish_reason = request.finish_reason()
             output.stop_reason = request.stop_reason
             output.kv_transfer_params = request.kv_handle
-            if request.kv_handle is not None and "kv_send" in self._faults.get(
-                    request.request_id, ()):
-                self.scheduler.connector.leases.stall(request.request_id)  # test-only fault
-            self._faults.pop(request.request_id, None)
         return output
-
-    def _tags(self, scheduled) -> Iterable[list[str]]:
-        """Lazily: only walked when some request carries fault tags (tests)."""
-        if not self._faults:
-            return ()
-        return (self._faults.get(item.request.request_id, ()) for item in scheduled)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            raise_tagged("execute", self._tags(scheduler_output.scheduled))
-            return self.executor.execute(scheduler_output)
+            return self.executor.execute(self.step_encoder.encode(scheduler_output))
         except Exception:
             logger.exception("batched step of %d requests failed; re-running them one by one",
                              len(scheduler_output.scheduled))
@@ -313,8 +301,7 @@ class EngineCore:
         merged = ModelRunnerOutput({}, {})
         for item in scheduler_output.scheduled:
             try:
-                raise_tagged("execute", self._tags([item]))
-                result = self.executor.execute(SchedulerOutput(scheduled=[item]))
+                result = self.executor.execute(self.step_encoder.encode_alone(item))
             except Exception as exc:
                 self.fail_request(item.request.request_id, "running it", exc)
                 continue

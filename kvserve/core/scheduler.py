@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 
 
@@ -345,7 +345,7 @@ class Scheduler:
             self.running.remove(request)
         elif not request.is_finished and not loading:
             self._remove_waiting(request)
-        if self.connector is not None and self.connector.should_hold(request, status):
+        if self.connector is not None and self.connector.should_hold(request, status.value):
             self.connector.hold(request, self.kv.block_ids(request_id))
             self.held[request_id] = request
         elif not loading:  # a load still writes into its blocks: freed when it ends

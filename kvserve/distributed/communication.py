@@ -8,12 +8,13 @@ the process group (gloo on CPU, NCCL on CUDA); `SharedMemoryCommunicator`
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from kvserve.distributed.parallel_state import ParallelContext
+if TYPE_CHECKING:  # annotations only: parallel_state builds the communicators
+    from kvserve.distributed.parallel_state import ParallelContext
 
 
 class Communicator(Protocol):

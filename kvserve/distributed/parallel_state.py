@@ -151,7 +151,10 @@ def build_context(rank: int, world_size: int, group: dist.ProcessGroup, all_redu
     """A context over an existing group with the chosen communicator (collective: every rank of
     the group must call it)."""
     from kvserve.distributed.communication import TorchCommunicator
-    from kvserve.distributed.shm_all_reduce import SharedMemoryCommunicator, shm_supported
+    from kvserve.distributed.shm_all_reduce import (
+        SharedMemoryCommunicator,
+        shm_supported,
+    )
 
     if world_size == 1:
         return ParallelContext(0, 1, group, None)

@@ -8,12 +8,6 @@ import types
 import typing
 
 
-def option(default, help_text: str, **extra):
-    """A config dataclass field with the help (and argparse extras, e.g. choices) that
-    `add_dataclass_args` turns into its command-line flag."""
-    return dataclasses.field(default=default, metadata={"help": help_text, **extra})
-
-
 def _base_type(annotation):
     if isinstance(annotation, str):
         annotation = eval(annotation, {"int": int, "str": str, "bool": bool, "float": float})

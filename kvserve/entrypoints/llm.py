@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from kvserve.core.engine import LLMEngine, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine_config import EngineConfig
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams

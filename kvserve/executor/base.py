@@ -15,8 +15,7 @@ from collections import deque
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.core.model_runner import ModelRunnerOutput
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.protocol.worker import ExecuteStep, ModelRunnerOutput
 
 
 class Executor(ABC):
@@ -31,16 +30,16 @@ class Executor(ABC):
         """Allocate `num_blocks` blocks of KV on every worker; called once, before execute."""
 
     @abstractmethod
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
         """Run one step's batch; the sampled token (and logprobs) of each sampling request."""
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
+    def submit(self, step: ExecuteStep) -> None:
         """Hand a step over without waiting for it (here: run it now, keep the result). A step
         with nothing scheduled (only finished ids for the workers) gives nothing to collect."""
         if not hasattr(self, "_results"):
             self._results: deque[ModelRunnerOutput] = deque()
-        output = self.execute(scheduler_output)
-        if scheduler_output.scheduled:
+        output = self.execute(step)
+        if step.scheduled:
             self._results.append(output)
 
     def collect(self) -> ModelRunnerOutput:
@@ -59,13 +58,13 @@ class PipelinedExecutor(Executor):
     `submit` then `collect`; subclasses implement those two."""
 
     @abstractmethod
-    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+    def submit(self, step: ExecuteStep) -> None: ...
 
     @abstractmethod
     def collect(self) -> ModelRunnerOutput: ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(scheduler_output)
-        if not scheduler_output.scheduled:
+    def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
+        self.submit(step)
+        if not step.scheduled:
             return ModelRunnerOutput({}, {})
         return self.collect()

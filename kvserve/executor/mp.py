@@ -23,26 +23,25 @@ import weakref
 import msgspec
 import zmq
 
-from kvserve.core.model_runner import ModelRunnerOutput
-from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import PipelinedExecutor
-from kvserve.executor.protocol import (
-    FromWorker,
-    InitKVCache,
-    KVCacheReady,
-    StepEncoder,
-    StepResult,
-    StopWorker,
-    WorkerFailed,
-    WorkerReady,
-)
 from kvserve.models import resolve_dtype
 from kvserve.processes import (
     close_sockets,
     describe_exit,
     start_module_process,
     stop_process,
+)
+from kvserve.protocol.worker import (
+    ExecuteStep,
+    FromWorker,
+    InitKVCache,
+    KVCacheReady,
+    ModelRunnerOutput,
+    StepResult,
+    StopWorker,
+    WorkerFailed,
+    WorkerReady,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,6 @@ class MultiprocExecutor(PipelinedExecutor):
         self.decoder = msgspec.msgpack.Decoder(FromWorker)
         self.inputs: list[zmq.Socket] = []
         self.workers: list[subprocess.Popen] = []
-        self.step_encoder = StepEncoder()
         self._pending = 0  # submitted steps with something scheduled, not yet collected
         self._closed = False
         # also when the executor is garbage-collected without shutdown(): workers never outlive
@@ -104,18 +102,18 @@ class MultiprocExecutor(PipelinedExecutor):
         self.inputs.append(socket)
         args = [address, results_address, str(rank), str(self.world_size), init_method,
                 str(os.getpid()), str(logging.getLogger().getEffectiveLevel())]
-        self.workers.append(start_module_process("kvserve.executor.worker", args, self.config))
+        self.workers.append(start_module_process("kvserve.worker.worker", args, self.config))
 
     # ---- the executor interface ------------------------------------------------------------
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._broadcast(InitKVCache(num_blocks, block_size))
         self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
+    def submit(self, step: ExecuteStep) -> None:
         """Every worker gets the step; the pipeline's first stage starts on it while later
         stages may still run earlier steps (workers run steps in the order sent)."""
-        self._broadcast(self.step_encoder.encode(scheduler_output))
-        if scheduler_output.scheduled:
+        self._broadcast(step)
+        if step.scheduled:
             self._pending += 1
 
     def collect(self) -> ModelRunnerOutput:
@@ -187,7 +185,10 @@ def _stop_workers(workers: list[subprocess.Popen], inputs: list[zmq.Socket],
 def _check_model_splits(config: EngineConfig) -> None:
     """A model that cannot split over the ranks is a ValueError here, before any worker starts
     (read from the model's config alone)."""
-    from kvserve.distributed.sharding import validate_pipeline_parallel, validate_tensor_parallel
+    from kvserve.distributed.sharding import (
+        validate_pipeline_parallel,
+        validate_tensor_parallel,
+    )
     from kvserve.model_source import resolve_model
     from kvserve.weights import load_config
 

@@ -26,19 +26,18 @@ from collections import deque
 
 import msgspec
 
-from kvserve.core.model_runner import ModelRunnerOutput
-from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import PipelinedExecutor
 from kvserve.executor.mp import WorkerDiedError, _check_model_splits
-from kvserve.executor.protocol import (
+from kvserve.models import resolve_dtype
+from kvserve.protocol.worker import (
+    ExecuteStep,
     InitKVCache,
     KVCacheReady,
-    StepEncoder,
+    ModelRunnerOutput,
     StepResult,
     WorkerReady,
 )
-from kvserve.models import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +77,8 @@ class RayWorker:
     def start(self, config: EngineConfig, rank: int, world_size: int,
               init_method: str) -> tuple[bytes, bool]:
         """Join the group and load this rank's shard: (WorkerReady, is it the output rank)."""
-        from kvserve.executor.protocol import ExecuteStep
-        from kvserve.executor.worker import Worker
+        from kvserve.protocol.worker import ExecuteStep
+        from kvserve.worker.worker import Worker
 
         logging.basicConfig(level=self.log_level, force=True,
                             format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: "
@@ -109,7 +108,6 @@ class RayExecutor(PipelinedExecutor):
         self.world_size = config.world_size
         self.max_concurrent_batches = config.pipeline_parallel_size
         self.encoder = msgspec.msgpack.Encoder()
-        self.step_encoder = StepEncoder()
         self.result_decoder = msgspec.msgpack.Decoder(StepResult)
         self._outputs: deque = deque()  # output rank's refs of scheduled steps, oldest first
         self._calls: list = []  # every other call not yet seen finished: checked for failures
@@ -169,14 +167,14 @@ class RayExecutor(PipelinedExecutor):
         for reply in replies:
             msgspec.msgpack.decode(reply, type=KVCacheReady)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
+    def submit(self, step: ExecuteStep) -> None:
         """Every actor gets the step (Ray keeps each actor's calls in order, so a pipeline's
         first stage starts on it while later stages may still run earlier steps)."""
         self.check_health()
-        data = self.encoder.encode(self.step_encoder.encode(scheduler_output))
+        data = self.encoder.encode(step)
         for actor in self._held.actors:
             ref = actor.execute.remote(data)
-            if actor is self.output_actor and scheduler_output.scheduled:
+            if actor is self.output_actor and step.scheduled:
                 self._outputs.append(ref)
             else:
                 self._calls.append(ref)

@@ -1,70 +1,33 @@
-"""The `uni` executor: the model and its KV cache in the engine core's own process."""
+"""The `uni` executor: one worker, the model and its KV cache, in the engine core's own process.
+Steps reach it as the same ExecuteStep objects the other executors send, only not serialized."""
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass
-
-import torch
-
-from kvserve.config import ModelConfig
-from kvserve.core.model_runner import ModelRunner, ModelRunnerOutput
-from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import Executor
-from kvserve.model_source import resolve_model
-from kvserve.models import load_model, resolve_dtype
-from kvserve.platform import default_dtype, kv_cache_dtype
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    config: ModelConfig  # the rank's (its heads) when sharded
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    quantization: str
-
-
-def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
-    """The model as the engine options ask for it (dtype, backend, kernels, quantization, KV
-    dtype); with a tensor-parallel `parallel` context, this rank's shard."""
-    start = time.perf_counter()
-    source = resolve_model(config.model)
-    dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
-        config.dtype)
-    extra = {"parallel": parallel} if parallel is not None else {}
-    model, model_config = load_model(
-        source, dtype, config.device, config.attention_backend,
-        use_cpu_kernels=config.cpu_kernels, quantization=config.quantization,
-        dtype_is_default=config.dtype == "auto", **extra)
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",
-                              config.device)
-    if kv_dtype not in (dtype, torch.bfloat16):
-        raise ValueError(f"a {kv_dtype} KV cache needs {kv_dtype} activations (they are "
-                         f"{dtype})")
-    logger.info("model loaded in %.2fs", time.perf_counter() - start)
-    return LoadedModel(model, getattr(model, "config", model_config), dtype, kv_dtype,
-                       getattr(model, "quantization", "none"))
+from kvserve.protocol.worker import ExecuteStep, InitKVCache, ModelRunnerOutput
+from kvserve.worker.worker import Worker
 
 
 class UniExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.config = config
-        loaded = load_engine_model(config)
+        self.worker = Worker(config, rank=0, world_size=1, init_method="")
+        loaded = self.worker.loaded
         self.model = loaded.model
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.kv_dtype = loaded.kv_dtype
         self.quantization = loaded.quantization
-        self.runner: ModelRunner | None = None
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.config.device,
-                                  self.config.seed, kv_dtype=self.kv_dtype)
+        self.worker.init_kv_cache(InitKVCache(num_blocks, block_size))
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+    def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
+        result = self.worker.execute(step)
+        return result.output if result is not None else ModelRunnerOutput({}, {})
+
+    @property
+    def runner(self):
+        """The worker's model runner (tests and profiling look inside it)."""
+        return self.worker.runner

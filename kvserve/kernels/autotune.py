@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import isa
-from kvserve.weights.cache import cache_dir
+from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from kvserve.kernels import isa
-from kvserve.weights.cache import cache_dir
+from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,6 @@ design and what other engines learnt.
 """
 
 from kvserve.kv_transfer.config import KVTransferConfig
-from kvserve.kv_transfer.params import KVTransferParams
+from kvserve.protocol.kv_transfer_params import KVTransferParams
 
 __all__ = ["KVTransferConfig", "KVTransferParams"]

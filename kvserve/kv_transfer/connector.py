@@ -18,15 +18,18 @@ import queue
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
-from kvserve.core.request import Request, RequestStatus
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.leases import LeaseTable
-from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
+from kvserve.protocol.kv_transfer_params import KVTransferParams
+
+if TYPE_CHECKING:  # the engine core's request; the core imports this package, not the reverse
+    from kvserve.core.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +125,10 @@ class KVConnectorScheduler:
         return self.worker.finished_loads(wait_s)
 
     # ---- prefill side ----------------------------------------------------------------------
-    def should_hold(self, request: Request, status: RequestStatus) -> bool:
+    def should_hold(self, request: Request, finish_reason: str) -> bool:
         params = request.kv_transfer_params
         return (self.config.produces and params is not None and params.do_remote_decode
-                and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED))
+                and finish_reason in ("length", "stop"))
 
     def hold(self, request: Request, block_ids: list[int]) -> None:
         """Keep the request's blocks for a decode engine and set the handle its last output

@@ -28,7 +28,7 @@ class Lease:
     block_ids: list[int]
     deadline: float
     state: LeaseState = LeaseState.HELD
-    stalled: bool = False  # test-only (kvserve.testing.faults `kv_send`): pulls go unanswered
+    stalled: bool = False  # pulls go unanswered (a sender hung; the `kv_send` test fault)
 
 
 class LeaseTable:

@@ -31,7 +31,11 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
-from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
+from kvserve.distributed.sharding import (
+    stage_layer_counts,
+    stage_layer_range,
+    vocab_range,
+)
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 

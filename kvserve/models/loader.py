@@ -28,8 +28,8 @@ from kvserve.distributed.parallel_state import (
 from kvserve.distributed.sharding import shard_config, shard_rule
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import ModelSource
-from kvserve.quant import quantize_model, resolve_quantization, use_bf16_panels
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.quant import quantize_model, resolve_quantization, use_bf16_panels
 from kvserve.weights import cache, load_config, load_hf_named_tensors
 from kvserve.weights.hf_dir import safetensors_files
 from kvserve.weights.sharded import iter_sharded_safetensors, shard_tensors

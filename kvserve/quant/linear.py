@@ -34,7 +34,12 @@ from torch import nn
 from kvserve.distributed.communication import all_reduce_max
 from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.kernels import autotune
-from kvserve.kernels.reference import pack_bf16, pack_int4, pack_int8, quantize_int8_groupwise
+from kvserve.kernels.reference import (
+    pack_bf16,
+    pack_int4,
+    pack_int8,
+    quantize_int8_groupwise,
+)
 
 QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")  # plus "auto", see resolve_quantization
 INT4_GROUP_SIZE = 32

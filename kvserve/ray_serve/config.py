@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.entrypoints.cli_args import option as _opt
+from kvserve.options import option as _opt
 
 # ours (kvserve.router.policy, inside KVAwareRequestRouter), then Ray Serve's own routers
 REQUEST_ROUTERS = ("kv-aware", "round-robin", "least-loaded", "prefix-cache-affinity",

@@ -58,7 +58,7 @@ class EngineReplica:
         from ray import serve
         from ray.util import get_node_ip_address
 
-        from kvserve.core.async_engine import AsyncEngine
+        from kvserve.engine.async_engine import AsyncEngine
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.config = with_kv_events(engine_config, kv_events_host or get_node_ip_address())

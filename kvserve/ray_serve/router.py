@@ -4,7 +4,7 @@ It runs in the process holding the DeploymentHandle (the ingress), one per handl
 tells it where it publishes its KV events (`record_replica_metadata`, and again in its routing
 stats); an EventSubscriber keeps a KVIndex of the block hashes each replica caches, exactly as
 `kvserve router` does (router/index.py, router/subscriber.py). For a request it tokenizes the
-prompt as the replica will (router/prompts.py), hashes its full blocks (core/block_hash.py),
+prompt as the replica will (router/prompts.py), hashes its full blocks (protocol/block_hash.py),
 counts the leading blocks each replica holds, and ranks with router/policy.py's cost: kv-aware
 (uncached prompt blocks x weight + blocks in use), least-loaded or round-robin.
 
@@ -22,9 +22,14 @@ import time
 from collections import OrderedDict
 from typing import List, Optional
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
-from kvserve.core.block_hash import block_hashes
+from kvserve.protocol.block_hash import block_hashes
 from kvserve.ray_serve import registry
 from kvserve.router.index import KVIndex
 from kvserve.router.policy import Candidate, make_policy

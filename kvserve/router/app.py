@@ -27,11 +27,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvserve.core.block_hash import block_hashes
-from kvserve.entrypoints.cli_args import option as _opt
 from kvserve.entrypoints.openai.errors import error_body, error_response
 from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
+from kvserve.options import option as _opt
+from kvserve.protocol.block_hash import block_hashes
 from kvserve.router.disagg import PrefillStage
 from kvserve.router.index import KVIndex
 from kvserve.router.metrics import RouterMetrics

@@ -1,7 +1,7 @@
 """The router's view of the replicas' KV caches: which replica holds which block hash, kept in
 step with each replica's event stream.
 
-The hashes are chained and equal across processes (core/block_hash.py), so one hash names a
+The hashes are chained and equal across processes (protocol/block_hash.py), so one hash names a
 whole prefix and a flat map hash -> replicas is the index; a replica's overlap with a prompt is
 the number of the prompt's leading block hashes it holds. `EventSync` applies one replica's
 batches in sequence order and heals its view: a gap is replayed from the replica's buffer, else
@@ -16,8 +16,14 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from kvserve.core.block_hash import HASH_ALGORITHM
-from kvserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+from kvserve.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVSnapshot,
+)
+from kvserve.protocol.block_hash import HASH_ALGORITHM
 
 logger = logging.getLogger(__name__)
 

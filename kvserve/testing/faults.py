@@ -1,26 +1,34 @@
-"""Test-only fault injection, so the reliability suites can make one request fail inside the engine.
+"""Test-only fault injection, so the reliability suites can make one request fail inside the
+engine. It is a general plugin (kvserve/plugins.py): nothing in the package imports it.
 
-Off unless the process was started with KVSERVE_FAULT_INJECTION=1 (or a test sets
-`engine.faults = FaultInjector(True)`): a request field alone never turns it on. When on, a
-request whose prompt text contains `kvserve-fault:<kind>` triggers the fault `<kind>`:
-`execute` (the batched forward raises), `output` (output processing raises), `engine_thread`
-(a BaseException ends the engine core's loop: its thread, or its process) or `kv_send` (a
-prefill engine holds the request's KV for a decode engine but its sender never answers the
-pull: a prefill server hung, or dying, mid-transfer).
+A process runs it when `KVSERVE_PLUGINS` names `kvserve.testing.faults:register` (servers
+started by tests; child processes inherit it), or when a test calls `enable()` in its own
+process. Then a request whose prompt text contains `kvserve-fault:<kind>` triggers the fault
+`<kind>`:
 
-The front-end reads the markers from the prompt text and, only while it is on, tags the request
-with the kinds it asks for (`EngineCoreRequest.faults`); the engine core, in this process or in
-its own, acts on the tags alone and never reads the switch.
+- `execute`: the worker's batched step raises (the engine core re-runs each request alone and
+  fails only the one that asked);
+- `output`: the front-end's output processing of that request raises;
+- `engine_thread`: a BaseException from the worker ends the engine core's loop (its thread, or
+  its process);
+- `kv_send`: a prefill engine holds the request's KV for a decode engine but its sender never
+  answers the pull (a prefill server hung, or dying, mid-transfer).
+
+The hooks wrap the real classes (Worker, SampleState, the KV connector's scheduler side) and
+read the prompt's text with the model's own tokenizer, so no fault field crosses the wire.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import Iterable
 
-ENV_VAR = "KVSERVE_FAULT_INJECTION"
 MARKER = "kvserve-fault:"
 KINDS = ("execute", "output", "engine_thread", "kv_send")
+PLUGIN = "kvserve.testing.faults:register"
+
+_state = {"enabled": False, "installed": False}
+_tokenizers: dict[str, object] = {}
 
 
 class InjectedFault(RuntimeError):
@@ -31,30 +39,24 @@ class InjectedEngineDeath(BaseException):
     """Escapes `except Exception`, so it ends the engine thread like an unforeseen crash."""
 
 
-class FaultInjector:
-    def __init__(self, enabled: bool = False):
-        self.enabled = enabled
-
-    @classmethod
-    def from_env(cls) -> "FaultInjector":
-        return cls(os.environ.get(ENV_VAR) == "1")
-
-    def kinds_asked(self, prompt: str | None) -> list[str]:
-        """The fault kinds `prompt` asks for, while on (else none)."""
-        if not self.enabled or not prompt:
-            return []
-        return [kind for kind in KINDS if MARKER + kind in prompt]
-
-    def maybe_raise(self, kind: str, prompts: Iterable[str | None]) -> None:
-        """Raise the fault `kind` if it is enabled and one of `prompts` asks for it."""
-        if self.enabled and any(kind in self.kinds_asked(prompt) for prompt in prompts):
-            raise_fault(kind)
+def register() -> None:
+    """The KVSERVE_PLUGINS entry point: faults on in this process."""
+    enable(True)
 
 
-def raise_tagged(kind: str, tags: Iterable[list[str]]) -> None:
-    """In the engine core: raise the fault `kind` if one of the requests' tags holds it."""
-    if any(kind in request_tags for request_tags in tags):
-        raise_fault(kind)
+def enable(on: bool = True) -> None:
+    """Turn fault injection on or off in this process (installing the hooks once)."""
+    if on and not _state["installed"]:
+        _install()
+        _state["installed"] = True
+    _state["enabled"] = on
+
+
+def kinds_asked(prompt: str | None) -> list[str]:
+    """The fault kinds `prompt` asks for, while on (else none)."""
+    if not _state["enabled"] or not prompt:
+        return []
+    return [kind for kind in KINDS if MARKER + kind in prompt]
 
 
 def raise_fault(kind: str) -> None:
@@ -62,3 +64,90 @@ def raise_fault(kind: str) -> None:
     if kind == "engine_thread":
         raise InjectedEngineDeath(tag)
     raise InjectedFault(f"injected fault ({tag})")
+
+
+def _prompt_text(model: str, token_ids: Iterable[int]) -> str:
+    tokenizer = _tokenizers.get(model)
+    if tokenizer is None:
+        from kvserve.model_source import resolve_model
+        from kvserve.tokenizer import load_tokenizer
+
+        tokenizer = _tokenizers[model] = load_tokenizer(resolve_model(model))
+    return tokenizer.decode(list(token_ids))
+
+
+def _install() -> None:
+    _install_worker_hook()
+    _install_output_hook()
+    _install_kv_send_hook()
+
+
+def _install_worker_hook() -> None:
+    """`execute` and `engine_thread`: raised from the worker's step when a scheduled request's
+    prompt asks (a request's kinds are read once, when the worker first sees it)."""
+    from kvserve.worker.worker import Worker
+
+    original = Worker.execute
+
+    @functools.wraps(original)
+    def execute(self, step):
+        asked = self.__dict__.setdefault("_fault_kinds", {})
+        for new in step.new_requests:
+            if new.request_id not in asked:
+                asked[new.request_id] = kinds_asked(
+                    _prompt_text(self.config.model, new.prompt_token_ids))
+        for request_id in step.finished_ids:
+            asked.pop(request_id, None)
+        kinds = {kind for item in step.scheduled for kind in asked.get(item.request_id, ())}
+        for kind in ("engine_thread", "execute"):
+            if kind in kinds and _state["enabled"]:
+                raise_fault(kind)
+        return original(self, step)
+
+    Worker.execute = execute
+
+
+def _install_output_hook() -> None:
+    """`output`: the front-end's processing of each delta of such a request raises."""
+    from kvserve.engine.output_processor import SampleState
+
+    original_init, original_add = SampleState.__init__, SampleState.add_delta
+
+    @functools.wraps(original_init)
+    def init(self, request_id, group_id, index, prompt_token_ids, params, tokenizer, *args,
+             **kwargs):
+        original_init(self, request_id, group_id, index, prompt_token_ids, params, tokenizer,
+                      *args, **kwargs)
+        self._fault_kinds = kinds_asked(tokenizer.decode(list(prompt_token_ids)))
+
+    @functools.wraps(original_add)
+    def add_delta(self, *args, **kwargs):
+        if "output" in getattr(self, "_fault_kinds", ()) and _state["enabled"]:
+            raise_fault("output")
+        return original_add(self, *args, **kwargs)
+
+    SampleState.__init__, SampleState.add_delta = init, add_delta
+
+
+def _install_kv_send_hook() -> None:
+    """`kv_send`: the prefill side holds the blocks, then its sender leaves the pull hanging."""
+    from kvserve.core.engine_core import EngineCore
+    from kvserve.kv_transfer.connector import KVConnectorScheduler
+
+    original_core_init, original_hold = EngineCore.__init__, KVConnectorScheduler.hold
+
+    @functools.wraps(original_core_init)
+    def core_init(self, config, *args, **kwargs):
+        original_core_init(self, config, *args, **kwargs)
+        if self.scheduler.connector is not None:
+            self.scheduler.connector._fault_model = config.model
+
+    @functools.wraps(original_hold)
+    def hold(self, request, block_ids):
+        original_hold(self, request, block_ids)
+        model = getattr(self, "_fault_model", None)
+        if model is not None and "kv_send" in kinds_asked(
+                _prompt_text(model, request.prompt_token_ids)):
+            self.leases.stall(request.request_id)
+
+    EngineCore.__init__, KVConnectorScheduler.hold = core_init, hold

@@ -16,18 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from kvserve.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 3
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("KVSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvserve"
 
 
 def artifact_path(gguf_path: Path, suffix: str) -> Path:

@@ -8,7 +8,6 @@ RoPE layout into the interleaved one llama.cpp computes with).
 from __future__ import annotations
 
 import dataclasses
-
 import re
 from pathlib import Path
 from typing import Any, Iterator

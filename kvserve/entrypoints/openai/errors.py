@@ -6,6 +6,7 @@ from fastapi.responses import JSONResponse
 
 from kvserve.errors import (
     ContextLengthExceededError,
+    EngineDeadError,
     InvalidRequestError,
     KVServeError,
     UnsupportedTokenizerError,
@@ -29,8 +30,6 @@ def error_response(status: int, message: str, param: str | None = None,
 
 def engine_error_body(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI-style body) for an error raised while serving a request."""
-    from kvserve.core.async_engine import EngineDeadError
-
     if isinstance(exc, ContextLengthExceededError):
         return 400, error_body(400, str(exc), exc.param, "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_N, SamplingParams
 
-
 # chat_template_kwargs may not override what the server itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "chat_template"})
 
@@ -82,7 +81,7 @@ class _SamplingFields(_RequestBody):
     kv_transfer_params: dict[str, Any] | None = None
 
     def kv_params(self):
-        from kvserve.kv_transfer.params import parse_kv_transfer_params
+        from kvserve.protocol.kv_transfer_params import parse_kv_transfer_params
 
         return parse_kv_transfer_params(self.kv_transfer_params)
 

@@ -20,8 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
-from kvserve.core.async_engine import AsyncEngine, EngineDeadError
-from kvserve.entrypoints.cli_args import option as _opt
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import (
     error_response,
@@ -36,6 +35,7 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.kv_events import kv_events_info
+from kvserve.options import option as _opt
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvserve.core.async_engine import AsyncEngine
-from kvserve.core.engine import PreparedRequest
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.llm_engine import PreparedRequest
 from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.outputs import CompletionOutput, RequestOutput

@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -21,16 +22,6 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and rank, plus the top-k alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass

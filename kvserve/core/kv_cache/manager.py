@@ -1,6 +1,6 @@
 """KVCacheManager: which blocks each request owns, and automatic prefix caching.
 
-It speaks block ids only. A full block is hashed (core/block_hash.py: chained to its parent
+It speaks block ids only. A full block is hashed (protocol/block_hash.py: chained to its parent
 block's hash, equal across processes) once its tokens' KV is computed; a later request whose
 prompt walks the same chain of hashes reuses those blocks. Rules learnt by other engines: a hit
 never covers the whole prompt (one token is always computed, to produce logits), hits are
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.core.block_hash import hash_block_tokens
-from kvserve.core.block_pool import BlockKey, BlockPool, KVBlock
+from kvserve.core.kv_cache.block_pool import BlockKey, BlockPool, KVBlock
 from kvserve.core.request import Request
+from kvserve.protocol.block_hash import hash_block_tokens
 
 
 @dataclass

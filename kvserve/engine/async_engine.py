@@ -29,13 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from kvserve.core.engine import LLMEngine, PreparedRequest, PromptType
+from kvserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import EngineDeadError, KVServeError, RequestFailedError
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.testing.faults import InjectedEngineDeath
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +232,7 @@ class AsyncEngine:
                 self._serve_thread_core()
         except BaseException as exc:  # the core is gone: nobody may wait on it
             logger.critical("engine core died: %s: %s", type(exc).__name__, exc,
-                            exc_info=not isinstance(exc, (InjectedEngineDeath,
-                                                          EngineDeadError)))
+                            exc_info=not isinstance(exc, EngineDeadError))
             error = exc if isinstance(exc, EngineDeadError) else \
                 EngineDeadError(f"the engine stopped: {type(exc).__name__}")
         finally:

@@ -1,4 +1,5 @@
-"""A minimal paged forward/greedy loop over ragged batches, for model-level tests.
+"""A minimal paged forward/greedy loop over ragged batches: model-level tests and the perplexity
+benchmark run a model without the engine.
 
 It gives each sequence consecutive blocks of a private pool; the engine's scheduler and KV manager
 (kvserve.core) do the real bookkeeping. Used to test the model and attention in isolation.

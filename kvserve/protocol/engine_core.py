@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from kvserve.core.sampler import TokenLogprobs
-from kvserve.kv_transfer.params import KVTransferParams
+from kvserve.protocol.kv_transfer_params import KVTransferParams
+from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -31,9 +31,6 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     max_tokens: int
     priority: int = 0
     arrival_time: float = 0.0
-    # test-only fault kinds this request asks for (kvserve.testing.faults); the front-end sets
-    # them only when its fault injector is on, so no client field can
-    faults: list[str] = []
     # disaggregated prefill/decode: keep the KV for a decode engine, or where to pull it from
     kv_transfer_params: KVTransferParams | None = None
 

@@ -1,9 +1,9 @@
-"""A worker of the `mp` executor: one rank's model shard (its pipeline stage's layers, its
-tensor-parallel slice of them), its KV tensors and a ModelRunner, driven step by step by the
-engine core. `Worker` is the rank itself, whatever process holds it; `run_worker` is the
-process loop of the `mp` executor.
+"""A worker: one rank's model shard (its pipeline stage's layers, its tensor-parallel slice of
+them), its KV tensors and a ModelRunner, driven step by step by the engine core through an
+executor. `Worker` is the rank itself, whatever holds it (the core's own process for `uni`, a
+process for `mp`, a Ray actor for `ray`); `run_worker` is the process loop of the `mp` executor.
 
-Started by the core as `python -m kvserve.executor.worker IN OUT RANK WORLD INIT PARENT LOG`
+Started by the `mp` executor as `python -m kvserve.worker.worker IN OUT RANK WORLD INIT PARENT LOG`
 with the EngineConfig as JSON on stdin. It joins the process group (torch.distributed, gloo on
 CPU), loads its shard, reports ready, then runs each ExecuteStep it receives. Any exception is
 fatal for the group (the other ranks would wait in a collective forever): it reports
@@ -16,57 +16,29 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from kvserve.engine_config import EngineConfig
-from kvserve.executor.protocol import (
+from kvserve.platform import exit_when_parent_dies
+from kvserve.plugins import load_plugins
+from kvserve.protocol.worker import (
     ExecuteStep,
     FromWorker,
     InitKVCache,
     KVCacheReady,
+    ScheduledData,
     StepResult,
     StopWorker,
     ToWorker,
     WorkerFailed,
     WorkerReady,
 )
-from kvserve.platform import exit_when_parent_dies
-from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.request_state import CachedRequestState, RunnerInput, ScheduledItem
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class MirroredRequest:
-    """What the model runner reads of a request: its id, sampling parameters and the token ids
-    penalties look at. Rank 0 appends the tokens it samples."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class WorkerScheduled:
-    """ScheduledRequest's shape for the runner, with the token ids sent rather than derived."""
-
-    request: MirroredRequest
-    token_ids: list[int]
-    num_new_tokens: int
-    start_position: int
-    block_ids: list[int]
-    sample: bool
-
-
-@dataclass
-class WorkerSchedulerOutput:
-    scheduled: list[WorkerScheduled]
-    finished_ids: list[str]
 
 
 class Worker:
@@ -75,9 +47,10 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str):
         from kvserve.distributed.parallel_state import output_rank
-        from kvserve.executor.uni import load_engine_model
         from kvserve.platform import configure_threads
+        from kvserve.worker.model_loading import load_engine_model
 
+        load_plugins()
         self.config = config
         self.rank = rank
         self.is_output_rank = rank == output_rank(config.tensor_parallel_size,
@@ -91,7 +64,7 @@ class Worker:
                 rank, world_size, init_method, device=config.device,
                 pipeline_parallel_size=config.pipeline_parallel_size)
         self.loaded = load_engine_model(config, self.parallel)
-        self.requests: dict[str, MirroredRequest] = {}
+        self.requests: dict[str, CachedRequestState] = {}
         self.runner = None
 
     def ready_message(self) -> WorkerReady:
@@ -100,8 +73,6 @@ class Worker:
                            str(loaded.kv_dtype).removeprefix("torch."), loaded.quantization)
 
     def init_kv_cache(self, message: InitKVCache) -> KVCacheReady:
-        from kvserve.core.model_runner import ModelRunner
-
         self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,
                                   self.config.device, self.config.seed,
                                   kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
@@ -109,11 +80,11 @@ class Worker:
         return KVCacheReady(self.rank)
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
-        for new in step.new_requests:
-            self.requests[new.request_id] = MirroredRequest(new.request_id,
-                                                            new.prompt_token_ids, new.params)
+        for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
+            if new.request_id not in self.requests:
+                self.requests[new.request_id] = CachedRequestState.from_new(new)
         scheduled = [self._scheduled(item) for item in step.scheduled]
-        output = self.runner.execute(WorkerSchedulerOutput(scheduled, step.finished_ids))
+        output = self.runner.execute(RunnerInput(scheduled, step.finished_ids))
         for request_id in step.finished_ids:
             self.requests.pop(request_id, None)
         if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
@@ -122,14 +93,13 @@ class Worker:
             self.requests[request_id].output_token_ids.append(token)
         return StepResult(output)
 
-    def _scheduled(self, item) -> WorkerScheduled:
+    def _scheduled(self, item: ScheduledData) -> ScheduledItem:
         request = self.requests[item.request_id]
         if item.reset_blocks:
             request.block_ids = list(item.new_block_ids)
         else:
             request.block_ids.extend(item.new_block_ids)
-        return WorkerScheduled(request, item.token_ids, len(item.token_ids),
-                               item.start_position, request.block_ids, item.sample)
+        return ScheduledItem(request, item.token_ids, item.start_position, item.sample)
 
     def shutdown(self) -> None:
         if self.parallel is not None:

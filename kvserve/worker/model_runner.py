@@ -1,4 +1,4 @@
-"""ModelRunner: a SchedulerOutput -> one flattened ragged batch -> forward -> sampled tokens.
+"""ModelRunner: a step's scheduled requests -> one flattened ragged batch -> forward -> sampled tokens.
 
 The only part of the engine that touches tensors and device memory (the KV cache lives here).
 Logits are computed just for the rows that sample. On a pipeline stage (`parallel` with pp_size
@@ -8,23 +8,16 @@ next stage after them; only the last stage samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvserve.attention import build_attention_metadata
 from kvserve.attention.kv_tensors import allocate_kv_caches
-from kvserve.core.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
-from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.models.llama import IntermediateTensors
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+from kvserve.protocol.worker import ModelRunnerOutput
+from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.worker.request_state import RunnerInput, ScheduledItem
 
 
 class ModelRunner:
@@ -51,7 +44,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: RunnerInput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
         scheduled = scheduler_output.scheduled
@@ -99,7 +92,7 @@ class ModelRunner:
         send_to_next_stage(out.pack(), stage)
         return None
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, item: ScheduledItem) -> SamplingRow:
         request = item.request
         return SamplingRow(
             params=request.sampling_params,
@@ -116,7 +109,7 @@ class ModelRunner:
         return self._generators[request_id]
 
     @staticmethod
-    def _package(sampling: list[ScheduledRequest], result: SamplerOutput) -> ModelRunnerOutput:
+    def _package(sampling: list[ScheduledItem], result: SamplerOutput) -> ModelRunnerOutput:
         ids = [s.request.request_id for s in sampling]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)

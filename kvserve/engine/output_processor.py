@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.core.messages import EngineCoreOutput
 from kvserve.core.request import RequestTimes
-from kvserve.core.sampler import TokenLogprobs
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.protocol.engine_core import EngineCoreOutput
+from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 

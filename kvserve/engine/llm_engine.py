@@ -14,11 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from kvserve.core.core_client import InprocClient, make_core_client
-from kvserve.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kvserve.core.output_processor import RequestGroup, SampleState
+from kvserve.engine.core_client import InprocClient, make_core_client
+from kvserve.engine.output_processor import RequestGroup, SampleState
 from kvserve.engine_config import EngineConfig
-from kvserve.kv_transfer.params import KVTransferParams
 from kvserve.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -26,8 +24,14 @@ from kvserve.errors import (
 )
 from kvserve.model_source import resolve_model
 from kvserve.outputs import RequestOutput
+from kvserve.plugins import load_plugins
+from kvserve.protocol.engine_core import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.sampling_params import SamplingParams, fits_int64
-from kvserve.testing.faults import FaultInjector
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,9 +59,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, warm_up: bool = False):
         self.config = config
         start = time.perf_counter()
+        load_plugins()
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source)
-        self.faults = FaultInjector.from_env()  # test-only; off unless its env var is set
         self.core = make_core_client(config, warm_up)
         ready = self.core.ready
         self.max_model_len = ready.max_model_len
@@ -117,7 +121,6 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids)
-        faults = self.faults.kinds_asked(prepared.prompt)
         requests = []
         for index in range(params.n):
             child_params = params.clone()
@@ -130,7 +133,7 @@ class LLMEngine:
             group.samples.append(state)
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
-                prepared.priority, prepared.arrival_time, faults,
+                prepared.priority, prepared.arrival_time,
                 prepared.kv_transfer_params))
         sent: list[str] = []
         try:
@@ -238,7 +241,6 @@ class LLMEngine:
                 self._fail(state.group_id, RequestFailedError(delta.error))
                 continue
             try:
-                self.faults.maybe_raise("output", [group.prompt])
                 if state.add_delta(delta, now):
                     stopped_here.append(state.request_id)
             except Exception as exc:

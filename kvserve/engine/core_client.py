@@ -1,6 +1,6 @@
 """How the front-end reaches the engine core: in this process, or in a process of its own.
 
-Both clients speak the messages of core/messages.py: `add_request`, `abort_requests`,
+Both clients speak the messages of protocol/engine_core.py: `add_request`, `abort_requests`,
 `get_outputs` (one EngineCoreOutputs per core step), `call_utility`, `shutdown`. The process
 client also watches the core: if it dies (segfault, kill -9, OOM kill) the next call raises
 EngineDeadError within LIVENESS_POLL_SECONDS, so nobody waits on a dead core.
@@ -23,7 +23,15 @@ import msgspec
 import zmq
 
 from kvserve import errors
-from kvserve.core.messages import (
+from kvserve.engine_config import EngineConfig
+from kvserve.errors import EngineDeadError
+from kvserve.processes import (
+    close_sockets,
+    describe_exit,
+    start_module_process,
+    stop_process,
+)
+from kvserve.protocol.engine_core import (
     AbortRequests,
     Codec,
     CoreFailed,
@@ -34,14 +42,6 @@ from kvserve.core.messages import (
     Shutdown,
     UtilityCall,
     UtilityResult,
-)
-from kvserve.engine_config import EngineConfig
-from kvserve.errors import EngineDeadError
-from kvserve.processes import (
-    close_sockets,
-    describe_exit,
-    start_module_process,
-    stop_process,
 )
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,53 @@
+"""The engine core's side of the worker protocol: each SchedulerOutput becomes the ExecuteStep
+every worker gets, carrying only what the workers do not hold yet."""
+
+from __future__ import annotations
+
+from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.protocol.worker import ExecuteStep, NewRequestData, ScheduledData
+
+
+class StepEncoder:
+    """Turns each SchedulerOutput into the ExecuteStep every worker gets, remembering what the
+    workers already hold: a request's prompt and parameters, and its block ids so far."""
+
+    def __init__(self) -> None:
+        self._sent_blocks: dict[str, list[int]] = {}  # request id -> block ids workers hold
+
+    def encode(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
+        new_requests, scheduled = [], []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            sent = self._sent_blocks.get(request.request_id)
+            if sent is None:
+                new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                                   request.sampling_params))
+                sent = self._sent_blocks[request.request_id] = []
+            blocks, reset = _block_delta(sent, item.block_ids)
+            scheduled.append(ScheduledData(request.request_id, item.token_ids,
+                                           item.start_position, blocks, item.sample, reset))
+        for request_id in scheduler_output.finished_ids:
+            self._sent_blocks.pop(request_id, None)
+        return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids))
+
+    def encode_alone(self, item: ScheduledRequest) -> ExecuteStep:
+        """One scheduled request again, on its own (after its batch raised): its prompt and
+        whole block table, so the step is right whatever the failed one left applied."""
+        request = item.request
+        self._sent_blocks[request.request_id] = list(item.block_ids)
+        return ExecuteStep(
+            [NewRequestData(request.request_id, request.prompt_token_ids,
+                            request.sampling_params)],
+            [ScheduledData(request.request_id, item.token_ids, item.start_position,
+                           list(item.block_ids), item.sample, reset_blocks=True)], [])
+
+
+def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
+    """(block ids to send, whether they replace the workers' table). Tables only grow while a
+    request runs; a preempted request comes back with a new table, sent whole."""
+    if len(current) >= len(sent) and current[:len(sent)] == sent:
+        added = current[len(sent):]
+        sent.extend(added)
+        return list(added), False
+    sent[:] = current
+    return list(current), True

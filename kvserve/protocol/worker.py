@@ -1,0 +1,92 @@
+"""Messages between the engine core and its workers, as msgspec structs: the contract every
+executor carries (in-process for `uni`, ZeroMQ for `mp`, actor calls for `ray`).
+
+A request's prompt and sampling parameters cross once (`NewRequestData`); after that each step
+sends, per scheduled request, the token ids it computes (one per decode), the block ids added
+since the last step (the whole list again only after a preemption) and whether it samples.
+The output rank answers with the sampled tokens (`ModelRunnerOutput`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvserve.config import ModelConfig
+from kvserve.sampling_params import SamplingParams
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and rank, plus the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A step's samples, per request that sampled."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class NewRequestData(msgspec.Struct, **_WIRE):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class ScheduledData(msgspec.Struct, **_WIRE):
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    new_block_ids: list[int]
+    sample: bool
+    reset_blocks: bool = False  # new_block_ids is the whole table (after a preemption)
+
+
+class InitKVCache(msgspec.Struct, tag=True, **_WIRE):
+    num_blocks: int
+    block_size: int
+
+
+class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledData]
+    finished_ids: list[str]
+
+
+class StopWorker(msgspec.Struct, tag=True, **_WIRE):
+    pass
+
+
+class WorkerReady(msgspec.Struct, tag=True, **_WIRE):
+    rank: int
+    model_config: ModelConfig  # the rank's shard (its heads): sizes its KV blocks
+    dtype: str
+    kv_dtype: str
+    quantization: str
+
+
+class KVCacheReady(msgspec.Struct, tag=True, **_WIRE):
+    rank: int
+
+
+class StepResult(msgspec.Struct, tag=True, **_WIRE):
+    output: ModelRunnerOutput
+
+
+class WorkerFailed(msgspec.Struct, tag=True, **_WIRE):
+    rank: int
+    message: str
+
+
+ToWorker = InitKVCache | ExecuteStep | StopWorker
+FromWorker = WorkerReady | KVCacheReady | StepResult | WorkerFailed

@@ -1,0 +1,52 @@
+"""What a worker holds of each request between steps: the one request type the model runner
+reads (a new per-request field for the worker is added here and in `NewRequestData`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.protocol.worker import NewRequestData
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """A request's id, sampling parameters, the token ids penalties look at and its block
+    table. The output rank appends the tokens it samples."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+        return cls(new.request_id, new.prompt_token_ids, new.params)
+
+
+@dataclass
+class ScheduledItem:
+    """One request's part of a step, as the runner takes it."""
+
+    request: CachedRequestState
+    token_ids: list[int]
+    start_position: int
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.request.block_ids
+
+
+@dataclass
+class RunnerInput:
+    """A step for the model runner: the scheduled requests, and those finished since the last
+    step (their per-request state, e.g. seeded generators, is dropped)."""
+
+    scheduled: list[ScheduledItem]
+    finished_ids: list[str]
