@@ -24,8 +24,9 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.kv_transfer.config import KVTransferConfig, kv_transfer_config
 from kvserve.kv_transfer.leases import LeaseTable
-from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
+from kvserve.protocol.kv_transfer_params import KVTransferParams
+from kvserve.protocol.worker import ModelRunnerOutput
 
 PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)
             for i in range(12)] + ["Hi", "x", "Paris is", "1, 2, 3,"])
@@ -207,7 +208,7 @@ def test_prefill_side_holds_blocks_until_released():
     request.kv_transfer_params = KVTransferParams(do_remote_decode=True)
     scheduler.add_request(request)
     output = scheduler.schedule()
-    scheduler.update_from_output(output, {"p": 1})
+    scheduler.update_from_output(output, ModelRunnerOutput({"p": [1]}, {}))
     scheduler.finish_request("p", RequestStatus.FINISHED_LENGTH)
     assert connector.held["p"] and scheduler.kv.pool.num_used_blocks == 2
     assert scheduler.finish_request("p", RequestStatus.FINISHED_ABORTED) is None  # ignored

@@ -7,6 +7,7 @@ from torch import nn
 
 from kvserve.kernels import get_ops, reference
 from kvserve.models import random_model
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.quant.linear import (
     INT4_KERNEL_MAX_ROWS,
     Int4WeightOnlyLinear,
@@ -15,7 +16,6 @@ from kvserve.quant.linear import (
     quantize_int4_groupwise,
     resolve_quantization,
 )
-from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -32,8 +33,9 @@ def make_request(request_id, prompt_len, max_tokens=4, priority=0, seed_token=10
 
 def fake_step(scheduler: Scheduler, token_for=lambda request: 5):
     output = scheduler.schedule()
-    sampled = {s.request.request_id: token_for(s.request) for s in output.scheduled if s.sample}
-    finished = scheduler.update_from_output(output, sampled)
+    sampled = {s.request.request_id: [token_for(s.request)] for s in output.scheduled
+               if s.sample}
+    finished = scheduler.update_from_output(output, ModelRunnerOutput(sampled, {}))
     return output, finished
 
 
@@ -249,8 +251,8 @@ def _submit(scheduler: Scheduler):
 
 
 def _complete(scheduler: Scheduler, output) -> None:
-    sampled = {s.request.request_id: 5 for s in output.scheduled if s.sample}
-    scheduler.update_from_output(output, sampled)
+    sampled = {s.request.request_id: [5] for s in output.scheduled if s.sample}
+    scheduler.update_from_output(output, ModelRunnerOutput(sampled, {}))
     scheduler.in_flight.difference_update(s.request.request_id for s in output.scheduled)
 
 
@@ -284,3 +286,66 @@ def test_requests_in_flight_are_never_preempted():
     assert scheduler.requests["a"].status == RequestStatus.PREEMPTED  # a made way itself
     _complete(scheduler, third)
     assert scheduler.requests["b"].num_computed_tokens == 7
+
+
+# ---- several tokens per step (speculative decoding's contract) ------------------------------
+def _step_with(scheduler: Scheduler, tokens: list[int], rejected: int = 0):
+    output = scheduler.schedule()
+    (item,) = output.scheduled
+    runner_output = ModelRunnerOutput({item.request.request_id: tokens} if item.sample else {},
+                                      {}, {item.request.request_id: rejected})
+    return output, scheduler.update_from_output(output, runner_output)
+
+
+def test_a_stop_token_mid_list_drops_the_tokens_after_it():
+    scheduler = make_scheduler()
+    request = make_request("r", 5, max_tokens=10)
+    scheduler.add_request(request)
+    _, finished = _step_with(scheduler, [5, 6, EOS, 7])
+    assert finished == [request] and request.output_token_ids == [5, 6, EOS]
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert scheduler.kv.pool.num_used_blocks == 0
+
+
+def test_max_tokens_cuts_a_list_and_min_tokens_lets_eos_through_only_after_it():
+    scheduler = make_scheduler()
+    capped = make_request("capped", 5, max_tokens=3)
+    scheduler.add_request(capped)
+    _step_with(scheduler, [5, 6, 7, 8])
+    assert capped.output_token_ids == [5, 6, 7]
+    assert capped.status == RequestStatus.FINISHED_LENGTH
+    early_eos = make_request("min", 5, max_tokens=8)
+    early_eos.sampling_params.min_tokens = 2
+    scheduler.add_request(early_eos)
+    _step_with(scheduler, [EOS, 6, EOS, 9])
+    assert early_eos.output_token_ids == [EOS, 6, EOS]  # the first EOS came before min_tokens
+
+
+def test_tokens_that_arrive_together_are_computed_in_the_next_step():
+    scheduler = make_scheduler()
+    request = make_request("r", 5, max_tokens=10)
+    scheduler.add_request(request)
+    _step_with(scheduler, [5, 6, 7])
+    assert request.num_computed_tokens == 5 and request.num_tokens == 8
+    output, _ = _step_with(scheduler, [8])
+    (item,) = output.scheduled
+    assert (item.start_position, item.num_new_tokens, item.sample) == (5, 3, True)
+    assert request.output_token_ids == [5, 6, 7, 8]
+
+
+def test_rejected_positions_step_back_and_never_enter_the_prefix_cache():
+    """A verification step of 8 positions keeps 5 (3 rejected): the second block, only partly
+    computed now, stays unhashed; the next step computes from position 5 again."""
+    scheduler = make_scheduler(block_size=4)
+    request = make_request("r", 8, max_tokens=10)
+    scheduler.add_request(request)
+    _step_with(scheduler, [5], rejected=3)
+    assert request.num_computed_tokens == 5
+    cached = [block.block_hash is not None for block in scheduler.kv.req_blocks["r"]]
+    assert cached == [True, False]
+    output, _ = _step_with(scheduler, [6])
+    (item,) = output.scheduled
+    assert (item.start_position, item.num_new_tokens) == (5, 4)
+    assert request.num_computed_tokens == 9
+    assert [block.block_hash is not None for block in scheduler.kv.req_blocks["r"]] == \
+        [True, True, False]

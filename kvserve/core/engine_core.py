@@ -246,9 +246,9 @@ class EngineCore:
                 self.scheduler.in_flight.update(item.request.request_id
                                                 for item in scheduler_output.scheduled)
                 if len(queue) < self.executor.max_concurrent_batches:
-                    return self._update(SchedulerOutput(), ModelRunnerOutput({}, {}))
+                    return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         if not queue:
-            return self._update(SchedulerOutput(), ModelRunnerOutput({}, {}))
+            return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         scheduler_output = queue.popleft()
         runner_output = self.executor.collect()
         for item in scheduler_output.scheduled:
@@ -257,23 +257,27 @@ class EngineCore:
 
     def _update(self, scheduler_output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        """Advance the scheduler by a step's results; each sampling request's delta."""
-        self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        """Advance the scheduler by a step's results; each sampling request's delta: the tokens
+        it kept (a stop mid-list drops the rest) with their logprobs."""
+        sampling = [item.request for item in scheduler_output.scheduled
+                    if item.sample and not item.request.is_finished]
+        num_before = [request.num_output_tokens for request in sampling]
+        self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, self._failed = self._failed, []
-        for item in scheduler_output.scheduled:
-            request = item.request
-            token = runner_output.sampled_token_ids.get(request.request_id)
-            if item.sample and token is not None:
-                outputs.append(self._delta(request, token,
-                                           runner_output.logprobs.get(request.request_id)))
+        for request, before in zip(sampling, num_before):
+            new_tokens = request.output_token_ids[before:]
+            if new_tokens:
+                logprobs = runner_output.logprobs.get(request.request_id)
+                outputs.append(self._delta(request, new_tokens, before == 0,
+                                           logprobs[:len(new_tokens)] if logprobs else None))
         self.kv_events.flush()
         return EngineCoreOutputs(outputs, self.stats())
 
-    def _delta(self, request: Request, token: int, logprobs) -> EngineCoreOutput:
-        first = request.num_output_tokens == 1
-        output = EngineCoreOutput(
-            request.request_id, [token], [logprobs] if logprobs is not None else None,
-            num_preemptions=request.num_preemptions)
+    @staticmethod
+    def _delta(request: Request, new_tokens: list[int], first: bool,
+               logprobs) -> EngineCoreOutput:
+        output = EngineCoreOutput(request.request_id, new_tokens, logprobs,
+                                  num_preemptions=request.num_preemptions)
         if first:
             output.num_cached_tokens = request.num_cached_tokens
             output.first_scheduled_time = request.times.first_scheduled
@@ -298,15 +302,14 @@ class EngineCore:
         KV positions. Requests that raise alone fail; if none does, the batch as a whole was at
         fault and everyone simply got their results the slow way. (A seeded request whose
         generator was drawn from before the batch raised may sample differently.)"""
-        merged = ModelRunnerOutput({}, {})
+        merged = ModelRunnerOutput.empty()
         for item in scheduler_output.scheduled:
             try:
                 result = self.executor.execute(self.step_encoder.encode_alone(item))
             except Exception as exc:
                 self.fail_request(item.request.request_id, "running it", exc)
                 continue
-            merged.sampled_token_ids.update(result.sampled_token_ids)
-            merged.logprobs.update(result.logprobs)
+            merged.merge(result)
         return merged
 
     def fail_request(self, request_id: str, stage: str, exc: BaseException) -> None:

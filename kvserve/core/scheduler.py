@@ -23,6 +23,7 @@ from typing import Literal
 
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.protocol.worker import ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -298,28 +299,43 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply token-level stops.
-        Returns the requests that finished in this step."""
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed counts, append each sampling request's new tokens (0..k+1 of them)
+        and apply token-level stops after each, dropping the tokens after a stop. Positions the
+        runner rejected (drafts) step `num_computed_tokens` back before any block is cached,
+        so they never enter the prefix cache. Returns the requests that finished."""
         finished = []
         now = time.monotonic()
+        sampled = runner_output.sampled_token_ids
+        rejected = runner_output.num_rejected_tokens
         for item in output.scheduled:
             request = item.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - rejected.get(
+                request.request_id, 0)
             self.kv.cache_computed_blocks(request)
-            if not item.sample:
+            new_tokens = sampled.get(request.request_id) if item.sample else None
+            if not new_tokens:
                 continue
-            request.append_output_token(sampled_token_ids[request.request_id])
             if request.times.first_token is None:
                 request.times.first_token = now
             request.times.last_token = now
-            status = self._check_stop(request)
+            status = self._append_until_stop(request, new_tokens)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
         return finished
+
+    def _append_until_stop(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Append tokens one at a time, as if each came in its own step; the stop status of the
+        first that ends the request (the rest are dropped)."""
+        for token in tokens:
+            request.append_output_token(token)
+            status = self._check_stop(request)
+            if status is not None:
+                return status
+        return None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

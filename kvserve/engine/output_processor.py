@@ -65,7 +65,8 @@ class SampleState:
         logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
         for token_id, token_logprobs in zip(delta.new_token_ids, logprobs):
             self.output_token_ids.append(token_id)
-            self.add_token(token_id, token_logprobs)
+            if self.add_token(token_id, token_logprobs) is not None:
+                break  # a stop string ends the sample here: later tokens of the delta are not its
         if delta.new_token_ids:
             if self.times.first_token is None:
                 self.times.first_token = now

@@ -66,5 +66,5 @@ class PipelinedExecutor(Executor):
     def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
         self.submit(step)
         if not step.scheduled:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput.empty()
         return self.collect()

@@ -25,7 +25,7 @@ class UniExecutor(Executor):
 
     def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
         result = self.worker.execute(step)
-        return result.output if result is not None else ModelRunnerOutput({}, {})
+        return result.output if result is not None else ModelRunnerOutput.empty()
 
     @property
     def runner(self):

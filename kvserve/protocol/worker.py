@@ -9,7 +9,7 @@ The output rank answers with the sampled tokens (`ModelRunnerOutput`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -31,10 +31,24 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """A step's samples, per request that sampled."""
+    """A step's samples, per request that sampled: a list of 0..k+1 new tokens each (one for a
+    plain decode; a speculative step adds the accepted drafts and the bonus token), with their
+    logprobs when asked (one entry per token). `num_rejected_tokens`: scheduled positions whose
+    KV is not kept (rejected drafts), so `num_computed_tokens` steps back by that many; those
+    positions never enter the prefix cache and are simply overwritten later."""
 
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
+    num_rejected_tokens: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> "ModelRunnerOutput":
+        return cls({}, {})
+
+    def merge(self, other: "ModelRunnerOutput") -> None:
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.num_rejected_tokens.update(other.num_rejected_tokens)
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):

@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
+from kvserve.testing.plugin_switch import PluginSwitch
+
 MARKER = "kvserve-fault:"
 KINDS = ("execute", "output", "engine_thread", "kv_send")
 PLUGIN = "kvserve.testing.faults:register"
 
-_state = {"enabled": False, "installed": False}
 _tokenizers: dict[str, object] = {}
 
 
@@ -39,22 +40,9 @@ class InjectedEngineDeath(BaseException):
     """Escapes `except Exception`, so it ends the engine thread like an unforeseen crash."""
 
 
-def register() -> None:
-    """The KVSERVE_PLUGINS entry point: faults on in this process."""
-    enable(True)
-
-
-def enable(on: bool = True) -> None:
-    """Turn fault injection on or off in this process (installing the hooks once)."""
-    if on and not _state["installed"]:
-        _install()
-        _state["installed"] = True
-    _state["enabled"] = on
-
-
 def kinds_asked(prompt: str | None) -> list[str]:
     """The fault kinds `prompt` asks for, while on (else none)."""
-    if not _state["enabled"] or not prompt:
+    if not _switch.enabled or not prompt:
         return []
     return [kind for kind in KINDS if MARKER + kind in prompt]
 
@@ -100,7 +88,7 @@ def _install_worker_hook() -> None:
             asked.pop(request_id, None)
         kinds = {kind for item in step.scheduled for kind in asked.get(item.request_id, ())}
         for kind in ("engine_thread", "execute"):
-            if kind in kinds and _state["enabled"]:
+            if kind in kinds and _switch.enabled:
                 raise_fault(kind)
         return original(self, step)
 
@@ -122,7 +110,7 @@ def _install_output_hook() -> None:
 
     @functools.wraps(original_add)
     def add_delta(self, *args, **kwargs):
-        if "output" in getattr(self, "_fault_kinds", ()) and _state["enabled"]:
+        if "output" in getattr(self, "_fault_kinds", ()) and _switch.enabled:
             raise_fault("output")
         return original_add(self, *args, **kwargs)
 
@@ -151,3 +139,8 @@ def _install_kv_send_hook() -> None:
             self.leases.stall(request.request_id)
 
     EngineCore.__init__, KVConnectorScheduler.hold = core_init, hold
+
+
+_switch = PluginSwitch(_install)
+register = _switch.register  # KVSERVE_PLUGINS entry point: faults on in this process
+enable = _switch.enable  # a test's own process: faults on (True) or off (False)

@@ -49,7 +49,7 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         scheduled = scheduler_output.scheduled
         if not scheduled:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput.empty()
         metadata, positions = build_attention_metadata(
             [s.num_new_tokens for s in scheduled],
             [s.start_position + s.num_new_tokens for s in scheduled],
@@ -62,16 +62,16 @@ class ModelRunner:
         else:
             hidden = self._run_stage(input_ids, positions, metadata)
             if hidden is None:
-                return ModelRunnerOutput({}, {})
+                return ModelRunnerOutput.empty()
         sampling = [s for s in scheduled if s.sample]
         if not sampling:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput.empty()
         ends = metadata.query_start_loc_host
         rows = [i for i, s in enumerate(scheduled) if s.sample]
         last_token_index = torch.tensor([ends[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token_index])
         if not self.samples:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput.empty()
         result = self.sampler(logits, [self._sampling_row(s) for s in sampling])
         return self._package(sampling, result)
 
@@ -111,5 +111,6 @@ class ModelRunner:
     @staticmethod
     def _package(sampling: list[ScheduledItem], result: SamplerOutput) -> ModelRunnerOutput:
         ids = [s.request.request_id for s in sampling]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+        logprobs = {rid: [lp] for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return ModelRunnerOutput({rid: [token] for rid, token in zip(ids, result.token_ids)},
+                                 logprobs)

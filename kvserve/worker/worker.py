@@ -89,8 +89,8 @@ class Worker:
             self.requests.pop(request_id, None)
         if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
             return None
-        for request_id, token in output.sampled_token_ids.items():
-            self.requests[request_id].output_token_ids.append(token)
+        for request_id, tokens in output.sampled_token_ids.items():
+            self.requests[request_id].output_token_ids.extend(tokens)
         return StepResult(output)
 
     def _scheduled(self, item: ScheduledData) -> ScheduledItem:
