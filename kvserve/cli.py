@@ -128,9 +128,7 @@ def _run_generate(args) -> int:
     try:
         prompt = args.prompt
         if args.chat:
-            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            prompt = {"prompt": text,
-                      "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+            prompt = engine.inputs.render_chat([{"role": "user", "content": prompt}])
         _stream(engine, "cli", prompt, _sampling_params(args))
     finally:
         # asks the core to stop; left to the exit-time finalizer, it would wait 5 s, then
@@ -163,8 +161,7 @@ def _chat_loop(engine, args) -> None:
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        text = engine.tokenizer.apply_chat_template(messages)
-        prompt = {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        prompt = engine.inputs.render_chat(messages)
         reply = _stream(engine, f"chat-{turn}", prompt, _sampling_params(args))
         messages.append({"role": "assistant", "content": reply})
         turn += 1

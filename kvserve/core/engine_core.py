@@ -16,7 +16,7 @@ from typing import Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.core.step_encoder import StepEncoder
 from kvserve.core.threads import ThreadGovernor
@@ -149,7 +149,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front-end validated. A duplicate id fails only the newcomer."""
-        if request.request_id in self.scheduler.requests:
+        if self.scheduler.has_request(request.request_id):
             self._failed.append(EngineCoreOutput(
                 request.request_id, finish_reason="error",
                 error=f"request id {request.request_id!r} is already in the engine"))
@@ -161,14 +161,13 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests wherever they are; their blocks are free at once."""
-        for request_id in request_ids:
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.abort_requests(request_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed or self._batch_queue)
 
     def num_unfinished(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.request_ids())
 
     def reset_prefix_cache(self) -> bool:
         reset = self.kv_manager.reset_prefix_cache()
@@ -243,16 +242,14 @@ class EngineCore:
                 self.executor.submit(self.step_encoder.encode(scheduler_output))
             if scheduler_output.scheduled:
                 queue.append(scheduler_output)
-                self.scheduler.in_flight.update(item.request.request_id
-                                                for item in scheduler_output.scheduled)
+                self.scheduler.mark_in_flight(scheduler_output)
                 if len(queue) < self.executor.max_concurrent_batches:
                     return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         if not queue:
             return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         scheduler_output = queue.popleft()
         runner_output = self.executor.collect()
-        for item in scheduler_output.scheduled:
-            self.scheduler.in_flight.discard(item.request.request_id)
+        self.scheduler.mark_landed(scheduler_output)
         return self._update(scheduler_output, runner_output)
 
     def _update(self, scheduler_output: SchedulerOutput,
@@ -323,7 +320,7 @@ class EngineCore:
 
     def fail_all(self, stage: str, exc: BaseException) -> EngineCoreOutputs:
         """After an exception no request owns: fail every request in the core."""
-        for request_id in list(self.scheduler.requests):
+        for request_id in self.scheduler.request_ids():
             self.fail_request(request_id, stage, exc)
         outputs, self._failed = self._failed, []
         return EngineCoreOutputs(outputs, self.stats())

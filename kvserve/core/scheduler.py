@@ -23,6 +23,7 @@ from typing import Literal
 
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler_interface import SchedulerInterface
 from kvserve.protocol.worker import ModelRunnerOutput
 
 
@@ -71,7 +72,7 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, connector=None):
         self.config = config
         self.kv = kv_manager
@@ -119,6 +120,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def mark_in_flight(self, output: SchedulerOutput) -> None:
+        self.in_flight.update(item.request.request_id for item in output.scheduled)
+
+    def mark_landed(self, output: SchedulerOutput) -> None:
+        self.in_flight.difference_update(item.request.request_id for item in output.scheduled)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -6,11 +6,12 @@ request is aborted right there, the one place cancellation is handled. Tokenizat
 validation run on the caller's thread (`prepare`), so a bad request is rejected before it
 reaches the core.
 
-One "engine thread" drives it:
-- `thread` core: the thread owns the LLMEngine and its in-process core; it takes add/abort
-  commands from a queue and steps while work exists.
-- `process` core: adds and aborts go straight to the core's socket (under a lock); the thread
-  reads the core's outputs, turns them into RequestOutputs and hands them to the streams.
+One "engine thread" drives it, the same way whichever the core: it asks the core client for
+the next step's outputs (`get_outputs`: an in-process core is stepped right there, a process
+core's outputs are read from its socket), turns them into RequestOutputs under the front-end's
+lock and hands them to the streams. Adds and aborts take the same lock on the caller's thread
+and go to the client (which queues them for an in-process core's next step, or sends them to
+the process core's socket).
 
 Failures: a request that fails inside the engine gets a RequestFailedError and the rest go on.
 If the core dies (its thread or process ended, however), every waiting stream gets an
@@ -23,17 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
 from kvserve.engine_config import EngineConfig
-from kvserve.errors import EngineDeadError, KVServeError, RequestFailedError
+from kvserve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    KVServeError,
+    RequestFailedError,
+)
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
+from kvserve.protocol.engine_core import SchedulerStats
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,19 +51,12 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError"]
 LIVENESS_POLL_SECONDS = 0.5
 
 
-@dataclass
-class _Add:
-    prepared: PreparedRequest
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _FailAll:
-    error: BaseException
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the model source's name
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
@@ -76,9 +76,7 @@ class AsyncEngine:
         self.restart_on_failure = restart_on_failure
         self.max_restarts = max_restarts
         self.num_restarts = 0
-        self._in_process = config.engine_core == "process"
-        self._lock = threading.Lock()  # process core: the front-end state and the socket
-        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # the front-end's state and the core client's senders
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._last_token_time: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
@@ -103,22 +101,50 @@ class AsyncEngine:
         """Stop after the current step (a thread killed inside torch aborts the process), then
         the core (its process is reaped)."""
         self._stop.set()
-        self._commands.put(None)
+        engine = self.engine
+        if engine is not None:
+            engine.core.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight with `error`; used when the shutdown grace period runs
         out."""
-        if self._in_process:
-            with self._lock:
-                self._fail_all(error)
-        else:
-            self._commands.put(_FailAll(error))
+        with self._lock:
+            self._fail_all(error)
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    # ---- what the server may ask (the engine client API; never reach into `engine`) -------
+    def model_info(self) -> ModelInfo | None:
+        """The loaded model's name and limits; None while no core is up."""
+        engine = self.engine
+        if engine is None:
+            return None
+        return ModelInfo(engine.source.name, engine.max_model_len, engine.vocab_size,
+                         engine.core.ready.num_kv_blocks)
+
+    def last_stats(self) -> SchedulerStats | None:
+        """The core's scheduler stats as of its last step."""
+        return self.engine.last_stats if self.engine is not None else None
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """Chat templates, tokenizing and validation for the loaded model."""
+        if not self.is_ready or self.engine is None:
+            raise EngineDeadError("the engine is not ready")
+        return self.engine.inputs
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        inputs = self.inputs
+        vocab = inputs.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param="tokens")
+        return inputs.tokenizer.decode(token_ids, False)
 
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -163,16 +189,10 @@ class AsyncEngine:
                     return EngineDeadError("the engine stopped while serving this request")
 
     def _add(self, prepared: PreparedRequest) -> None:
-        if not self._in_process:
-            self._commands.put(_Add(prepared))
-            return
         with self._lock:
             self._admit(prepared)
 
     def abort(self, request_id: str) -> None:
-        if not self._in_process:
-            self._commands.put(_Abort(request_id))
-            return
         with self._lock:
             self._apply_abort(request_id)
 
@@ -226,10 +246,7 @@ class AsyncEngine:
         stream waiting then has its error."""
         error: BaseException = EngineDeadError("the server is shutting down")
         try:
-            if self._in_process:
-                self._serve_process_core()
-            else:
-                self._serve_thread_core()
+            self._serve_core()
         except BaseException as exc:  # the core is gone: nobody may wait on it
             logger.critical("engine core died: %s: %s", type(exc).__name__, exc,
                             exc_info=not isinstance(exc, EngineDeadError))
@@ -241,15 +258,7 @@ class AsyncEngine:
                 self._fail_all(error)
         return error
 
-    def _serve_thread_core(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            self._drain_commands(block=not engine.has_unfinished_requests())
-            # idle, a step only reads the core's stats (an abort may just have freed blocks)
-            self._deliver_step(engine.step())
-            self.metrics.record_engine_state(engine.last_stats)
-
-    def _serve_process_core(self) -> None:
+    def _serve_core(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             core_outputs = engine.core.get_outputs(LIVENESS_POLL_SECONDS)
@@ -258,28 +267,6 @@ class AsyncEngine:
             with self._lock:
                 self._deliver_step(engine.process_outputs(core_outputs))
             self.metrics.record_engine_state(engine.last_stats)
-
-    def _drain_commands(self, block: bool) -> None:
-        """Apply every queued command; when idle, wait briefly for one (None only wakes us)."""
-        try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if command is not None:
-                self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, command) -> None:
-        if isinstance(command, _FailAll):
-            self._fail_all(command.error)
-        elif isinstance(command, _Abort):
-            self._apply_abort(command.request_id)
-        else:
-            self._admit(command.prepared)
 
     def _apply_abort(self, request_id: str) -> None:
         engine = self.engine

@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import tempfile
@@ -53,7 +54,10 @@ _UTILITY_RESULTS = {"stats": SchedulerStats}
 
 
 class InprocClient:
-    """The core as an object: `get_outputs` runs one step on the caller's thread."""
+    """The core as an object, stepped by `get_outputs` on the caller's thread (the engine
+    thread). `add_request` and `abort_requests` may come from any thread: they are queued and
+    applied at the start of the next `get_outputs`, so the core itself is only ever touched by
+    one thread, as a process core is."""
 
     def __init__(self, config: EngineConfig, warm_up: bool = False):
         from kvserve.core.engine_core import EngineCore
@@ -62,22 +66,48 @@ class InprocClient:
         if warm_up:
             self.core.warm_up()
         self.ready = self.core.ready_info(os.getpid())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
+        self._commands.put(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        if request_ids:
+            self._commands.put(AbortRequests(list(request_ids)))
+
+    def wake(self) -> None:
+        """End a `get_outputs` waiting while idle (shutdown)."""
+        self._commands.put(None)
 
     def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        """One core step's outputs. While idle, waits up to `timeout` seconds for a request or
+        an abort first (None or 0: does not wait), then reports the core's stats."""
+        self._apply_commands(wait=None)
         self.core.housekeeping()  # held KV blocks pulled or expired (the engine loop's 0.5 s)
         if not self.core.has_unfinished():
-            return EngineCoreOutputs([], self.core.stats())
+            if timeout:
+                self._apply_commands(wait=min(timeout, self.core.idle_poll_seconds() or timeout))
+            if not self.core.has_unfinished():
+                return EngineCoreOutputs([], self.core.stats())
         try:
             return self.core.step()
         except Exception as exc:  # no request owns it: fail them all, keep the core
             logger.exception("engine step failed; failing the requests in flight")
             return self.core.fail_all("running this request", exc)
+
+    def _apply_commands(self, wait: float | None) -> None:
+        """Apply every queued add and abort, in order; with `wait`, block up to that long for
+        the first."""
+        try:
+            command = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
+            while True:
+                if isinstance(command, EngineCoreRequest):
+                    self.core.add_request(command)
+                elif isinstance(command, AbortRequests):
+                    self.core.abort_requests(command.request_ids)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method not in self.core.UTILITIES:
@@ -188,6 +218,9 @@ class MPClient:
                 return None
 
     # ---- lifecycle ---------------------------------------------------------------------
+    def wake(self) -> None:
+        """Nothing to do: a waiting `get_outputs` returns within LIVENESS_POLL_SECONDS."""
+
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine core was shut down")

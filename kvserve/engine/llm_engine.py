@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 from kvserve.engine.core_client import InprocClient, make_core_client
+from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import RequestGroup, SampleState
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import (
-    ContextLengthExceededError,
     InvalidRequestError,
     RequestFailedError,
 )
@@ -35,8 +35,6 @@ from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict[str, Any]
 
 __all__ = ["LLMEngine", "PreparedRequest", "PromptType", "RequestFailedError"]
 
@@ -66,6 +64,7 @@ class LLMEngine:
         ready = self.core.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
@@ -97,11 +96,8 @@ class LLMEngine:
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        max_tokens = self._validate(prompt_ids, params)
-        params.all_stop_token_ids = set(params.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            params.all_stop_token_ids.add(self.tokenizer.eos_token_id)
+        prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        max_tokens = self.inputs.validate(prompt_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if kv_transfer_params is not None and params.n != 1:
             raise InvalidRequestError("kv_transfer_params needs n = 1", param="n")
@@ -147,54 +143,6 @@ class LLMEngine:
         self.groups[request_id] = group
         for state in group.samples:
             self._samples[state.request_id] = state
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
-                                      param="prompt")
-        if isinstance(prompt, (list, tuple)):
-            return None, self._token_ids(prompt)
-        raise InvalidRequestError("a prompt is a string, a list of token ids, or a dict",
-                                  param="prompt")
-
-    @staticmethod
-    def _token_ids(values) -> list[int]:
-        if not isinstance(values, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in values):
-            raise InvalidRequestError("prompt token ids must be a list of integers",
-                                      param="prompt")
-        return list(values)
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Checks needing the model; returns the effective max_tokens."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
-                                      f"[0, {vocab})", param="prompt")
-        params.validate_for_vocab(vocab)
-        if params.top_k >= vocab:  # keeps every token: the same as no top-k (and fits int64)
-            params.top_k = 0
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ContextLengthExceededError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context is "
-                f"{self.max_model_len} tokens, leaving no room for output", param="prompt")
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ContextLengthExceededError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the maximum context of {self.max_model_len} tokens", param="max_tokens")
-        return params.max_tokens
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort user requests (all their samples) wherever they are; the core frees their

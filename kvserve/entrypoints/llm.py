@@ -71,14 +71,9 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.llm_engine.tokenizer
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
-                                                 chat_template=chat_template)
-            # the template already holds any BOS it wants
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        inputs = self.llm_engine.inputs
+        prompts = [inputs.render_chat(list(conversation), add_generation_prompt, chat_template)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod

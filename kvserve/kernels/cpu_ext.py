@@ -12,6 +12,8 @@ if no compiler is present the engine falls back to the torch reference ops
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -87,10 +89,12 @@ def _loaded_or_failure(level: str) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=name, sources=[str(path) for path in SOURCES], build_directory=str(build_dir),
-            extra_cflags=_COMMON_FLAGS + isa.compiler_flags(level),
-            extra_ldflags=["-fopenmp"], verbose=False)
+        with _exclusive_build(build_dir):
+            module = cpp_extension.load(
+                name=name, sources=[str(path) for path in SOURCES],
+                build_directory=str(build_dir),
+                extra_cflags=_COMMON_FLAGS + isa.compiler_flags(level),
+                extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers: run the reference ops instead
         _failures[level] = f"{type(error).__name__}: {error}"
         logger.warning("CPU kernels (%s) unavailable, using torch ops: %s", level,
@@ -99,6 +103,21 @@ def _loaded_or_failure(level: str) -> None:
     module.isa = level
     _loaded[level] = module
     logger.info("CPU kernels: %s build loaded in %.1fs", level, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """One builder per build directory, by an flock the kernel releases when its holder dies.
+    torch's own lock is a file whose mere existence means "busy": a build killed mid-way (a
+    test timeout, kill -9) leaves it behind and every later load waits for it forever. Under
+    our flock nobody else is building, so such a file is stale and is removed."""
+    with open(build_dir / ".kvserve-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build_failure(level: str | None = None) -> str | None:

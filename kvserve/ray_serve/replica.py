@@ -91,8 +91,8 @@ class EngineReplica:
     # ---- what the router and the ingress learn -------------------------------------------
     def kv_events(self) -> dict:
         info = kv_events_info(self.config.kv_events_config, self.config.block_size)
-        ready = self.engine.engine.core.ready if self.engine.engine else None
-        info["num_kv_blocks"] = ready.num_kv_blocks if ready else None
+        model = self.engine.model_info()
+        info["num_kv_blocks"] = model.num_kv_blocks if model else None
         return info
 
     def counters(self) -> dict:
@@ -109,7 +109,7 @@ class EngineReplica:
         return {"kv_events": self.kv_events()}
 
     def record_routing_stats(self) -> dict:
-        stats = self.engine.engine.last_stats if self.engine.engine else None
+        stats = self.engine.last_stats()
         return {"kv_events": self.kv_events(), "time": time.time(),
                 "num_running": stats.num_running if stats else 0,
                 "num_waiting": stats.num_waiting if stats else 0,

@@ -34,10 +34,10 @@ class PromptTokenizer:
         try:
             if path == CHAT_PATH:
                 request = ChatCompletionRequest.model_validate(body)
-                text = self.tokenizer.apply_chat_template(
+                return self.tokenizer.chat_prompt(
                     [m.as_template_message() for m in request.messages],
-                    request.add_generation_prompt, **(request.chat_template_kwargs or {}))
-                return self.tokenizer.encode(text, False)
+                    request.add_generation_prompt,
+                    **(request.chat_template_kwargs or {}))["prompt_token_ids"]
             prompt = CompletionRequest.model_validate(body).prompts()[0]
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)

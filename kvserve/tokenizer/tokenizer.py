@@ -59,6 +59,14 @@ class Tokenizer:
         return render_chat_template(template, messages, add_generation_prompt,
                                     self.special_tokens, **extra)
 
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt=True,
+                    chat_template: str | None = None, **extra: Any) -> dict[str, Any]:
+        """The conversation as a prompt dict: the template's text and its token ids (encoded
+        without special tokens: the template already holds any BOS it wants). The one place
+        every caller (engine, server, CLI, router) turns messages into tokens."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **extra)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     if source.format == "gguf":

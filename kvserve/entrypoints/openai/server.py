@@ -172,8 +172,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 # ---- routes --------------------------------------------------------------------------------
 def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
     def model_name() -> str:
-        return config.served_model_name or (engine.engine.source.name if engine.engine
-                                            else engine.config.model)
+        info = engine.model_info()
+        return config.served_model_name or (info.name if info else engine.config.model)
 
     def check_ready_and_model(requested: str | None) -> JSONResponse | None:
         if not engine.is_ready:
@@ -200,7 +200,8 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
 
     @app.get("/v1/models")
     async def models():
-        max_len = engine.engine.max_model_len if engine.engine else None
+        info = engine.model_info()
+        max_len = info.max_model_len if info else None
         return {"object": "list", "data": [{
             "id": model_name(), "object": "model", "created": int(time.time()),
             "owned_by": "kvserve", "root": engine.config.model, "max_model_len": max_len}]}
@@ -213,7 +214,8 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
     async def kv_events_endpoints():
         """Where this replica publishes its KV events, and its block size (kvserve router)."""
         info = kv_events_info(engine.config.kv_events_config, engine.config.block_size)
-        info["num_kv_blocks"] = engine.engine.core.ready.num_kv_blocks if engine.engine else None
+        model = engine.model_info()
+        info["num_kv_blocks"] = model.num_kv_blocks if model else None
         return info
 
     @app.post("/tokenize")
@@ -221,29 +223,22 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
         problem = check_ready_and_model(body.model)
         if problem:
             return problem
-        tokenizer = engine.engine.tokenizer
+        inputs = engine.inputs
         if body.messages is not None:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                                 body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            tokens = inputs.render_chat([m.as_template_message() for m in body.messages],
+                                        body.add_generation_prompt)["prompt_token_ids"]
         elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, body.add_special_tokens)
+            tokens = inputs.tokenizer.encode(body.prompt, body.add_special_tokens)
         else:
             raise InvalidRequestError("give 'prompt' or 'messages'", param="prompt")
-        return {"tokens": tokens, "count": len(tokens),
-                "max_model_len": engine.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": inputs.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         problem = check_ready_and_model(body.model)
         if problem:
             return problem
-        vocab = engine.engine.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})",
-                                      param="tokens")
-        return {"prompt": engine.engine.tokenizer.decode(body.tokens, False)}
+        return {"prompt": engine.detokenize(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -259,8 +254,8 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
             raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
         prepared = [engine.prepare(f"{response_id}-{i}", p, params, body.priority, kv_params)
                     for i, p in enumerate(prompts)]
-        echo = [p.prompt if p.prompt is not None else engine.engine.tokenizer.decode(
-            p.prompt_token_ids, False) for p in prepared] if body.echo else []
+        echo = [p.prompt if p.prompt is not None else engine.detokenize(p.prompt_token_ids)
+                for p in prepared] if body.echo else []
         job = serving.make_job("completion", response_id, body, model_name(), prepared, echo,
                                not config.disable_log_requests, body.logprobs or 0)
         return await _run(job, body, raw, engine)
@@ -272,11 +267,9 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
             return problem
         num_top = body.requested_logprobs()
         params = body.sampling_params(body.requested_max_tokens(), num_top)
-        tokenizer = engine.engine.tokenizer
-        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages],
-                                             body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)}
+        prompt = engine.inputs.render_chat([m.as_template_message() for m in body.messages],
+                                           body.add_generation_prompt,
+                                           **(body.chat_template_kwargs or {}))
         response_id = serving.new_id("chatcmpl")
         prepared = [engine.prepare(response_id, prompt, params, body.priority,
                                    body.kv_params())]
