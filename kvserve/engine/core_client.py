@@ -16,6 +16,7 @@ import queue
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -55,9 +56,10 @@ _UTILITY_RESULTS = {"stats": SchedulerStats}
 
 class InprocClient:
     """The core as an object, stepped by `get_outputs` on the caller's thread (the engine
-    thread). `add_request` and `abort_requests` may come from any thread: they are queued and
-    applied at the start of the next `get_outputs`, so the core itself is only ever touched by
-    one thread, as a process core is."""
+    thread). `add_request` and `abort_requests` may come from any thread: on the stepping
+    thread they apply at once (an offline abort frees its blocks right away); from another
+    they are queued and applied at the start of the next `get_outputs`, so the core itself is
+    only ever touched by one thread, as a process core is."""
 
     def __init__(self, config: EngineConfig, warm_up: bool = False):
         from kvserve.core.engine_core import EngineCore
@@ -67,13 +69,19 @@ class InprocClient:
             self.core.warm_up()
         self.ready = self.core.ready_info(os.getpid())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stepping_thread = threading.get_ident()  # until get_outputs runs elsewhere
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._commands.put(request)
+        self._command(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._commands.put(AbortRequests(list(request_ids)))
+            self._command(AbortRequests(list(request_ids)))
+
+    def _command(self, command) -> None:
+        self._commands.put(command)
+        if threading.get_ident() == self._stepping_thread:
+            self._apply_commands(wait=None)  # in order, after any queued from elsewhere
 
     def wake(self) -> None:
         """End a `get_outputs` waiting while idle (shutdown)."""
@@ -82,6 +90,7 @@ class InprocClient:
     def get_outputs(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         """One core step's outputs. While idle, waits up to `timeout` seconds for a request or
         an abort first (None or 0: does not wait), then reports the core's stats."""
+        self._stepping_thread = threading.get_ident()
         self._apply_commands(wait=None)
         self.core.housekeeping()  # held KV blocks pulled or expired (the engine loop's 0.5 s)
         if not self.core.has_unfinished():
