@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 3
+CACHE_FORMAT_VERSION = 4  # 4: configs hold sliding windows
 
 
 def cache_dir() -> Path:
