@@ -1,13 +1,18 @@
 """Sliding windows: per-layer windows read as HF transformers reads them (HF configs, GGUF
-metadata)."""
+metadata), and a backend that cannot apply them refused at load."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvserve.attention import backends
 from kvserve.config import ModelConfig
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
-from kvserve.testing.tiny import tiny_config
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model, random_model
+from kvserve.testing.tiny import tiny_config, write_tiny_model_dir
 from kvserve.weights.gguf_file import config_from_metadata
 
 transformers = pytest.importorskip("transformers")
@@ -92,3 +97,30 @@ def test_gguf_sliding_window_metadata():
         8, None, 8, 8, None, None)
     with pytest.raises(CorruptModelFileError, match="entries"):
         _gguf_meta(sliding_window=8, sliding_window_pattern=[True])
+
+
+# ---- a backend that cannot apply windows: refused at load, never wrong tokens
+
+
+class _FullAttentionOnly:
+    name = "full_only"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0):
+        return backends.TorchReferenceBackend().forward(query, key, value, kv_cache, metadata,
+                                                        scale)
+
+
+def test_backend_without_windows_is_refused_at_load(monkeypatch, tmp_path, tokenizer):
+    monkeypatch.setitem(backends._BACKENDS, "full_only",
+                        lambda use_cpu_kernels: _FullAttentionOnly())
+    assert random_model(tiny_config(), attention_backend="full_only") is not None
+    with pytest.raises(UnsupportedArchitectureError, match="sliding-window.*'full_only'"):
+        random_model(tiny_config(sliding_windows=(None, 8)), attention_backend="full_only")
+    directory = write_tiny_model_dir(tmp_path / "mistral", tokenizer, architecture="mistral",
+                                     sliding_windows=(8, 8))
+    assert json.loads((directory / "config.json").read_text())["sliding_window"] == 8
+    with pytest.raises(UnsupportedArchitectureError, match="2 of its 2 layers"):
+        load_model(resolve_model(directory), "float32", attention_backend="full_only")
+    model, config = load_model(resolve_model(directory), "float32", attention_backend="paged")
+    assert config.sliding_windows == (8, 8)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, 8]
