@@ -80,7 +80,7 @@ def test_paged_attention_ragged_causal(dtype, dim, compiled):
     metadata, _, kv_cache, qkv = _batch(dtype, query_lens, seq_lens, dim=dim)
     seq_ids = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32)
     args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
-            HEADS, KV_HEADS, dim, dim**-0.5)
+            HEADS, KV_HEADS, dim, dim**-0.5, 0)
     out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=dtype)
     expected = torch.zeros_like(out)
     compiled.paged_attention_(qkv, kv_cache, out, *args)
@@ -100,7 +100,7 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
     assert torch.equal(kv_cache, cache2)  # the same round-to-nearest-even
     seq_ids = torch.arange(4, dtype=torch.int32)
     args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
-            HEADS, KV_HEADS, dim, dim**-0.5)
+            HEADS, KV_HEADS, dim, dim**-0.5, 0)
     out = torch.zeros(qkv.shape[0], HEADS * dim)
     expected = torch.zeros_like(out)
     compiled.paged_attention_(qkv, kv_cache, out, *args)
@@ -115,7 +115,7 @@ def test_paged_attention_only_touches_selected_sequences(compiled):
     out = torch.full((3, HEADS * DIM), 7.0)
     compiled.paged_attention_(qkv, kv_cache, out, torch.tensor([1], dtype=torch.int32),
                               metadata.query_start_loc.long(), metadata.seq_lens,
-                              metadata.block_tables, HEADS, KV_HEADS, DIM, 0.1)
+                              metadata.block_tables, HEADS, KV_HEADS, DIM, 0.1, 0)
     assert torch.all(out[0] == 7.0) and torch.all(out[2] == 7.0)
     assert not torch.all(out[1] == 7.0)
 
@@ -132,7 +132,7 @@ def test_flash_attention_ragged_causal(dim, block_size, compiled):
                                         block_size=block_size, dim=dim)
     seq_ids = torch.tensor([4, 0, 1, 2, 3, 5], dtype=torch.int32)
     args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
-            HEADS, KV_HEADS, dim, dim**-0.5)
+            HEADS, KV_HEADS, dim, dim**-0.5, 0)
     out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=torch.bfloat16)
     expected = torch.zeros(qkv.shape[0], HEADS * dim)
     compiled.flash_attention_(qkv, kv_cache, out, *args)
@@ -147,7 +147,7 @@ def test_flash_attention_only_touches_selected_sequences_and_checks_inputs(compi
     metadata, _, kv_cache, qkv = _batch(torch.bfloat16, [20, 30, 20], [20, 40, 25], dim=64)
     out = torch.full((70, HEADS * 64), 7.0, dtype=torch.bfloat16)
     args = (metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables, HEADS,
-            KV_HEADS, 64, 0.125)
+            KV_HEADS, 64, 0.125, 0)
     compiled.flash_attention_(qkv, kv_cache, out, torch.tensor([1], dtype=torch.int32), *args)
     assert torch.all(out[:20] == 7.0) and torch.all(out[50:] == 7.0)
     assert not torch.any(out[20:50] == 7.0)
@@ -155,6 +155,109 @@ def test_flash_attention_only_touches_selected_sequences_and_checks_inputs(compi
         compiled.flash_attention_(qkv.float(), kv_cache.float(), out.float(),
                                   torch.tensor([1], dtype=torch.int32), *args)
     assert not compiled.flash_attention_supported(32)
+
+
+# ---- sliding windows: a query at p sees keys k with p - k < window (HF's mask)
+
+
+def _poison_out_of_window(metadata, kv_cache, query_lens, window):
+    """What the KV manager may later do to blocks wholly before a sequence's window: reuse them
+    (the table entries point at a NaN-filled spare block, the cache's last) and fill them with
+    anything (NaN). Returns the clean cache for the naive check."""
+    clean = kv_cache.clone()
+    block_size, spare = kv_cache.shape[2], kv_cache.shape[1] - 1
+    kv_cache[:, spare] = float("nan")
+    for seq, (query_len, seq_len) in enumerate(zip(query_lens, metadata.seq_lens_host)):
+        first_key = reference.first_visible_key(seq_len - query_len, window)
+        for b in range(first_key // block_size):
+            kv_cache[:, int(metadata.block_tables[seq, b])] = float("nan")
+            metadata.block_tables[seq, b] = spare
+    return clean
+
+
+def _naive_windowed(qkv, clean_cache, tables, metadata, window, dim):
+    """Each query row against its sequence's keys, masked by position, float64: the semantics
+    the reference must have."""
+    out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=torch.float64)
+    block_size, group = clean_cache.shape[2], HEADS // KV_HEADS
+    starts = metadata.query_start_loc_host
+    for seq, seq_len in enumerate(metadata.seq_lens_host):
+        slots = [tables[seq][p // block_size] * block_size + p % block_size
+                 for p in range(seq_len)]
+        keys = clean_cache[0].flatten(0, 1)[slots].double()  # [L, KVH, D]
+        values = clean_cache[1].flatten(0, 1)[slots].double()
+        for t in range(starts[seq], starts[seq + 1]):
+            position = seq_len - (starts[seq + 1] - t)
+            k = torch.arange(seq_len)
+            visible = (k <= position) & ((position - k < window) if window > 0 else True)
+            for h in range(HEADS):
+                q = qkv[t, h * dim:(h + 1) * dim].double()
+                scores = keys[:, h // group] @ q * dim**-0.5
+                probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), 0)
+                out[t, h * dim:(h + 1) * dim] = probs @ values[:, h // group]
+    return out
+
+
+# decodes, chunks over cached context (one longer than most windows), a fresh prompt
+WINDOW_QUERY_LENS, WINDOW_SEQ_LENS = [1, 4, 6, 1, 1, 9, 1], [7, 30, 6, 33, 1, 45, 64]
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 13, 33, 100])  # < = > contexts; not / multiple of 4
+@pytest.mark.parametrize("dim", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sliding_window(dtype, dim, window, compiled):
+    metadata, _, kv_cache, qkv = _batch(dtype, WINDOW_QUERY_LENS, WINDOW_SEQ_LENS, dim=dim)
+    kv_cache = torch.cat([kv_cache, kv_cache[:, :1]], 1)  # a spare block for _poison
+    tables = metadata.block_tables.tolist()
+    clean = _poison_out_of_window(metadata, kv_cache, WINDOW_QUERY_LENS, window)
+    seq_ids = torch.arange(len(WINDOW_SEQ_LENS), dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            HEADS, KV_HEADS, dim, dim**-0.5, window)
+    out = torch.zeros(qkv.shape[0], HEADS * dim, dtype=dtype)
+    expected = torch.zeros_like(out)
+    compiled.paged_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv, kv_cache, expected, *args)
+    assert torch.isfinite(out).all() and torch.isfinite(expected).all()
+    _close(out, expected, dtype)
+    naive = _naive_windowed(qkv, clean, tables, metadata, window, dim)
+    _close(expected, naive, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_covering_the_context_is_full_attention(dtype, compiled):
+    """A window no query reaches past, 0 and -1 all give full attention, bit for bit."""
+    metadata, _, kv_cache, qkv = _batch(dtype, WINDOW_QUERY_LENS, WINDOW_SEQ_LENS, dim=64)
+    seq_ids = torch.arange(len(WINDOW_SEQ_LENS), dtype=torch.int32)
+    outputs = []
+    for window in (0, -1, max(WINDOW_SEQ_LENS)):
+        out = torch.zeros(qkv.shape[0], HEADS * 64, dtype=dtype)
+        compiled.paged_attention_(qkv, kv_cache, out, seq_ids, metadata.query_start_loc.long(),
+                                  metadata.seq_lens, metadata.block_tables, HEADS, KV_HEADS, 64,
+                                  0.125, window)
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 50, 2000])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_flash_attention_sliding_window(window, block_size, compiled):
+    """Query tiles whose rows' windows start in different key tiles, rows that see no key of a
+    tile, NaN in the blocks before every window."""
+    if not compiled.flash_attention_supported(64):
+        pytest.skip(f"no flash kernel in the {compiled.isa} build")
+    query_lens, seq_lens = [17, 40, 1, 33, 128, 4], [17, 100, 50, 70, 600, 9]
+    metadata, _, kv_cache, qkv = _batch(torch.bfloat16, query_lens, seq_lens,
+                                        block_size=block_size, dim=64)
+    kv_cache = torch.cat([kv_cache, kv_cache[:, :1]], 1)
+    _poison_out_of_window(metadata, kv_cache, query_lens, window)
+    args = (torch.tensor([4, 0, 1, 2, 3, 5], dtype=torch.int32), metadata.query_start_loc.long(),
+            metadata.seq_lens, metadata.block_tables, HEADS, KV_HEADS, 64, 0.125, window)
+    out = torch.zeros(qkv.shape[0], HEADS * 64, dtype=torch.bfloat16)
+    expected = torch.zeros(qkv.shape[0], HEADS * 64)
+    compiled.flash_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv.float(), kv_cache.float(), expected, *args)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_reference_fallback_when_disabled():

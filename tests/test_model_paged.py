@@ -132,3 +132,41 @@ def test_paged_backend_long_chunks_match_reference(dtype, tolerance):
             [0, 1, 2], all_logits=True)))
     scale = results[0].abs().max().item()
     assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)
+
+
+# windows of 11 and 40 keys (neither a multiple of the block sizes) on layers 0 and 2, layer 1 full
+WINDOWED = dict(vocab_size=1000, num_hidden_layers=3)
+# head_dim 64 in bfloat16: the flash and bf16 decode kernels where the CPU has AVX512-BF16
+WINDOW_CASES = [("float32", 1e-5, 16, 4), ("float32", 1e-5, 16, 16), ("bfloat16", 0.05, 16, 4),
+                ("bfloat16", 0.05, 64, 16)]
+
+
+@pytest.mark.parametrize("backend,cpu_kernels", FAST_BACKENDS)
+@pytest.mark.parametrize("dtype,tolerance,head_dim,block_size", WINDOW_CASES)
+def test_fast_backends_match_reference_with_sliding_windows(backend, cpu_kernels, dtype,
+                                                            tolerance, head_dim, block_size):
+    """Every path a windowed layer can take, contexts far past the windows: a fresh prompt past
+    the paged kernel's query limit (banded SDPA), chunks over cached context short (paged
+    kernel, or flash in bf16) and long (gathered SDPA), decodes, a fresh prompt shorter than a
+    window; every position's logits."""
+    shape = dict(WINDOWED, hidden_size=4 * head_dim, head_dim=head_dim)
+    config = tiny_config(**shape, sliding_windows=(11, None, 40))
+    long_prompt = [(11 * i + 5) % 900 + 10 for i in range(230)]
+    reference = random_model(config, dtype, seed=6, attention_backend="torch_ref")
+    fast = random_model(config, dtype, seed=6, attention_backend=backend,
+                        use_cpu_kernels=cpu_kernels)
+    full = random_model(tiny_config(**shape), dtype, seed=6, attention_backend="torch_ref")
+    results = []
+    for model in (reference, fast, full):
+        loop = PagedLoop(model, 4, 240, block_size=block_size)
+        steps = [loop.step([long_prompt[:60], long_prompt[:150], long_prompt[:9]], [60, 150, 9],
+                           [0, 1, 2], all_logits=True)]
+        steps.append(loop.step([long_prompt[60:210], long_prompt[150:170], [5],
+                                long_prompt[:30]], [210, 170, 10, 30], [0, 1, 2, 3],
+                               all_logits=True))
+        steps.append(loop.step([[4], [5], long_prompt[10:50], [6]], [211, 171, 50, 31],
+                               [0, 1, 2, 3], all_logits=True))
+        results.append(torch.cat([logits for step in steps for logits in step]))
+    scale = results[0].abs().max().item()
+    assert (results[0] - results[1]).abs().max().item() <= tolerance * max(1.0, scale)
+    assert (results[0] - results[2]).abs().max().item() > 0.1 * scale  # the windows matter

@@ -2,7 +2,9 @@
 every new query token to its sequence's cached K/V (causally).
 
 `torch_ref` is the plain, clearly correct reference: it gathers each sequence's blocks and calls
-SDPA. Fast backends must match it (tests/test_attention.py).
+SDPA. Fast backends must match it (tests/test_model_paged.py). A layer with a sliding window
+passes it on each call; a backend that can honour windows says so with
+`supports_sliding_window` (models with windowed layers refuse to load on any other).
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.reference import attend_gathered, write_kv
+from kvserve.kernels.reference import attend_fresh, attend_gathered, first_visible_key, write_kv
 
 
 class AttentionBackend(Protocol):
     name: str
+    supports_sliding_window: bool
 
     def forward(
         self,
@@ -27,6 +29,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int = 0,  # > 0: keys with query position - key position < it
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
@@ -35,15 +38,16 @@ class TorchReferenceBackend:
     """One SDPA call per sequence over its gathered blocks; slow and obviously right."""
 
     name = "torch_ref"
+    supports_sliding_window = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         for i in range(metadata.num_seqs):
             start, end = starts[i], starts[i + 1]
             output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
-                                                     scale)
+                                                     scale, sliding_window)
         return output
 
 
@@ -54,8 +58,9 @@ class BatchedSDPABackend:
     does. Same maths as `torch_ref`, far less Python per step."""
 
     name = "sdpa_batched"
+    supports_sliding_window = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
@@ -63,32 +68,34 @@ class BatchedSDPABackend:
         for i in range(metadata.num_seqs):
             (decode_rows if starts[i + 1] - starts[i] == 1 else other_rows).append(i)
         if decode_rows:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output)
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output, sliding_window)
         for i in other_rows:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_host[i]
-            if seq_len == end - start:  # nothing cached before: plain causal attention
-                attended = F.scaled_dot_product_attention(
-                    query[start:end].transpose(0, 1)[None], key[start:end].transpose(0, 1)[None],
-                    value[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
-                    enable_gqa=True)[0]
+            if seq_len == end - start:  # nothing cached before: attention over its own K/V
+                attended = attend_fresh(query[start:end].transpose(0, 1),
+                                        key[start:end].transpose(0, 1),
+                                        value[start:end].transpose(0, 1), scale, sliding_window)
                 output[start:end] = attended.transpose(0, 1)
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
-                                                         i, scale)
+                                                         i, scale, sliding_window)
         return output
 
     @staticmethod
-    def _decode(query, kv_cache, metadata, rows, scale, output):
+    def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window):
         """All one-token queries at once as two batched matmuls. Query heads are grouped under
         their KV head ([B, KVH, G, D] x [B, KVH, D, L]) so K/V are never repeated for GQA;
         softmax runs in float32. (CPU SDPA took ~4 ms per layer here: its flash kernel is slow
         for one query row with a mask.)"""
         block_size = metadata.block_size
         seq_lens = [metadata.seq_lens_host[i] for i in rows]
-        max_blocks = (max(seq_lens) + block_size - 1) // block_size
         rows_t = torch.tensor(rows, device=query.device)
-        tables = metadata.block_tables[rows_t, :max_blocks].long()
+        if sliding_window > 0:
+            tables, first_keys = _window_blocks(metadata, rows, rows_t, sliding_window)
+        else:
+            max_blocks = (max(seq_lens) + block_size - 1) // block_size
+            tables, first_keys = metadata.block_tables[rows_t, :max_blocks].long(), None
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         batch = len(rows)
         token_index = metadata.query_start_loc[rows_t].long()
@@ -99,7 +106,12 @@ class BatchedSDPABackend:
             batch, -1, num_kv_heads, head_dim).to(query.dtype)
         scores = torch.matmul(queries, keys.transpose(1, 2).transpose(-1, -2)).float() * scale
         lengths = metadata.seq_lens[rows_t].unsqueeze(1)
-        valid = torch.arange(scores.shape[-1], device=query.device).unsqueeze(0) < lengths
+        positions = torch.arange(scores.shape[-1], device=query.device).unsqueeze(0)
+        if first_keys is not None:  # the gathered keys start at each row's first window block
+            positions = positions + first_keys
+            valid = (positions < lengths) & (positions >= lengths - sliding_window)
+        else:
+            valid = positions < lengths
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         values = kv_cache[1].index_select(0, flat_tables).view(
@@ -107,9 +119,28 @@ class BatchedSDPABackend:
         output[token_index] = torch.matmul(probs, values).reshape(batch, -1, head_dim)
 
 
-def _attend_one_gathered(query, kv_cache, metadata, i, scale):
+def _window_blocks(metadata, rows, rows_t, sliding_window):
+    """Block ids [B, M] from each decode row's first block inside its window (those before may
+    be stale), and the position of each row's first gathered key [B, 1]. A row with fewer
+    blocks repeats its last one: every gathered block is the row's own, so masked keys hold
+    real values (a zero probability times a stale NaN would still be NaN)."""
+    block_size = metadata.block_size
+    first_blocks, last_blocks = [], []
+    for i in rows:
+        seq_len = metadata.seq_lens_host[i]
+        first_blocks.append(first_visible_key(seq_len - 1, sliding_window) // block_size)
+        last_blocks.append((seq_len - 1) // block_size)
+    width = max(last - first for first, last in zip(first_blocks, last_blocks)) + 1
+    first_t = torch.tensor(first_blocks, device=rows_t.device).unsqueeze(1)
+    last_t = torch.tensor(last_blocks, device=rows_t.device).unsqueeze(1)
+    columns = torch.minimum(first_t + torch.arange(width, device=rows_t.device), last_t)
+    tables = metadata.block_tables[rows_t.unsqueeze(1), columns].long()
+    return tables, first_t * block_size
+
+
+def _attend_one_gathered(query, kv_cache, metadata, i, scale, sliding_window):
     return attend_gathered(query, kv_cache, metadata.block_tables[i], metadata.seq_lens_host[i],
-                           scale)
+                           scale, sliding_window)
 
 
 def _paged_backend(use_cpu_kernels: bool):

@@ -7,7 +7,8 @@ FLASH_MIN_QUERY_LEN new tokens (prompts, chunks over a cached prefix) take the t
 chunks) the paged kernel; both read K/V blocks in place. Otherwise (float32, the torch reference
 ops): sequences with up to 128 new tokens go to the paged kernel; longer fresh prompts use SDPA's
 tiled causal kernel on their own K/V; longer chunks on top of cached context gather their blocks
-once and use SDPA.
+once and use SDPA. A layer's sliding window goes to every path (kernels: keys outside it are
+skipped, blocks wholly before it never read; SDPA: a banded mask).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.reference import attend_fresh
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
 # Sequences with up to this many new tokens take the paged kernel: measured ~2x faster than
@@ -63,13 +64,16 @@ def plan_step(metadata: AttentionMetadata, use_flash: bool = False) -> StepPlan:
 
 class PagedBackend:
     name = "paged"
+    supports_sliding_window = True
 
     def __init__(self, ops):
         self.ops = ops
 
     def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-               num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-        """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D]."""
+               num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+               sliding_window: int = 0) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D].
+        sliding_window > 0: each query sees the keys less than that many positions back."""
         plan = metadata.plan  # the first layer of a step plans it; the rest reuse it
         if plan is None:  # the torch reference ops report no flash kernel
             plan = plan_step(metadata, qkv.dtype == torch.bfloat16
@@ -79,7 +83,8 @@ class PagedBackend:
                                 (self.ops.flash_attention_, plan.flash_seq_ids)):
             if seq_ids.numel():
                 kernel(qkv, kv_cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens,
-                       metadata.block_tables, num_heads, num_kv_heads, head_dim, scale)
+                       metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
+                       sliding_window)
         starts = metadata.query_start_loc_host
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
@@ -87,16 +92,13 @@ class PagedBackend:
             if kv_cache.dtype != qkv.dtype:  # attend over the K/V as stored, as every other path
                 key, value = (key.to(kv_cache.dtype).to(qkv.dtype),
                               value.to(kv_cache.dtype).to(qkv.dtype))
-            # 4-D inputs: with 3-D ones torch takes a slow path (measured 50 ms vs 3 ms per
-            # layer for 256 tokens, docs/performance.md)
-            attended = F.scaled_dot_product_attention(query[None], key[None], value[None],
-                                                      is_causal=True, scale=scale,
-                                                      enable_gqa=True)[0]
+            attended = attend_fresh(query, key, value, scale, sliding_window)
             out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
         if plan.gathered:
             ids = torch.tensor(plan.gathered, dtype=torch.int32)
             gathered_attention_(qkv, kv_cache, out, ids, plan.query_start_loc, metadata.seq_lens,
-                                metadata.block_tables, num_heads, num_kv_heads, head_dim, scale)
+                                metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
+                                sliding_window)
         return out
 
 

@@ -50,16 +50,53 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                                                               value.to(kv_cache.dtype))
 
 
+def first_visible_key(position: int, sliding_window: int) -> int:
+    """The first key a query at `position` sees: keys k with position - k < sliding_window
+    (HF's sliding-window mask), every earlier key when sliding_window <= 0 (no window)."""
+    return max(0, position - sliding_window + 1) if sliding_window > 0 else 0
+
+
+def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                   sliding_window: int) -> torch.Tensor:
+    """bool [queries, keys]: causal, and within the window when sliding_window > 0."""
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window > 0:
+        visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    return visible
+
+
+def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                 sliding_window: int) -> torch.Tensor:
+    """A prompt with nothing cached before it over its own K/V: query [H, n, D], key and value
+    [KVH, n, D] -> [H, n, D]. Plain causal SDPA unless a window cuts the prompt (then banded)."""
+    length = query.shape[1]
+    if 0 < sliding_window < length:
+        positions = torch.arange(length, device=query.device)
+        mask = attention_mask(positions, positions, sliding_window)
+        return F.scaled_dot_product_attention(query[None], key[None], value[None],
+                                              attn_mask=mask, scale=scale, enable_gqa=True)[0]
+    # 4-D inputs: with 3-D ones torch takes a slow path (measured 50 ms vs 3 ms per layer for
+    # 256 tokens, docs/performance.md)
+    return F.scaled_dot_product_attention(query[None], key[None], value[None], is_causal=True,
+                                          scale=scale, enable_gqa=True)[0]
+
+
 def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_len: int, scale: float) -> torch.Tensor:
-    """One sequence's new queries [n, H, D] (the last n of its seq_len tokens) against all its
-    cached K/V, gathered from its blocks; causal. The reference algorithm -> [n, H, D]."""
+                    seq_len: int, scale: float, sliding_window: int) -> torch.Tensor:
+    """One sequence's new queries [n, H, D] (the last n of its seq_len tokens) against its cached
+    K/V, gathered from its blocks; causal, within the window if any. Blocks wholly before the
+    first query's window are never read (their table entries may be stale). The reference
+    algorithm -> [n, H, D]."""
     query_len, block_size = query.shape[0], kv_cache.shape[2]
-    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
-    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
-    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
+    first_key = first_visible_key(seq_len - query_len, sliding_window)
+    first_block = first_key // block_size
+    blocks = block_table[first_block: (seq_len + block_size - 1) // block_size].long()
+    skip, end = first_key - first_block * block_size, seq_len - first_block * block_size
+    keys = kv_cache[0, blocks].flatten(0, 1)[skip:end].to(query.dtype)
+    values = kv_cache[1, blocks].flatten(0, 1)[skip:end].to(query.dtype)
     query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]
+    key_positions = torch.arange(first_key, seq_len, device=query.device)
+    mask = attention_mask(query_positions, key_positions, sliding_window)
     attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
         query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, scale=scale, enable_gqa=True)[0]
@@ -67,11 +104,14 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 
 def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
-                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                     sliding_window: int) -> None:
+    """sliding_window <= 0: full causal attention."""
     for seq in seq_ids.tolist():
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         query = qkv[start:end, : num_heads * head_dim].reshape(end - start, num_heads, head_dim)
-        attended = attend_gathered(query, kv_cache, block_tables[seq], int(seq_lens[seq]), scale)
+        attended = attend_gathered(query, kv_cache, block_tables[seq], int(seq_lens[seq]), scale,
+                                   sliding_window)
         out[start:end] = attended.reshape(end - start, -1)
 
 

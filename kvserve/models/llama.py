@@ -3,7 +3,9 @@
 `forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H]`: no padding, no notion of
 requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
 HF-named checkpoint tensors into them. Each attention layer reads and writes its own slice of the
-paged KV cache, bound once by the runner with `bind_kv_cache`.
+paged KV cache, bound once by the runner with `bind_kv_cache`. A layer with a sliding window
+(Mistral, Qwen2's upper layers; `ModelConfig.sliding_windows`) passes it to the backend on each
+call; a backend that cannot apply windows is refused when the model is built.
 
 Given a ParallelContext with tp_size > 1 the model is one tensor-parallel rank's shard: its
 config is the rank's (kvserve/distributed/sharding.py), o_proj and down_proj outputs are partial
@@ -31,11 +33,8 @@ from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
-from kvserve.distributed.sharding import (
-    stage_layer_counts,
-    stage_layer_range,
-    vocab_range,
-)
+from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
+from kvserve.errors import UnsupportedArchitectureError
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
@@ -68,9 +67,10 @@ class PPMissingLayer(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, layer_index: int = 0):
         super().__init__()
         self.tp = active(parallel)
+        self.sliding_window = config.sliding_window(layer_index) or 0  # 0: full attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -91,7 +91,8 @@ class LlamaAttention(nn.Module):
         query, key = apply_rotary(query, key, rotary)
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
-        attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+        attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale,
+                                        self.sliding_window)
         out = self.o_proj(attended.reshape(-1, self.q_size))
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
@@ -107,7 +108,8 @@ class LlamaAttention(nn.Module):
         ops.rope_and_cache_(qkv, positions, cos_sin, self.kv_cache, metadata.slot_mapping,
                             self.num_heads, self.num_kv_heads, self.head_dim)
         attended = self.backend.attend(qkv, self.kv_cache, metadata, self.num_heads,
-                                       self.num_kv_heads, self.head_dim, self.scale)
+                                       self.num_kv_heads, self.head_dim, self.scale,
+                                       self.sliding_window)
         out = self.o_proj.forward(attended)
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
@@ -132,10 +134,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, layer_index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, parallel)
+        self.self_attn = LlamaAttention(config, backend, parallel, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, parallel)
 
@@ -148,6 +150,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  parallel: ParallelContext | None = None):
         super().__init__()
+        check_sliding_window_support(config, backend)
         pp_rank, pp_size = stage_of(parallel)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         counts = (parallel.layer_partition if parallel is not None and parallel.layer_partition
@@ -165,7 +168,7 @@ class LlamaModel(nn.Module):
                                                        parallel)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, parallel)
+            LlamaDecoderLayer(config, backend, parallel, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -216,6 +219,19 @@ class LlamaModel(nn.Module):
             return IntermediateTensors(hidden, residual)
         ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
+
+
+def check_sliding_window_support(config: ModelConfig, backend: AttentionBackend) -> None:
+    """Refuse, at load, a backend that would attend past a windowed layer's window (every token
+    after the window would then be wrong)."""
+    windowed = [i for i in range(config.num_hidden_layers) if config.sliding_window(i)]
+    if windowed and not getattr(backend, "supports_sliding_window", False):
+        raise UnsupportedArchitectureError(
+            f"this {config.architecture} model uses sliding-window attention on {len(windowed)} "
+            f"of its {config.num_hidden_layers} layers (window "
+            f"{config.sliding_window(windowed[0])}), which the attention backend "
+            f"{getattr(backend, 'name', type(backend).__name__)!r} cannot apply; use the "
+            "'paged', 'torch_ref' or 'sdpa_batched' backend")
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)

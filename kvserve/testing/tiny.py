@@ -45,10 +45,16 @@ def write_tiny_model_dir(directory: Path, tokenizer, seed: int = 0, **overrides)
     save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()},
               str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=1))
+    write_tokenizer_files(directory, tokenizer)
+    return directory
+
+
+def write_tokenizer_files(directory: Path, tokenizer) -> None:
+    """A kvserve tokenizer's files, so an HF directory (ours or one HF transformers saved) can
+    serve through the whole engine."""
     (directory / "tokenizer.json").write_text(tokenizer.backend.to_str())
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": tokenizer.chat_template,
         "bos_token": tokenizer.special_tokens.get("bos_token"),
         "eos_token": tokenizer.special_tokens.get("eos_token"),
     }))
-    return directory

@@ -117,7 +117,27 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_scaling=_rope_scaling(meta, arch),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        sliding_windows=_sliding_windows(meta, arch, int(need("block_count"))),
     )
+
+
+def _sliding_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    """`<arch>.attention.sliding_window` (0 or absent: none) on the layers its
+    `sliding_window_pattern` marks, as llama.cpp reads them: an array of bools (true: windowed),
+    or an integer n (every layer but each n-th, 0: all); no pattern: every layer."""
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if window <= 0:
+        return ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        return (window,) * layers
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise CorruptModelFileError(f"{arch}.attention.sliding_window_pattern has "
+                                        f"{len(pattern)} entries for {layers} layers")
+        return tuple(window if windowed else None for windowed in pattern)
+    every = int(pattern)
+    return tuple(window if every == 0 or i % every < every - 1 else None for i in range(layers))
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:

@@ -293,6 +293,7 @@ struct PagedArgs {
   const int32_t* tables;      // [num_seqs, max_blocks]
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim;
   float scale;
+  int64_t window;  // > 0: a query at p sees keys k with p - k < window; else every k <= p
 };
 
 #if KVSERVE_VEC
@@ -430,8 +431,10 @@ bool weigh_values_fast(ForEachRow& for_each_row, const float* probs, int64_t row
 }
 
 // One (sequence, KV head): its n new query tokens x G grouped query heads against every cached
-// key they may see (causal), reading K and V rows in place, block by block. Two passes (scores,
-// then the weighted sum of V) so each K and V row is read once per pass; all in float32.
+// key they may see (causal, within the window if any), reading K and V rows in place, block by
+// block. Two passes (scores, then the weighted sum of V) so each K and V row is read once per
+// pass; all in float32. Keys before the first query's window, and their blocks' table entries,
+// are never read: scores are indexed from key0, the first key any query here sees.
 template <typename T, typename C>
 void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const C* cache,
                      int64_t cache_half, T* out, int64_t out_stride, int64_t seq, int64_t kvh,
@@ -440,11 +443,13 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
   const int64_t q_begin = a.query_start[seq], n = a.query_start[seq + 1] - q_begin;
   const int64_t seq_len = a.seq_lens[seq], rows = n * group;
   const int64_t first_pos = seq_len - n;
-  buf.resize(rows * dim * 2 + rows * seq_len + dim);
+  const int64_t key0 = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  const int64_t span = seq_len - key0;  // keys key0..seq_len-1: score columns 0..span-1
+  buf.resize(rows * dim * 2 + rows * span + dim);
   float* queries = buf.data();
   float* acc = queries + rows * dim;
   float* scores = acc + rows * dim;
-  float* kv_row = scores + rows * seq_len;
+  float* kv_row = scores + rows * span;
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t g = 0; g < group; ++g) {
       const T* q = qkv + (q_begin + j) * qkv_stride + (kvh * group + g) * dim;
@@ -454,42 +459,50 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
   const int32_t* table = a.tables + seq * a.table_stride;
   const int64_t slot_stride = a.num_kv_heads * dim;
   const int64_t num_blocks = (seq_len + a.block_size - 1) / a.block_size;
-  // Visit every key row once: fn(row pointer, position, first query row that sees it).
+  // Visit every key row from key0 once: fn(row pointer, its score column pos - key0, first
+  // query row that sees it).
   auto for_each_row = [&](int64_t half, auto&& fn) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* row = cache + half * cache_half + table[b] * a.block_size * slot_stride + kvh * dim;
-      const int64_t first = b * a.block_size;
-      const int64_t last = std::min(seq_len, first + a.block_size);
+    for (int64_t b = key0 / a.block_size; b < num_blocks; ++b) {
+      const int64_t first = std::max(b * a.block_size, key0);
+      const int64_t last = std::min(seq_len, (b + 1) * a.block_size);
+      const C* row = cache + half * cache_half +
+                     (table[b] * a.block_size + first - b * a.block_size) * slot_stride + kvh * dim;
       for (int64_t pos = first; pos < last; ++pos, row += slot_stride) {
-        // query j (absolute position first_pos + j) sees keys 0..first_pos + j
-        fn(row, pos, (pos > first_pos ? pos - first_pos : 0) * group);
+        // query j (absolute position first_pos + j) sees keys up to first_pos + j
+        fn(row, pos - key0, (pos > first_pos ? pos - first_pos : 0) * group);
       }
     }
   };
-  if (!score_rows_fast<C>(for_each_row, queries, rows, dim, a.scale, scores, seq_len)) {
-    for_each_row(0, [&](const C* row, int64_t pos, int64_t r0) {
+  if (!score_rows_fast<C>(for_each_row, queries, rows, dim, a.scale, scores, span)) {
+    for_each_row(0, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
       for (int64_t r = r0; r < rows; ++r) {
-        scores[r * seq_len + pos] = dot(queries + r * dim, kv_row, dim) * a.scale;
+        scores[r * span + col] = dot(queries + r * dim, kv_row, dim) * a.scale;
       }
     });
   }
+  // Row r sees score columns [lo, hi): causal, and inside its own window.
+  auto visible = [&](int64_t r) {
+    const int64_t hi = first_pos + r / group + 1 - key0;
+    return std::pair<int64_t, int64_t>(a.window > 0 ? std::max<int64_t>(0, hi - a.window) : 0, hi);
+  };
   std::vector<float> inv_sum(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = first_pos + r / group + 1;
-    float* s = scores + r * seq_len;
-    inv_sum[r] = 1.f / exp_shifted_sum(s, visible, max_of(s, visible));
+    const auto [lo, hi] = visible(r);
+    float* s = scores + r * span + lo;
+    inv_sum[r] = 1.f / exp_shifted_sum(s, hi - lo, max_of(s, hi - lo));
   }
   // Keys a query may not see weigh zero (the register-blocked pass visits them all).
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = first_pos + r / group + 1;
-    std::fill(scores + r * seq_len + visible, scores + (r + 1) * seq_len, 0.f);
+    const auto [lo, hi] = visible(r);
+    std::fill(scores + r * span, scores + r * span + lo, 0.f);
+    std::fill(scores + r * span + hi, scores + (r + 1) * span, 0.f);
   }
-  if (!weigh_values_fast<C>(for_each_row, scores, rows, dim, acc, seq_len)) {
+  if (!weigh_values_fast<C>(for_each_row, scores, rows, dim, acc, span)) {
     std::memset(acc, 0, rows * dim * sizeof(float));
-    for_each_row(1, [&](const C* row, int64_t pos, int64_t r0) {
+    for_each_row(1, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
-      for (int64_t r = r0; r < rows; ++r) axpy(scores[r * seq_len + pos], kv_row, acc + r * dim, dim);
+      for (int64_t r = r0; r < rows; ++r) axpy(scores[r * span + col], kv_row, acc + r * dim, dim);
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -524,7 +537,7 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
               qkv_ptr, qkv.stride(0), q_begin, cache, kv_cache.stride(0),
               a.tables + seq * a.table_stride, a.block_size, a.num_kv_heads,
               task % a.num_kv_heads, a.num_heads / a.num_kv_heads, a.head_dim,
-              a.query_start[seq + 1] - q_begin, a.seq_lens[seq], a.scale, out_ptr,
+              a.query_start[seq + 1] - q_begin, a.seq_lens[seq], a.window, a.scale, out_ptr,
               out.stride(0)};
           kvserve::decode_attention_task(t, scratch);
           continue;
@@ -538,10 +551,12 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
 
 // Attention for the sequences in seq_ids, whose K/V (this step's included) are already in the
 // cache. qkv [T, (H + 2 KVH) * D] holds the rotated queries; out [T, H * D] gets their rows.
+// sliding_window > 0: a query at position p sees keys k with p - k < sliding_window only.
 void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                      int64_t sliding_window) {
   TORCH_CHECK(seq_ids.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kLong,
@@ -551,7 +566,7 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
   PagedArgs args{seq_ids.data_ptr<int32_t>(), query_start_loc.data_ptr<int64_t>(),
                  seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
                  block_tables.size(1), kv_cache.size(2), num_heads, num_kv_heads, head_dim,
-                 static_cast<float>(scale)};
+                 static_cast<float>(scale), sliding_window};
   check_cache_dtype(qkv, kv_cache, "paged_attention_");
   TORCH_CHECK(out.scalar_type() == qkv.scalar_type(), "paged_attention_: out must be in qkv's dtype");
   if (qkv.scalar_type() == at::kBFloat16) {

@@ -124,23 +124,28 @@ void score_row(const DecodeTask& t, const BFloat16* query, int64_t num_keys, flo
   }
 }
 
+// Keys are indexed from key0 (the first one the first query sees): key j is position key0 + j.
 template <int DIM>
 void run(const DecodeTask& t, DecodeScratch& s) {
-  const int64_t rows = t.num_tokens * t.group, keys = t.seq_len;
+  const int64_t first_pos = t.seq_len - t.num_tokens;
+  const int64_t key0 = t.window > 0 ? std::max<int64_t>(0, first_pos - t.window + 1) : 0;
+  const int64_t rows = t.num_tokens * t.group, keys = t.seq_len - key0;
   const int64_t padded = (keys + 15) / 16 * 16;
   s.scores.resize(rows * padded);
   s.probs.resize(rows * (padded + 2));
   s.acc.resize(rows * DIM);
   s.key_rows.resize(keys);
-  for (int64_t j = 0; j < keys; ++j) s.key_rows[j] = t.key_row(j);
-  const int64_t first_pos = keys - t.num_tokens;
+  for (int64_t j = 0; j < keys; ++j) s.key_rows[j] = t.key_row(key0 + j);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = first_pos + r / t.group + 1;  // causal: keys before this row's own
+    // causal: keys up to this row's own; in the window: not `window` or more behind it
+    const int64_t visible = first_pos + r / t.group + 1 - key0;
+    const int64_t lo = t.window > 0 ? std::max<int64_t>(0, visible - t.window) : 0;
     float* scores = s.scores.data() + r * padded;
     score_row<DIM>(t, t.query_row(r), visible, scores, s.key_rows);
-    const float total = exp_shifted_sum(scores, visible, max_of(scores, visible));
-    const float inv = 1.f / total;
-    for (int64_t j = 0; j < visible; ++j) scores[j] *= inv;
+    const int64_t seen = visible - lo;
+    const float inv = 1.f / exp_shifted_sum(scores + lo, seen, max_of(scores + lo, seen));
+    for (int64_t j = lo; j < visible; ++j) scores[j] *= inv;
+    std::fill(scores, scores + lo, 0.f);
     std::fill(scores + visible, scores + keys, 0.f);
     uint16_t* p = s.probs.data() + r * (padded + 2);
     to_bf16_bits(scores, p, keys);
@@ -153,7 +158,7 @@ void run(const DecodeTask& t, DecodeScratch& s) {
     for (int64_t r = 0; r < n; ++r) {
       probs[r] = s.probs.data() + (r0 + r) * (padded + 2);
       acc[r] = s.acc.data() + (r0 + r) * DIM;
-      last_visible = first_pos + (r0 + r) / t.group + 1;
+      last_visible = first_pos + (r0 + r) / t.group + 1 - key0;
     }
     switch (n) {
       case 1: weigh_values<DIM, 1>(t, s.key_rows.data(), probs, last_visible, acc); break;

@@ -10,14 +10,16 @@
 namespace kvserve {
 
 // One (sequence, KV head): its num_tokens new tokens x `group` query heads against keys
-// [0, seq_len) of its block table (the new tokens' K/V included, causal).
+// [0, seq_len) of its block table (the new tokens' K/V included, causal). window > 0: a query at
+// position p sees keys k with p - k < window only, and keys (blocks) before the first query's
+// window are never read.
 struct DecodeTask {
   const at::BFloat16* qkv;
   int64_t qkv_stride, q_begin;  // the first new token's row in qkv
   const at::BFloat16* cache;
   int64_t cache_half;           // elements from a K row to its V row
   const int32_t* table;
-  int64_t block_size, num_kv_heads, kv_head, group, head_dim, num_tokens, seq_len;
+  int64_t block_size, num_kv_heads, kv_head, group, head_dim, num_tokens, seq_len, window;
   float scale;
   at::BFloat16* out;
   int64_t out_stride;

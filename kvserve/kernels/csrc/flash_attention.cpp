@@ -45,6 +45,7 @@ struct FlashArgs {
   const int32_t* tables;
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim;
   float scale;
+  int64_t window;  // > 0: a query at p sees keys k with p - k < window only
   const BFloat16* qkv;
   int64_t qkv_stride;
   const BFloat16* cache;
@@ -132,27 +133,34 @@ inline void weigh_tile(const __m512* probs, const uint32_t* v_tile, float* acc) 
   }
 }
 
-template <int DIM>
+// WINDOW (a sliding window, chosen per call so full attention pays nothing for it): the rows
+// also mask keys below their window, and the walk starts at the first row's first visible key,
+// so blocks wholly before every row's window are never read.
+template <int DIM, bool WINDOW>
 void run_task(const FlashArgs& a, const Task& t, Scratch& s) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t seq_len = a.seq_lens[t.seq];
   const int64_t q_begin = a.query_start[t.seq];
   const int64_t first_pos = seq_len - (a.query_start[t.seq + 1] - q_begin);  // token 0's position
   s.reserve(DIM);
-  // Q pairs, transposed; rows past num_rows stay zero and see every key (never stored)
+  // Q pairs, transposed; rows past num_rows repeat the last row's limits (never stored)
   alignas(64) int32_t limit[ROWS];
-  int64_t key_end = 0;
+  alignas(64) int32_t lower[ROWS];
+  int64_t key_end = 0, key_begin = seq_len;
   for (int r = 0; r < ROWS; ++r) {
     const int64_t row = t.first_row + std::min<int64_t>(r, t.num_rows - 1);
     const int64_t token = row / group, head = t.kv_head * group + row % group;
     limit[r] = static_cast<int32_t>(first_pos + token + 1);  // keys < limit are visible
+    lower[r] = WINDOW ? static_cast<int32_t>(std::max<int64_t>(0, limit[r] - a.window)) : 0;
     key_end = std::max<int64_t>(key_end, limit[r]);
+    key_begin = std::min<int64_t>(key_begin, lower[r]);
     if (r >= t.num_rows) continue;
     const uint32_t* q = reinterpret_cast<const uint32_t*>(a.qkv + (q_begin + token) * a.qkv_stride +
                                                           head * DIM);
     for (int p = 0; p < DIM / 2; ++p) s.q_pairs[p * ROWS + r] = q[p];
   }
   const __m512i limits = _mm512_load_si512(limit);
+  const __m512i lowers = _mm512_load_si512(lower);
   const __m512 scale = _mm512_set1_ps(a.scale);
   __m512 row_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 row_sum = _mm512_setzero_ps();
@@ -160,7 +168,7 @@ void run_task(const FlashArgs& a, const Task& t, Scratch& s) {
   const BFloat16* keys[KEY_TILE];
   const BFloat16* values[KEY_TILE];
   __m512 scores[KEY_TILE];
-  for (int64_t tile0 = 0; tile0 < key_end; tile0 += KEY_TILE) {
+  for (int64_t tile0 = key_begin; tile0 < key_end; tile0 += KEY_TILE) {
     const int count = static_cast<int>(std::min<int64_t>(KEY_TILE, key_end - tile0));
     for (int k = 0; k < KEY_TILE; ++k) {
       keys[k] = key_row(a, table, tile0 + std::min(k, count - 1), t.kv_head);
@@ -172,12 +180,15 @@ void run_task(const FlashArgs& a, const Task& t, Scratch& s) {
     __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __mmask16 visible[KEY_TILE];
     for (int k = 0; k < KEY_TILE; ++k) {
-      visible[k] = k < count ? _mm512_cmpgt_epi32_mask(limits, _mm512_set1_epi32(static_cast<int>(tile0 + k))) : 0;
+      const __m512i key = _mm512_set1_epi32(static_cast<int>(tile0 + k));
+      visible[k] = k < count ? _mm512_cmpgt_epi32_mask(limits, key) : 0;
+      if constexpr (WINDOW) visible[k] = _mm512_mask_cmple_epi32_mask(visible[k], lowers, key);
       scores[k] = _mm512_mul_ps(scores[k], scale);
       tile_max = _mm512_mask_max_ps(tile_max, visible[k], tile_max, scores[k]);
     }
     const __m512 new_max = _mm512_max_ps(row_max, tile_max);
-    // rows whose max grew: rescale what came before (exp(-inf) -> 0 on the first tile)
+    // rows whose max grew: rescale what came before (exp(-inf) -> 0 on the first tile). A row
+    // that sees no key of a tile (before its window) keeps -inf and adds only masked zeros.
     const __mmask16 grew = _mm512_cmp_ps_mask(new_max, row_max, _CMP_GT_OQ);
     if (grew) {
       const __m512 correction = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.f),
@@ -229,7 +240,8 @@ bool flash_attention_supported(int64_t head_dim) { return bf16_attention_support
 void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                      int64_t sliding_window) {
   TORCH_CHECK(flash_attention_supported(head_dim),
               "flash_attention_: needs AVX512-BF16 and head_dim 64 or 128");
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
@@ -246,7 +258,7 @@ void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
   FlashArgs a{seq_ids.data_ptr<int32_t>(), query_start_loc.data_ptr<int64_t>(),
               seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
               block_tables.size(1), kv_cache.size(2), num_heads, num_kv_heads, head_dim,
-              static_cast<float>(scale), qkv.data_ptr<BFloat16>(), qkv.stride(0),
+              static_cast<float>(scale), sliding_window, qkv.data_ptr<BFloat16>(), qkv.stride(0),
               kv_cache.data_ptr<BFloat16>(), kv_cache.stride(0), out.data_ptr<BFloat16>(),
               out.stride(0)};
   const std::vector<Task> tasks = plan_tasks(a, seq_ids.numel());
@@ -256,8 +268,14 @@ void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
-      if (head_dim == 64) run_task<64>(a, tasks[i], scratch);
-      else run_task<128>(a, tasks[i], scratch);
+      const bool window = sliding_window > 0;
+      if (head_dim == 64) {
+        window ? run_task<64, true>(a, tasks[i], scratch)
+               : run_task<64, false>(a, tasks[i], scratch);
+      } else {
+        window ? run_task<128, true>(a, tasks[i], scratch)
+               : run_task<128, false>(a, tasks[i], scratch);
+      }
     }
   });
 #endif
