@@ -16,7 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, random_model
-from kvserve.testing.paged_loop import PagedLoop
+from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config, write_tiny_model_dir, write_tokenizer_files
 from kvserve.weights.gguf_file import config_from_metadata
 
