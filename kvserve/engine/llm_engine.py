@@ -31,6 +31,7 @@ from kvserve.protocol.engine_core import (
     SchedulerStats,
 )
 from kvserve.protocol.kv_transfer_params import KVTransferParams
+from kvserve.sample.logits_processor import load_processor_classes
 from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
 
@@ -60,6 +61,9 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         load_plugins()
+        # a processor that cannot be imported fails here, before the core starts; the classes
+        # check each request's arguments for them (`validate_params`)
+        self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source)
         self.core = make_core_client(config, warm_up)
@@ -181,6 +185,11 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                       f"[0, {vocab})", param="prompt")
         params.validate_for_vocab(vocab)
+        for processor in self.processor_classes:
+            try:
+                processor.validate_params(params)
+            except ValueError as exc:
+                raise InvalidRequestError(f"extra_args: {exc}", param="extra_args") from exc
         if params.top_k >= vocab:  # keeps every token: the same as no top-k (and fits int64)
             params.top_k = 0
         room = self.max_model_len - len(prompt_ids)
