@@ -93,8 +93,20 @@ class EngineConfig:
         "\"tcp://127.0.0.1:5558\"}; keys: enable_kv_cache_events, publisher (zmq | null), "
         "endpoint, replay_endpoint (replay, snapshots), topic, buffer_steps, hwm, "
         "max_queue_size, heartbeat_seconds")
+    logits_processors: tuple[str, ...] = _opt(
+        (), "custom logits processors, as 'module:Class' (vLLM's flag; repeat it or separate "
+        "names by commas): each worker builds one of each, and each decides from a request's "
+        "extra_args (vllm_xargs over HTTP) whether it applies to it", multiple=True)
 
     def __post_init__(self) -> None:
+        from kvserve.sample.processor_names import qualified_name
+
+        # classes (LLM(logits_processors=[...])) become names: the config crosses processes
+        processors = self.logits_processors
+        if isinstance(processors, str):
+            processors = [name for name in processors.split(",") if name.strip()]
+        object.__setattr__(self, "logits_processors",
+                           tuple(qualified_name(p) for p in processors))
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         from kvserve.kv_transfer.config import kv_transfer_config

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from kvserve.errors import InvalidRequestError
 
@@ -15,6 +18,17 @@ _GREEDY_EPSILON = 1e-5
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
+
+
+def _plain_data(value: Any) -> bool:
+    """A dict with string keys that crosses to the engine's processes as msgpack."""
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        return False
+    try:
+        msgspec.msgpack.encode(value)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def fits_int64(value: int) -> bool:
@@ -42,6 +56,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # arguments for custom logits processors (vLLM's extra_args; `vllm_xargs` over HTTP)
+    extra_args: dict[str, Any] | None = None
     # filled by the engine: the model's EOS plus stop_token_ids
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -83,6 +99,8 @@ class SamplingParams:
             (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
             (self.seed is None or fits_int64(self.seed), "seed", "seed must fit in 64 bits"),
+            (self.extra_args is None or _plain_data(self.extra_args), "extra_args",
+             "extra_args must be a dict with string keys and JSON-like values"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -218,6 +218,9 @@ def test_build_app_arguments_are_the_serve_flags():
         4, "prefix-cache-affinity", False, 0.5, 512)
     with pytest.raises(SystemExit):
         app_parser().parse_args(args_to_argv({"request_router": "random"}))
+    processors = app_parser().parse_args(args_to_argv(
+        {"logits_processors": ["a.b:C", "d:E"]})).logits_processors  # a config file's list
+    assert processors == ("a.b:C", "d:E")
     from kvserve.engine_config import EngineConfig
 
     ours = request_router_config(EngineConfig(model="/m"), RayServeConfig(overlap_weight=2.0))

@@ -134,7 +134,7 @@ def reference_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[fl
 
 def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
                              exact: bool = False, stable: bool = False) -> torch.Tensor:
-    """The former _filtered_probs, a row at a time (each as if alone in its batch).
+    """The former filtered probabilities, a row at a time (each as if alone in its batch).
 
     exact=False is the former code bit for bit. exact=True runs its top-k/top-p in float64 and
     lets top_p = 1.0 keep everything: the rule the sampler now computes. (The float32 sort's
@@ -152,11 +152,21 @@ def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
             else:
                 row_logits = reference_top_k_top_p(row_logits, [p.top_k], [p.top_p], stable)
         row_probs = torch.softmax(row_logits, dim=-1)
-        if p.min_p > 0:
+        if p.min_p > 0:  # a logits processor: it masks the logits, the softmax renormalizes
             threshold = p.min_p * row_probs.max(dim=-1, keepdim=True).values
-            row_probs = torch.where(row_probs < threshold, torch.zeros_like(row_probs), row_probs)
+            row_probs = torch.softmax(row_logits.masked_fill(row_probs < threshold,
+                                                             float("-inf")), dim=-1)
         probs.append(row_probs[0])
     return torch.stack(probs)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The sampler's distributions for rows that all sample: temperature, top-k/top-p, then the
+    min-p logits processor."""
+    sampler = Sampler()
+    rows = [SamplingRow(p, [], [], None) for p in params]
+    sampler._update_processors(rows, None)
+    return sampler._random_probs(logits, list(range(len(rows))), params)
 
 
 def assert_same_distribution(new: torch.Tensor, ref: torch.Tensor) -> None:
@@ -209,14 +219,13 @@ SETTINGS = TYPICAL + [
 def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
     """Each setting alone and all of them in one batch, on peaked to flat rows (flat ones take
     the histogram-sized window or the whole-row fallback): the sort's tokens, bit for bit."""
-    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab)
     params = params_for(SETTINGS)
     expected = reference_filtered_probs(logits, params, exact=True)
-    assert_same_distribution(_filtered_probs(logits, params), expected)
+    assert_same_distribution(filtered_probs(logits, params), expected)
     for i in range(0, len(SETTINGS), 3 if vocab > 100_000 else 1):
-        single = _filtered_probs(logits[i:i + 1], params[i:i + 1])
+        single = filtered_probs(logits[i:i + 1], params[i:i + 1])
         assert_same_distribution(single, expected[i:i + 1])
 
 
@@ -224,11 +233,10 @@ def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
 def test_typical_settings_equal_the_former_float32_sort(spread):
     """The usual settings at the usual vocabulary: the former code's tokens and probabilities,
     bit for bit (not a float64 rerun of it)."""
-    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(len(TYPICAL), 49152, spread, seed=int(spread * 100))
     params = params_for(TYPICAL)
-    assert_same_distribution(_filtered_probs(logits, params),
+    assert_same_distribution(filtered_probs(logits, params),
                              reference_filtered_probs(logits, params))
 
 
@@ -239,13 +247,12 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab):
     its probabilities added up to 1.0001), so it cut early. The kept sets are nested, and they
     and the probabilities differ by less than 3e-4 (how much the former sums lost depends on the
     CPU's vector width: 2e-4 on AVX-512, 2.02e-4 at 262k on AVX2)."""
-    from kvserve.sample.sampler import _filtered_probs
 
     params = params_for(SETTINGS)
     differing_rows = 0
     for spread in (3.0, 1.5, 1.0, 0.3):
         logits = model_like_logits(len(SETTINGS), vocab, spread, seed=5)
-        new = _filtered_probs(logits, params)
+        new = filtered_probs(logits, params)
         old = reference_filtered_probs(logits, params)
         unfiltered = torch.softmax(logits / torch.tensor([[p.temperature] for p in params]), -1)
         for i in range(len(params)):
@@ -277,7 +284,7 @@ def test_every_window_path_is_taken(monkeypatch):
         windows.clear()
         logits = model_like_logits(2, vocab, spread, seed=7)
         params = params_for([(1.0, 0, top_p, 0.0)] * 2)
-        assert_same_distribution(sampler._filtered_probs(logits, params),
+        assert_same_distribution(filtered_probs(logits, params),
                                  reference_filtered_probs(logits, params, exact=True))
         if widest is None:
             assert 256 < max(windows) < vocab, windows
@@ -299,7 +306,7 @@ def test_small_first_windows(monkeypatch, first_window):
     logits = torch.stack(rows)
     for setting in SETTINGS + [(1.0, 3, 0.99, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 0.97, 0.0)]:
         params = params_for([setting] * len(rows))
-        assert_same_distribution(sampler._filtered_probs(logits, params),
+        assert_same_distribution(filtered_probs(logits, params),
                                  reference_filtered_probs(logits, params, True, True))
 
 
@@ -308,7 +315,6 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
     """Integer logits tie in big groups, so top-k and top-p cuts fall inside one: as many tokens
     as the sort keeps, with the same probabilities, and of the tied ones the lowest ids (what a
     stable sort keeps; torch's sort, not stable, keeps an arbitrary few)."""
-    from kvserve.sample.sampler import _filtered_probs
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randint(0, 6, (4, vocab), generator=gen).float()
@@ -316,7 +322,7 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
     for k in (0, 1, 2, 3, vocab // 3, vocab - 1, vocab):
         for p in (1.0, 0.6, 0.3, 0.05):
             params = params_for([(1.0, k, p, 0.0)] * 4)
-            new = _filtered_probs(logits, params)
+            new = filtered_probs(logits, params)
             assert_same_distribution(new, reference_filtered_probs(logits, params, True, True))
             unstable = reference_filtered_probs(logits, params, exact=True)
             assert torch.equal((new > 0).sum(dim=-1), (unstable > 0).sum(dim=-1))
@@ -327,7 +333,6 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
 def test_masked_tokens_and_tiny_vocabularies():
     """-inf logits (min_tokens, logit_bias) inside and at the edge of the first window; a row of
     fewer tokens than the window."""
-    from kvserve.sample.sampler import _filtered_probs
 
     logits = model_like_logits(3, 2000, 2.0, seed=3)
     logits[0, logits[0].topk(300).indices[1:]] = float("-inf")  # one finite token left near top
@@ -336,22 +341,21 @@ def test_masked_tokens_and_tiny_vocabularies():
     short = torch.tensor([[0.5, 2.0, -1.0]])
     for setting in SETTINGS:
         params = params_for([setting] * 3)
-        assert_same_distribution(_filtered_probs(logits, params),
+        assert_same_distribution(filtered_probs(logits, params),
                                  reference_filtered_probs(logits, params, exact=True))
-        assert_same_distribution(_filtered_probs(short, params[:1]),
+        assert_same_distribution(filtered_probs(short, params[:1]),
                                  reference_filtered_probs(short, params[:1], exact=True))
 
 
 def test_top_p_one_keeps_every_token_in_any_batch():
     """The sort cut a top_p = 1.0 row's tail when another row of the batch filtered and its
     float32 running sum rounded past 1.0; now such a row is left whole, as it was when alone."""
-    from kvserve.sample.sampler import _filtered_probs
 
     logits = torch.randint(0, 6, (2, 49152), generator=torch.Generator().manual_seed(0)).float()
     params = params_for([(1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0)])
     # (the former code cut this row's tail where torch's float32 cumsum rounded past 1.0: on
     # AVX-512 machines, not on AVX2 ones, whose reductions round differently)
-    assert torch.equal(_filtered_probs(logits, params)[0], torch.softmax(logits[0], dim=-1))
+    assert torch.equal(filtered_probs(logits, params)[0], torch.softmax(logits[0], dim=-1))
 
 
 def reference_tokens(logits: torch.Tensor, rows: list[SamplingRow], seeds: list[int | None],

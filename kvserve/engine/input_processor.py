@@ -4,7 +4,7 @@ the engine core."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
 from kvserve.sampling_params import SamplingParams
@@ -14,10 +14,12 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 processor_classes: Sequence[type] = ()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.processor_classes = processor_classes  # custom logits processors: their args
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs: Any) -> dict:
@@ -59,6 +61,11 @@ class InputProcessor:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                       f"[0, {vocab})", param="prompt")
         params.validate_for_vocab(vocab)
+        for processor in self.processor_classes:
+            try:
+                processor.validate_params(params)
+            except ValueError as exc:
+                raise InvalidRequestError(f"extra_args: {exc}", param="extra_args") from exc
         if params.top_k >= vocab:  # keeps every token: the same as no top-k (and fits int64)
             params.top_k = 0
         params.all_stop_token_ids = set(params.stop_token_ids)

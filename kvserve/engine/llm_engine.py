@@ -31,6 +31,7 @@ from kvserve.protocol.engine_core import (
     SchedulerStats,
 )
 from kvserve.protocol.kv_transfer_params import KVTransferParams
+from kvserve.sample.logits_processor import load_processor_classes
 from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
 
@@ -58,13 +59,17 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         load_plugins()
+        # a processor that cannot be imported fails here, before the core starts; the classes
+        # check each request's arguments for them (`validate_params`)
+        self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source)
         self.core = make_core_client(config, warm_up)
         ready = self.core.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
+                                     self.processor_classes)
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()

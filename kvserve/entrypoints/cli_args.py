@@ -30,9 +30,21 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
             group.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                default=field.default, help=help_text)
             continue
+        if field.metadata.get("multiple"):
+            group.add_argument(*flags, action=_AppendNames, default=field.default,
+                               help=help_text)
+            continue
         group.add_argument(*flags, type=kind, default=field.default,
                            choices=field.metadata.get("choices"),
                            help=f"{help_text} (default: {field.default})")
+
+
+class _AppendNames(argparse.Action):
+    """A repeatable flag whose values may also be comma-separated: a tuple of them all."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = tuple(name.strip() for name in values.split(",") if name.strip())
+        setattr(namespace, self.dest, tuple(getattr(namespace, self.dest) or ()) + names)
 
 
 def dataclass_from_args(cls, args: argparse.Namespace):

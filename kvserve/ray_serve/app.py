@@ -131,6 +131,9 @@ def args_to_argv(args: dict) -> list[str]:
         if isinstance(value, bool) or str(value).lower() in ("true", "false"):
             truthy = value if isinstance(value, bool) else str(value).lower() == "true"
             argv.append(flag if truthy else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):  # a repeatable flag: --logits-processors
+            for item in value:
+                argv += [flag, str(item)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -1,18 +1,22 @@
 """Token sampling for a batch of rows, each with its own SamplingParams.
 
-Order, as in vLLM: logit_bias, min_tokens masking, penalties, then greedy argmax or temperature ->
-top-k -> top-p -> min-p -> a draw. Seeded rows draw from their own torch.Generator, so the same
-seed gives the same tokens whatever else is in the batch. Logprobs are of the raw model logits.
+Order, as in vLLM: the logits processors that can change a greedy choice (logit_bias, min_tokens,
+penalties, then custom ones), then greedy argmax, or temperature -> top-k -> top-p -> the
+argmax-invariant processors (min_p, then custom ones) -> a draw. Seeded rows draw from their own
+torch.Generator, so the same seed gives the same tokens whatever else is in the batch. Logprobs
+are of the raw model logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from kvserve.protocol.worker import TokenLogprobs
+from kvserve.sample.builtin_processors import builtin_processors
+from kvserve.sample.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
 from kvserve.sampling_params import SamplingParams
 
 
@@ -31,22 +35,28 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, argmax_rows=None):
+    def __init__(self, seed: int = 0, argmax_rows=None,
+                 logits_processors: Sequence[LogitsProcessor] = ()):
+        """`logits_processors`: custom ones, run after the built-ins of their kind."""
         self.default_generator = torch.Generator().manual_seed(seed)
         # the compiled kernel when the runner has one (torch's CPU argmax is slow on [B, 49k])
         self.argmax_rows = argmax_rows or (lambda logits: logits.argmax(dim=-1))
+        self.processors = [*builtin_processors(), *logits_processors]
+        self._num_rows = 0  # the batch's size, as the processors know it
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 batch_update: BatchUpdate | None = None) -> SamplerOutput:
+        """`rows` in the persistent batch's order, and its changes since the last call
+        (`batch_update`, empty when none); without one the rows are a batch of their own."""
+        self._update_processors(rows, batch_update)
         logits = logits.float().cpu()
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(_modifies_logits(row) for row in rows):
-            logits = logits.clone()  # the processors below write in place
-        _apply_logit_bias(logits, rows)
-        _apply_min_tokens(logits, rows)
-        _apply_penalties(logits, rows)
+        processors = self._active(argmax_invariant=False)
+        if processors:
+            logits = _run(processors, logits.clone())  # they may write in place
         token_ids = self._choose(logits, rows)
         logprobs = [
             _token_logprobs(raw_logprobs[i], token_ids[i], row.params.logprobs)
@@ -55,14 +65,46 @@ class Sampler:
         ]
         return SamplerOutput(token_ids, logprobs)
 
+    def _update_processors(self, rows: list[SamplingRow], batch_update: BatchUpdate | None):
+        if batch_update is None:
+            batch_update = BatchUpdate(len(rows), range(self._num_rows), [
+                AddedRow(i, row.params, row.prompt_token_ids, row.output_token_ids)
+                for i, row in enumerate(rows)])
+        if batch_update.batch_size != len(rows):
+            raise ValueError(f"the batch update is for {batch_update.batch_size} rows, the "
+                             f"step has {len(rows)}")
+        self._num_rows = batch_update.batch_size
+        change = None if batch_update.empty else batch_update
+        for processor in self.processors:
+            processor.update_state(change)
+
+    def _active(self, argmax_invariant: bool) -> list[LogitsProcessor]:
+        return [p for p in self.processors
+                if p.is_argmax_invariant() == argmax_invariant and p.is_active()]
+
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         chosen = self.argmax_rows(logits.contiguous())
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
-            probs = _filtered_probs(logits[random_rows], [rows[i].params for i in random_rows])
+            probs = self._random_probs(logits, random_rows, [rows[i].params for i in random_rows])
             noise = self._exponential_noise(probs.shape, [rows[i] for i in random_rows])
             chosen[random_rows] = (probs / noise).argmax(dim=-1)
         return chosen.tolist()
+
+    def _random_probs(self, logits: torch.Tensor, random_rows: list[int],
+                      params: list[SamplingParams]) -> torch.Tensor:
+        """The random rows' distributions: temperature, top-k/top-p, then the argmax-invariant
+        processors. Those index the whole batch, so a batch that also has greedy rows is
+        handed over whole (its greedy rows are chosen already, and untouched by design)."""
+        everything = len(random_rows) == logits.shape[0]
+        filtered = _filtered_logits(logits if everything else logits[random_rows], params)
+        processors = self._active(argmax_invariant=True)
+        if processors and everything:
+            filtered = _run(processors, filtered)
+        elif processors:
+            index = torch.tensor(random_rows)
+            filtered = _run(processors, logits.index_put((index,), filtered))[index]
+        return torch.softmax(filtered, dim=-1)
 
     def _exponential_noise(self, shape, rows: list[SamplingRow]) -> torch.Tensor:
         """argmax(p / E) with E ~ Exp(1) is a draw from p (the Gumbel-max trick in disguise)."""
@@ -72,61 +114,21 @@ class Sampler:
         return noise
 
 
-def _modifies_logits(row: SamplingRow) -> bool:
-    params = row.params
-    return bool(params.logit_bias) or params.needs_penalties or (
-        len(row.output_token_ids) < params.min_tokens and bool(params.all_stop_token_ids))
+def _run(processors: list[LogitsProcessor], logits: torch.Tensor) -> torch.Tensor:
+    for processor in processors:
+        logits = processor.apply(logits)
+    return logits
 
 
-def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    for i, row in enumerate(rows):
-        if row.params.logit_bias:
-            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long)
-            logits[i, ids] += torch.tensor(list(row.params.logit_bias.values()))
-
-
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    for i, row in enumerate(rows):
-        params = row.params
-        if len(row.output_token_ids) < params.min_tokens and params.all_stop_token_ids:
-            logits[i, list(params.all_stop_token_ids)] = float("-inf")
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[-1]
-    for i, row in enumerate(rows):
-        params = row.params
-        if not params.needs_penalties:
-            continue
-        counts = torch.zeros(vocab)
-        if row.output_token_ids:
-            counts.scatter_add_(0, torch.tensor(row.output_token_ids),
-                                torch.ones(len(row.output_token_ids)))
-        if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            if row.prompt_token_ids:
-                seen[torch.tensor(row.prompt_token_ids)] = True
-            penalty = params.repetition_penalty
-            row_logits = logits[i]
-            scaled = torch.where(row_logits > 0, row_logits / penalty, row_logits * penalty)
-            logits[i] = torch.where(seen, scaled, row_logits)
-        logits[i] -= params.frequency_penalty * counts
-        logits[i] -= params.presence_penalty * (counts > 0).float()
-
-
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then -inf outside each row's top-k and top-p (a new tensor)."""
     temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     logits = logits / temperature
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-    if bool((min_p > 0).any()):
-        threshold = min_p * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-    return probs
+    return logits
 
 
 # Top-p first looks at this many of a row's best tokens: with a trained model's logits the

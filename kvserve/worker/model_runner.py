@@ -8,6 +8,8 @@ next stage after them; only the last stage samples.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from kvserve.attention import build_attention_metadata
@@ -16,16 +18,20 @@ from kvserve.distributed.communication import recv_from_prev_stage, send_to_next
 from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.models.llama import IntermediateTensors
 from kvserve.protocol.worker import ModelRunnerOutput
+from kvserve.sample.logits_processor import LogitsProcessor
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.request_state import RunnerInput, ScheduledItem
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
                  seed: int = 0, kv_dtype: torch.dtype | None = None,
-                 parallel: ParallelContext | None = None, samples: bool = True):
+                 parallel: ParallelContext | None = None, samples: bool = True,
+                 logits_processors: Sequence[LogitsProcessor] = ()):
         """`samples`: False on ranks whose samples nobody reads (tensor ranks other than the
-        output rank: they join the logits gather, then stop)."""
+        output rank: they join the logits gather, then stop). `logits_processors`: custom
+        ones, for the sampler."""
         self.model = model
         self.samples = samples
         self.config = model.config
@@ -40,7 +46,9 @@ class ModelRunner:
             self._intermediate_count = 1 if model.kernel_ops is None else 2  # eager: no residual
             self._activation_dtype = model.activation_dtype
         ops = model.kernel_ops
-        self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None)
+        self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None,
+                               logits_processors)
+        self.input_batch = InputBatch(emits_updates=samples)
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -67,13 +75,23 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput.empty()
         ends = metadata.query_start_loc_host
-        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        batch_update, rows = self._batch_rows(scheduled, sampling)
+        sampling = [scheduled[i] for i in rows]
         last_token_index = torch.tensor([ends[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last_token_index])
         if not self.samples:
             return ModelRunnerOutput.empty()
-        result = self.sampler(logits, [self._sampling_row(s) for s in sampling])
+        result = self.sampler(logits, [self._sampling_row(s) for s in sampling], batch_update)
+        self.input_batch.applied()
         return self._package(sampling, result)
+
+    def _batch_rows(self, scheduled: list[ScheduledItem], sampling: list[ScheduledItem]):
+        """The persistent batch's changes, and its rows' indices into `scheduled`: logits rows
+        come in the batch's order, which keeps each request's logits-processor state on one
+        row."""
+        batch_update = self.input_batch.update([s.request for s in sampling])
+        position = {s.request: i for i, s in enumerate(scheduled)}
+        return batch_update, [position[request] for request in self.input_batch.requests]
 
     def _run_stage(self, input_ids, positions, metadata) -> torch.Tensor | None:
         """This stage's layers between the previous stage's hidden states and the next's;

@@ -18,6 +18,7 @@ import signal
 import sys
 
 import msgspec
+import torch
 import zmq
 
 from kvserve.engine_config import EngineConfig
@@ -35,6 +36,7 @@ from kvserve.protocol.worker import (
     WorkerFailed,
     WorkerReady,
 )
+from kvserve.sample.logits_processor import ProcessorInit, load_processor_classes
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.request_state import CachedRequestState, RunnerInput, ScheduledItem
 
@@ -52,6 +54,8 @@ class Worker:
 
         load_plugins()
         self.config = config
+        # before the model loads: a processor that cannot be imported fails the start at once
+        self.processor_classes = load_processor_classes(config.logits_processors)
         self.rank = rank
         self.is_output_rank = rank == output_rank(config.tensor_parallel_size,
                                                   config.pipeline_parallel_size)
@@ -76,8 +80,17 @@ class Worker:
         self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,
                                   self.config.device, self.config.seed,
                                   kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
-                                  samples=self.is_output_rank)
+                                  samples=self.is_output_rank,
+                                  logits_processors=self._logits_processors())
         return KVCacheReady(self.rank)
+
+    def _logits_processors(self) -> list:
+        """The custom logits processors, built once, on the rank that samples."""
+        if not self.is_output_rank:
+            return []
+        init = ProcessorInit(self.loaded.config.vocab_size, self.config.max_num_seqs,
+                             torch.device(self.config.device))
+        return [cls(init) for cls in self.processor_classes]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state

@@ -55,5 +55,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         location = [str(p) for p in error.get("loc", ()) if p != "body"]
         if param is None and location:
             param = location[0]
-        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+        name = ".".join(location) or "body"
+        kind = error.get("type")
+        if kind == "extra_forbidden":
+            parts.append(f"unrecognized request argument {name!r}: this server does not "
+                         f"implement it; remove it from the request")
+        elif kind == "not_implemented":  # the message names the field
+            parts.append(error.get("msg", f"{name} is not supported"))
+        else:
+            parts.append(f"{name}: {error.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request", param

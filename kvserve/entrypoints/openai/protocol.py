@@ -1,14 +1,25 @@
 """Request schemas of the OpenAI API (plus vLLM's extras), validated with pydantic at the edge.
 
-Unknown fields are ignored (as OpenAI and vLLM do) but known fields are type-checked; every
-violation becomes a 400 with an OpenAI-style body before anything reaches the engine.
+Every violation becomes a 400 with an OpenAI-style body before anything reaches the engine. An
+unknown field is one (the client must not believe a feature applied when it did not), and so
+is a known field the server does not implement yet (structured outputs, tools) unless its value
+asks for nothing; harmless metadata (user, metadata, store, ...) is accepted.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import MAX_N, SamplingParams
@@ -36,10 +47,40 @@ def _check_unicode(data: Any) -> None:
             stack.extend(item)
 
 
-class _RequestBody(BaseModel):
-    """Base of every request body: unknown fields ignored, strings must be real text."""
+# fields the server does not implement yet -> the values that ask for nothing (None always does)
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+}
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json",
+                            "guided_regex", "guided_choice", "guided_grammar")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
-    model_config = ConfigDict(extra="ignore")
+
+def _refuse_not_implemented(value: Any, info: ValidationInfo) -> Any:
+    field = info.field_name
+    if value is None or value in _NOT_IMPLEMENTED[field]:
+        return value
+    harmless = " or ".join(json.dumps(v) for v in _NOT_IMPLEMENTED[field])
+    raise PydanticCustomError(
+        "not_implemented", "{field} is not supported by this server yet; remove it from the "
+        "request" + (f" (or send {harmless}, which asks for nothing)" if harmless else ""),
+        {"field": field})
+
+
+class _RequestBody(BaseModel):
+    """Base of every request body: unknown fields are refused, strings must be real text."""
+
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -49,7 +90,9 @@ class _RequestBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; deltas are not padded
 
 
 class _SamplingFields(_RequestBody):
@@ -79,6 +122,17 @@ class _SamplingFields(_RequestBody):
     # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} to a prefill
     # engine; the handle it answers with, to a decode engine
     kv_transfer_params: dict[str, Any] | None = None
+    # arguments for custom logits processors (vLLM's field): SamplingParams.extra_args
+    vllm_xargs: dict[str, Any] | None = None
+    # structured outputs: not implemented yet (a 400 unless the value asks for nothing)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    _structured_outputs = field_validator(*STRUCTURED_OUTPUT_FIELDS)(_refuse_not_implemented)
 
     def kv_params(self):
         from kvserve.protocol.kv_transfer_params import parse_kv_transfer_params
@@ -115,6 +169,7 @@ class _SamplingFields(_RequestBody):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            extra_args=self.vllm_xargs,
         )
 
     @property
@@ -178,6 +233,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's metadata and hints that change nothing here: accepted
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # tool calling: not implemented yet (a 400 unless the value asks for nothing)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    _tool_calling = field_validator(*TOOL_FIELDS)(_refuse_not_implemented)
 
     @field_validator("chat_template_kwargs")
     @classmethod

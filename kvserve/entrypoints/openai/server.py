@@ -252,8 +252,8 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
         kv_params = body.kv_params()
         if kv_params is not None and len(prompts) != 1:
             raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
-        prepared = [engine.prepare(f"{response_id}-{i}", p, params, body.priority, kv_params)
-                    for i, p in enumerate(prompts)]
+        prepared = [_prepare(engine, f"{response_id}-{i}", p, params, body.priority,
+                             kv_params) for i, p in enumerate(prompts)]
         echo = [p.prompt if p.prompt is not None else engine.detokenize(p.prompt_token_ids)
                 for p in prepared] if body.echo else []
         job = serving.make_job("completion", response_id, body, model_name(), prepared, echo,
@@ -271,11 +271,23 @@ def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> 
                                            body.add_generation_prompt,
                                            **(body.chat_template_kwargs or {}))
         response_id = serving.new_id("chatcmpl")
-        prepared = [engine.prepare(response_id, prompt, params, body.priority,
-                                   body.kv_params())]
+        prepared = [_prepare(engine, response_id, prompt, params, body.priority,
+                             body.kv_params())]
         job = serving.make_job("chat", response_id, body, model_name(), prepared, [],
                                not config.disable_log_requests, num_top or 0)
         return await _run(job, body, raw, engine)
+
+
+def _prepare(engine: AsyncEngine, *args):
+    """`engine.prepare`, with an error in the processors' arguments named by the HTTP field
+    that carried them (vllm_xargs)."""
+    try:
+        return engine.prepare(*args)
+    except InvalidRequestError as exc:
+        if exc.param != "extra_args":
+            raise
+        raise InvalidRequestError(str(exc).replace("extra_args", "vllm_xargs", 1),
+                                  param="vllm_xargs") from exc
 
 
 async def _run(job, body, raw: Request, engine: AsyncEngine):
