@@ -23,7 +23,7 @@ from typing import Literal
 
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from kvserve.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, overrides
 from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
 
 
@@ -79,6 +79,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.connector = connector  # a KV connector's scheduler side, or None
+        if connector is not None and overrides(connector, "on_evict"):
+            kv_manager.pool.record_evictions()
         self.loading: dict[str, Request] = {}  # loading their KV between steps
         self.held: dict[str, Request] = {}  # finished, blocks kept for the connector (sends)
         self.load_failures: list[tuple[str, str]] = []  # (id, why) since the engine last looked
@@ -137,6 +139,7 @@ class Scheduler:
             if item.request.times.first_scheduled is None:
                 item.request.times.first_scheduled = now
         if self.connector is not None:
+            self._drain_evictions()
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
@@ -317,6 +320,13 @@ class Scheduler:
                 request.num_computed_tokens = loaded
             else:
                 self.load_failures.append((request_id, error))
+
+    def _drain_evictions(self) -> None:
+        """Blocks the prefix cache dropped since the last step, for a connector that asks."""
+        evicted = self.kv.pool.take_evictions()
+        if evicted:
+            self.connector.on_evict([block_hash for block_hash, _ in evicted],
+                                    [block_id for _, block_id in evicted])
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
