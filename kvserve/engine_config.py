@@ -82,10 +82,12 @@ class EngineConfig:
         "decode engine to pull), decode (pull a prompt's KV from the prefill engine named in "
         "the request's kv_transfer_params) or both", choices=["prefill", "decode", "both"])
     kv_transfer_config: str | None = _opt(
-        None, "vLLM's --kv-transfer-config JSON: kv_role (kv_producer, kv_consumer, kv_both), "
-        "kv_ip and kv_port (where this engine serves its held KV; default 127.0.0.1 and a free "
-        "port), kv_connector_extra_config {hold_timeout_s, transfer_timeout_s, "
-        "load_failure_policy: recompute | fail}")
+        None, "vLLM's --kv-transfer-config JSON: kv_connector (TcpConnector, the default, or "
+        "module:Class; kv_connector_module_path), kv_role (kv_producer, kv_consumer, "
+        "kv_both), kv_ip and kv_port (where this engine serves its held KV, rank r on kv_port "
+        "+ r; default 127.0.0.1 and free ports), kv_connector_extra_config {hold_timeout_s, "
+        "transfer_timeout_s, load_failure_policy: recompute | fail, transport: tcp | shm, and "
+        "a connector's own keys}")
     kv_events_config: str | None = _opt(
         None, "vLLM's --kv-events-config JSON: publish which KV blocks this engine caches and "
         "evicts, for `kvserve router --policy kv-aware`, e.g. {\"enable_kv_cache_events\": "

@@ -22,11 +22,12 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_config import EngineConfig
+from kvserve.kv_transfer.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from kvserve.kv_transfer.config import KVTransferConfig, kv_transfer_config
 from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 from kvserve.protocol.kv_transfer_params import KVTransferParams
-from kvserve.protocol.worker import ModelRunnerOutput
+from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
 
 PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)
             for i in range(12)] + ["Hi", "x", "Paris is", "1, 2, 3,"])
@@ -111,39 +112,40 @@ def test_a_sender_that_never_answers_is_a_timeout():
 
 
 # ---- the scheduler with a connector --------------------------------------------------------
-class FakeConnector:
-    """Loads end when the test says so."""
+class FakeConnector(KVConnectorBase):
+    """The scheduler side only; loads end when the test reports them."""
 
     def __init__(self):
-        self.config = KVTransferConfig(role="both")
+        super().__init__(KVTransferConfig(role="both"), KVConnectorRole.SCHEDULER,
+                         KVConnectorContext(block_size=4))
         self.started: dict[str, list[int]] = {}
-        self.done: list[tuple[str, str | None]] = []
         self.held: dict[str, list[int]] = {}
-        self.released: list[str] = []
 
-    def wants_load(self, request):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
         params = request.kv_transfer_params
-        return params is not None and params.wants_load and not request.kv_load_attempted
+        if params is not None and params.wants_load and not request.kv_load_attempted:
+            return request.num_tokens - num_computed_tokens, True
+        return 0, False
 
-    def start_load(self, request, block_ids, first_block=0):
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         request.kv_load_attempted = True
         self.started[request.request_id] = block_ids
 
-    def finished_loads(self, wait_s=0.0):
-        done, self.done = self.done, []
-        return done
+    def build_connector_meta(self, scheduler_output):
+        return None
 
-    def should_hold(self, request, status):
+    def request_finished(self, request, block_ids):
         params = request.kv_transfer_params
-        return params is not None and params.do_remote_decode and status != \
-            RequestStatus.FINISHED_ABORTED
+        if params is not None and params.do_remote_decode and \
+                request.status != RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = block_ids
+            return True, None
+        return False, None
 
-    def hold(self, request, block_ids):
-        self.held[request.request_id] = block_ids
+    def register_kv_caches(self, kv_caches):
+        raise NotImplementedError  # no worker side here
 
-    def releasable(self):
-        released, self.released = self.released, []
-        return released
+    start_load_kv = get_finished = register_kv_caches
 
 
 def _remote(request_id, prompt_len, max_tokens=3):
@@ -176,7 +178,7 @@ def test_loading_requests_wait_without_holding_up_others_then_run_one_token():
     assert [s.request.request_id for s in first.scheduled] == ["local"]
     assert connector.started["remote"] == scheduler.kv.block_ids("remote")
     assert scheduler.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KV
-    connector.done.append(("remote", None))
+    scheduler.update_connector_output(KVConnectorOutput(finished_recving=["remote"]))
     second = scheduler.schedule()
     item = next(s for s in second.scheduled if s.request.request_id == "remote")
     assert (item.start_position, item.num_new_tokens, item.sample) == (6, 1, True)
@@ -192,7 +194,8 @@ def test_a_failed_load_recomputes_and_an_aborted_one_frees_only_when_it_ends():
     used = scheduler.kv.pool.num_used_blocks
     scheduler.finish_request("aborted", RequestStatus.FINISHED_ABORTED)
     assert scheduler.kv.pool.num_used_blocks == used  # the load still writes into them
-    connector.done += [("failed", "sender gone"), ("aborted", None)]
+    scheduler.update_connector_output(KVConnectorOutput(
+        finished_recving=["failed", "aborted"], load_errors={"failed": "sender gone"}))
     output = scheduler.schedule()
     item = output.scheduled[0]
     assert item.request.request_id == "failed" and (item.start_position,
@@ -212,8 +215,8 @@ def test_prefill_side_holds_blocks_until_released():
     scheduler.finish_request("p", RequestStatus.FINISHED_LENGTH)
     assert connector.held["p"] and scheduler.kv.pool.num_used_blocks == 2
     assert scheduler.finish_request("p", RequestStatus.FINISHED_ABORTED) is None  # ignored
-    connector.released.append("p")
-    assert scheduler.release_held() == 1 and scheduler.kv.pool.num_used_blocks == 0
+    assert scheduler.update_connector_output(KVConnectorOutput(finished_sending=["p"])) == 1
+    assert scheduler.kv.pool.num_used_blocks == 0
 
 
 # ---- two engines ---------------------------------------------------------------------------
@@ -233,6 +236,11 @@ def _wait_idle(engine: LLMEngine, timeout=5.0) -> int:
         core.housekeeping()
         time.sleep(0.02)
     return core.kv_manager.pool.num_used_blocks
+
+
+def _leases(engine: LLMEngine) -> LeaseTable:
+    """The leases of a one-rank engine's worker (its TcpConnector's worker side)."""
+    return engine.engine_core.executor.worker.kv_connector.leases
 
 
 @pytest.mark.parametrize("dtype, transport", [("float32", "shm"), ("float32", "tcp"),
@@ -262,7 +270,7 @@ def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype, transport)
             assert got.outputs[0].token_ids == expected.outputs[0].token_ids, prompt
             assert got.num_transferred_tokens == len(expected.prompt_token_ids) - 1
         assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
-        assert prefill.engine_core.scheduler.connector.leases.num_pulled == len(PROMPTS)
+        assert _leases(prefill).num_pulled == len(PROMPTS)
     finally:
         for engine in engines:
             engine.shutdown()
@@ -307,7 +315,7 @@ def test_unpulled_blocks_are_freed_after_the_hold_timeout(tiny_model_dir):
              SamplingParams(max_tokens=1), KVTransferParams(do_remote_decode=True))
         assert prefill.engine_core.kv_manager.pool.num_used_blocks > 0
         assert _wait_idle(prefill, timeout=5) == 0
-        assert prefill.engine_core.scheduler.connector.leases.num_expired == 1
+        assert _leases(prefill).num_expired == 1
     finally:
         prefill.shutdown()
 

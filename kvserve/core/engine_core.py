@@ -18,13 +18,14 @@ from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.core.step_encoder import StepEncoder
+from kvserve.core.step_encoder import StepEncoder, connector_step
 from kvserve.core.threads import ThreadGovernor
 from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
 from kvserve.kv_events import make_kv_event_source
+from kvserve.kv_transfer.aggregator import KVOutputAggregator
 from kvserve.platform import configure_threads
 from kvserve.plugins import load_plugins
 from kvserve.protocol.engine_core import (
@@ -34,14 +35,14 @@ from kvserve.protocol.engine_core import (
     EngineCoreRequest,
     SchedulerStats,
 )
-from kvserve.protocol.worker import ModelRunnerOutput
+from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 WARMUP_REQUEST_ID = "__warmup__"
 LOAD_WAIT_SECONDS = 0.005  # an idle step's wait for a KV load to end
-HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for pullers looks at them
+HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the connector asks
 
 
 class EngineCore:
@@ -61,7 +62,7 @@ class EngineCore:
         self.model_config = self.executor.model_config
         self.num_kv_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(self.num_kv_blocks)
-        self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
+        kv_ready = self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.kv_events = make_kv_event_source(config.kv_events_config, self.kv_manager)
@@ -73,7 +74,9 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_num_partial_prefills=config.max_num_partial_prefills,
             pipeline_depth=self.executor.max_concurrent_batches,
-        ), self.kv_manager, self._make_kv_connector())
+        ), self.kv_manager, self._make_kv_connector(kv_ready))
+        # a transfer is done when every rank reported it
+        self.kv_reports = KVOutputAggregator(config.world_size)
         self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
@@ -83,19 +86,22 @@ class EngineCore:
                     "%d threads", self.load_seconds, self.executor.dtype,
                     self.executor.quantization, self.max_model_len, threads)
 
-    def _make_kv_connector(self):
-        """The KV transfer connector of a prefill or decode engine (--kv-role), or None."""
+    def _make_kv_connector(self, kv_ready: list[KVCacheReady]):
+        """The scheduler side of the engine's KV connector (--kv-role, --kv-transfer-config),
+        or None; the workers built theirs already and said what it needs to know."""
         from kvserve.kv_transfer.config import kv_transfer_config
 
-        kv_config = kv_transfer_config(self.config.kv_role, self.config.kv_transfer_config)
+        config = self.config
+        kv_config = kv_transfer_config(config.kv_role, config.kv_transfer_config)
         if kv_config is None:
             return None
-        if self.config.world_size > 1:
-            raise ValueError("KV transfer (--kv-role) runs with one rank for now: the KV "
-                             "tensors must live in the engine core's process")
-        from kvserve.kv_transfer.connector import make_connector
+        from kvserve.kv_transfer.base import KVConnectorContext, KVConnectorRole
+        from kvserve.kv_transfer.factory import make_connector
 
-        return make_connector(kv_config, self.executor.runner.kv_caches)
+        connector = make_connector(kv_config, KVConnectorRole.SCHEDULER, KVConnectorContext(
+            config.block_size, config.tensor_parallel_size, config.pipeline_parallel_size))
+        connector.set_handshake_metadata([ready.kv_connector_info for ready in kv_ready])
+        return connector
 
     @property
     def runner(self):
@@ -192,21 +198,31 @@ class EngineCore:
         is not attributable and propagates to the caller.
         """
         self.thread_governor.tick()
-        self.scheduler.release_held()
+        self._take_kv_reports()
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
-        self._fail_loads()
-        if not scheduler_output.scheduled and self.scheduler.loading:
-            self._wait_for_loads()
         runner_output = self._execute(scheduler_output)
+        if not scheduler_output.scheduled and self.scheduler.loading:
+            self._take_kv_reports(LOAD_WAIT_SECONDS)  # nothing to run but loads: no busy loop
         return self._update(scheduler_output, runner_output)
 
-    # ---- KV transfer ------------------------------------------------------------------------
+    # ---- the KV connector ---------------------------------------------------------------------
+    def _take_kv_reports(self, wait_s: float = 0.0, poll: bool = False) -> int:
+        """Apply what the workers' connectors finished (a transfer once every rank reported
+        it): loaded requests run, failed loads recompute or fail, held blocks no longer read
+        are freed (how many requests' blocks)."""
+        if self.scheduler.connector is None:
+            return 0
+        done = self.kv_reports.aggregate(self.executor.take_kv_reports(wait_s, poll))
+        freed = 0 if done is None else self.scheduler.update_connector_output(done)
+        self._fail_loads()
+        return freed
+
     def _fail_loads(self) -> None:
-        """Loads that failed: recomputed (the scheduler already runs them), or failed with the
-        reason under --kv-transfer-config's load_failure_policy "fail"."""
-        if not self.scheduler.load_failures:  # every step: nothing to do without a connector
+        """Loads that failed: recomputed (the scheduler runs them from their prefix hit), or
+        failed with the reason under --kv-transfer-config's load_failure_policy "fail"."""
+        if not self.scheduler.load_failures:
             return
         failures, self.scheduler.load_failures = self.scheduler.load_failures, []
         for request_id, why in failures:
@@ -214,14 +230,22 @@ class EngineCore:
             if self.scheduler.connector.config.load_failure_policy == "fail":
                 self.fail_request(request_id, "loading its KV", RuntimeError(why))
 
-    def _wait_for_loads(self) -> None:
-        """Nothing to run but loads in flight: wait briefly for one (no busy loop)."""
-        self.scheduler.finish_loads(self.scheduler.connector.finished_loads(LOAD_WAIT_SECONDS))
+    def _send_connector_work(self) -> None:
+        """Work the step's finished requests left the workers (e.g. held blocks to serve)
+        goes out now, not with the next scheduled step (an idle engine has none)."""
+        connector = self.scheduler.connector
+        metadata = connector.build_connector_meta(SchedulerOutput())
+        if metadata is not None:
+            self.executor.submit(connector_step(metadata))
 
     def housekeeping(self) -> bool:
-        """Between steps while idle: free held blocks that were pulled or expired. True when
-        that freed some (the front-end's gauges then need a stats message)."""
-        return self.scheduler.release_held() > 0
+        """Between steps: take the connector's reports (held blocks pulled or expired are
+        freed); an idle core asks the workers for them. True when blocks were freed (the
+        front-end's gauges then need a stats message)."""
+        if self.scheduler.connector is None:
+            return False
+        idle = not self.has_unfinished()
+        return self._take_kv_reports(poll=idle and bool(self.scheduler.held)) > 0
 
     def idle_poll_seconds(self) -> float | None:
         """How long an idle core may sleep before `housekeeping` is due (None: until a
@@ -237,8 +261,9 @@ class EngineCore:
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.scheduled or scheduler_output.finished_ids:
-                # finished ids alone: worker cleanup
+            if (scheduler_output.scheduled or scheduler_output.finished_ids
+                    or scheduler_output.kv_connector_metadata is not None):
+                # finished ids or connector work alone: worker cleanup, transfers
                 self.executor.submit(self.step_encoder.encode(scheduler_output))
             if scheduler_output.scheduled:
                 queue.append(scheduler_output)
@@ -246,6 +271,8 @@ class EngineCore:
                 if len(queue) < self.executor.max_concurrent_batches:
                     return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         if not queue:
+            if self.scheduler.loading:  # nothing to run but loads: no busy loop
+                self._take_kv_reports(LOAD_WAIT_SECONDS, poll=True)
             return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         scheduler_output = queue.popleft()
         runner_output = self.executor.collect()
@@ -267,6 +294,8 @@ class EngineCore:
                 logprobs = runner_output.logprobs.get(request.request_id)
                 outputs.append(self._delta(request, new_tokens, before == 0,
                                            logprobs[:len(new_tokens)] if logprobs else None))
+        if self.scheduler.connector is not None:
+            self._send_connector_work()
         self.kv_events.flush()
         return EngineCoreOutputs(outputs, self.stats())
 
@@ -328,5 +357,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.kv_events.close()
         if self.scheduler.connector is not None:
-            self.scheduler.connector.close()
+            self.scheduler.connector.shutdown()
         self.executor.shutdown()

@@ -46,7 +46,7 @@ class Request:
     max_tokens: int
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    kv_transfer_params: Any = None  # kv_transfer.KVTransferParams of a disaggregated request
+    kv_transfer_params: Any = None  # the KVTransferParams its request carried, if any
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -59,6 +59,7 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.times = RequestTimes(arrival=self.arrival_time)
         self.kv_load_attempted = False  # its remote KV was asked for (once: a retry recomputes)
+        self.num_external_tokens = 0  # tokens a KV connector is loading for it (asynchronously)
         self.num_transferred_tokens = 0  # prompt tokens whose KV came from another engine
         self.kv_handle: Any = None  # the KVTransferParams its last output hands a decode engine
 

@@ -24,7 +24,8 @@ from typing import Literal
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler_interface import SchedulerInterface
-from kvserve.protocol.worker import ModelRunnerOutput
+from kvserve.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, overrides
+from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the last step (runner cleanup)
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the connector's, for the workers
 
     @property
     def num_batched_tokens(self) -> int:
@@ -73,12 +75,15 @@ class SchedulerOutput:
 
 
 class Scheduler(SchedulerInterface):
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, connector=None):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connector: KVConnectorBase | None = None):
         self.config = config
         self.kv = kv_manager
-        self.connector = connector  # kv_transfer.connector.KVConnectorScheduler, or None
-        self.loading: dict[str, Request] = {}  # pulling their prompt's KV (decode side)
-        self.held: dict[str, Request] = {}  # finished, blocks kept for a puller (prefill side)
+        self.connector = connector  # a KV connector's scheduler side, or None
+        if connector is not None and overrides(connector, "on_evict"):
+            kv_manager.pool.record_evictions()
+        self.loading: dict[str, Request] = {}  # loading their KV between steps
+        self.held: dict[str, Request] = {}  # finished, blocks kept for the connector (sends)
         self.load_failures: list[tuple[str, str]] = []  # (id, why) since the engine last looked
         self.waiting: list[tuple[tuple, Request]] = []  # sorted by policy key
         self.running: list[Request] = []
@@ -139,8 +144,6 @@ class Scheduler(SchedulerInterface):
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
         self._batch_seq_limit = self._seq_limit()
-        if self.connector is not None:
-            self.finish_loads(self.connector.finished_loads())
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._schedule_waiting(output, budget, self._prefill_slots(output))
@@ -148,6 +151,9 @@ class Scheduler(SchedulerInterface):
         for item in output.scheduled:
             if item.request.times.first_scheduled is None:
                 item.request.times.first_scheduled = now
+        if self.connector is not None:
+            self._drain_evictions()
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
     def _seq_limit(self) -> int | None:
@@ -225,23 +231,30 @@ class Scheduler(SchedulerInterface):
                and len(self.running) + len(self.loading) < self.config.max_num_seqs
                and prefill_slots != 0 and not self._batch_full(output)):
             key, request = self.waiting[0]
-            if self.connector is not None and self.connector.wants_load(request):
-                if not self._start_load(request):
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_external, load_async = self._external_tokens(request, num_hit)
+            if load_async:
+                if not self._start_load(request, computed_blocks, num_hit, num_external):
                     break
                 continue
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            if self.kv.is_computing_elsewhere(request, num_hit):
+            num_computed = num_hit + num_external
+            if self.kv.is_computing_elsewhere(request, num_computed):
                 skipped.append(self.waiting.pop(0))
                 continue
-            num_new = request.num_tokens - num_hit
+            num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not self.kv.allocate_slots(request, num_external + num_new, computed_blocks):
                 break
             self.waiting.pop(0)
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
+            if num_external:  # loaded within this step, before its forward reads them
+                self.connector.update_state_after_alloc(
+                    request, self.kv.block_ids(request.request_id), num_external)
+                request.num_computed_tokens = num_computed
+                request.num_transferred_tokens += num_external
             self.kv.mark_pending(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -254,28 +267,56 @@ class Scheduler(SchedulerInterface):
         for item in skipped:
             bisect.insort(self.waiting, item, key=lambda entry: entry[0])
 
-    # ---- KV from elsewhere (kv_transfer) ----------------------------------------------------
-    def _start_load(self, request: Request) -> bool:
-        """Give the request blocks for its whole prompt, its prefix-cache hit first, and start
-        pulling the blocks after the hit; False (nothing changed) when the pool cannot hold
-        them yet."""
-        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+    # ---- KV from elsewhere (a KV connector) ---------------------------------------------------
+    def _external_tokens(self, request: Request, num_hit: int) -> tuple[int, bool]:
+        """Tokens after the prefix hit the connector provides, and whether they load between
+        steps; never all of the request's tokens when they load within the step (one is
+        always computed here, for its logits)."""
+        if self.connector is None:
+            return 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if num_external <= 0:
+            return 0, False
+        if load_async:
+            return num_external, True
+        return min(num_external, request.num_tokens - 1 - num_hit), False
+
+    def _start_load(self, request: Request, computed_blocks, num_hit: int,
+                    num_external: int) -> bool:
+        """Give the request blocks for all its tokens, its prefix-cache hit first, and let
+        the connector load the external ones while it waits; False (nothing changed) when the
+        pool cannot hold them yet."""
         if not self.kv.allocate_slots(request, request.num_tokens - num_hit, computed_blocks):
             return False
         self.waiting.pop(0)
         self.kv.record_prefix_lookup(request.num_tokens, num_hit)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = request.num_cached_tokens = num_hit
+        request.num_external_tokens = num_external
         self.loading[request.request_id] = request
-        first_block = num_hit // self.kv.block_size
-        self.connector.start_load(request, self.kv.block_ids(request.request_id)[first_block:],
-                                  first_block)
+        self.connector.update_state_after_alloc(
+            request, self.kv.block_ids(request.request_id), num_external)
         return True
 
+    def update_connector_output(self, output: KVConnectorOutput) -> int:
+        """Transfers every rank finished: loaded requests run, held requests whose blocks are
+        no longer read are freed (how many)."""
+        self.connector.update_connector_output(output)
+        self.finish_loads([(request_id, output.load_errors.get(request_id))
+                           for request_id in output.finished_recving])
+        freed = 0
+        for request_id in output.finished_sending:
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+                freed += 1
+        return freed
+
     def finish_loads(self, finished: list[tuple[str, str | None]]) -> None:
-        """Loaded requests run with their prompt computed but its last token; failed ones
-        recompute it. An aborted request's blocks are freed only now: the load wrote into
-        them until it ended."""
+        """Loaded requests run with their external tokens computed (never the last one: it is
+        computed here, for its logits); failed ones compute from their prefix-cache hit on.
+        An aborted request's blocks are freed only now: the load wrote into them until it
+        ended."""
         for request_id, error in finished:
             request = self.loading.pop(request_id, None)
             if request is None:
@@ -285,23 +326,20 @@ class Scheduler(SchedulerInterface):
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if error is None:  # else it computes from its prefix-cache hit on
-                request.num_transferred_tokens = \
-                    request.num_tokens - 1 - request.num_computed_tokens
-                request.num_computed_tokens = request.num_tokens - 1
+            if error is None:
+                loaded = min(request.num_computed_tokens + request.num_external_tokens,
+                             request.num_tokens - 1)
+                request.num_transferred_tokens = loaded - request.num_computed_tokens
+                request.num_computed_tokens = loaded
             else:
                 self.load_failures.append((request_id, error))
 
-    def release_held(self) -> int:
-        """Free the held blocks that were pulled or whose lease expired; how many requests."""
-        if self.connector is None or not self.held:
-            return 0
-        released = self.connector.releasable()
-        for request_id in released:
-            request = self.held.pop(request_id, None)
-            if request is not None:
-                self.kv.free(request)
-        return len(released)
+    def _drain_evictions(self) -> None:
+        """Blocks the prefix cache dropped since the last step, for a connector that asks."""
+        evicted = self.kv.pool.take_evictions()
+        if evicted:
+            self.connector.on_evict([block_hash for block_hash, _ in evicted],
+                                    [block_id for _, block_id in evicted])
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -374,12 +412,15 @@ class Scheduler(SchedulerInterface):
             self.running.remove(request)
         elif not request.is_finished and not loading:
             self._remove_waiting(request)
-        if self.connector is not None and self.connector.should_hold(request, status.value):
-            self.connector.hold(request, self.kv.block_ids(request_id))
+        request.status = status
+        request.times.finished = time.monotonic()
+        delay_free = False
+        if self.connector is not None:
+            delay_free, request.kv_handle = self.connector.request_finished(
+                request, self.kv.block_ids(request_id))
+        if delay_free and not loading:  # freed when every worker reported it sent
             self.held[request_id] = request
         elif not loading:  # a load still writes into its blocks: freed when it ends
             self.kv.free(request)
-        request.status = status
-        request.times.finished = time.monotonic()
         self._finished_since_step.append(request_id)
         return request

@@ -3,7 +3,10 @@ every worker gets, carrying only what the workers do not hold yet."""
 
 from __future__ import annotations
 
+import msgspec
+
 from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.kv_transfer.base import KVConnectorMetadata
 from kvserve.protocol.worker import ExecuteStep, NewRequestData, ScheduledData
 
 
@@ -28,7 +31,8 @@ class StepEncoder:
                                            item.start_position, blocks, item.sample, reset))
         for request_id in scheduler_output.finished_ids:
             self._sent_blocks.pop(request_id, None)
-        return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids))
+        return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
+                           encode_connector_metadata(scheduler_output.kv_connector_metadata))
 
     def encode_alone(self, item: ScheduledRequest) -> ExecuteStep:
         """One scheduled request again, on its own (after its batch raised): its prompt and
@@ -51,3 +55,15 @@ def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
         return list(added), False
     sent[:] = current
     return list(current), True
+
+
+def encode_connector_metadata(metadata: KVConnectorMetadata | None) -> bytes | None:
+    """The connector's metadata as it crosses to the workers (each decodes it as its
+    connector's `metadata_type`)."""
+    return None if metadata is None else msgspec.msgpack.encode(metadata)
+
+
+def connector_step(metadata: KVConnectorMetadata) -> ExecuteStep:
+    """A step that only carries connector metadata (work a finished request left, e.g. blocks
+    to serve, sent at once rather than with the next scheduled step)."""
+    return ExecuteStep([], [], [], encode_connector_metadata(metadata))

@@ -5,6 +5,10 @@ run scheduler outputs, report health, shut down.
 (pipeline parallelism) also take steps without waiting: `submit` hands a step over, `collect`
 returns the samples of the oldest step not yet collected that had something scheduled, and
 `max_concurrent_batches` says how many such steps may be in flight at once (1: `execute` only).
+
+With a KV connector, each rank reports the transfers it finished after the steps it runs
+(only when there are some); `take_kv_reports` hands them to the core, which counts a transfer
+done once every rank reported it. Steps without reports cost nothing more.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from collections import deque
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.protocol.worker import ExecuteStep, ModelRunnerOutput
+from kvserve.protocol.worker import (
+    ExecuteStep,
+    KVCacheReady,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+)
 
 
 class Executor(ABC):
@@ -26,8 +35,9 @@ class Executor(ABC):
     max_concurrent_batches: int = 1
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate `num_blocks` blocks of KV on every worker; called once, before execute."""
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
+        """Allocate `num_blocks` blocks of KV on every worker; called once, before execute.
+        Every rank's answer, rank order (with what its KV connector tells the core)."""
 
     @abstractmethod
     def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
@@ -45,6 +55,13 @@ class Executor(ABC):
     def collect(self) -> ModelRunnerOutput:
         """The samples of the oldest submitted step with something scheduled."""
         return self._results.popleft()
+
+    def take_kv_reports(self, wait_s: float = 0.0, poll: bool = False
+                        ) -> list[KVConnectorOutput]:
+        """The KV connector reports workers sent since the last call, any rank's, oldest
+        first. `poll`: ask them now (workers report after a step: an empty one will do).
+        `wait_s`: when none has come, wait up to that long for one."""
+        return []
 
     def check_health(self) -> None:
         """Raise if a worker is gone (the uni executor has none to lose)."""

@@ -5,9 +5,11 @@ the KV tensors. Each step the core sends every worker the same ExecuteStep over 
 PUSH socket (new requests' prompt and parameters once; per scheduled request the token ids it
 computes, the block ids added since it last ran, whether it samples) and reads the output
 rank's sampled tokens (the last pipeline stage's tensor rank 0). With pipeline stages, up to
-one step per stage is in flight (`submit` / `collect`). A worker that dies or fails takes the executor down with a WorkerDiedError, a
-BaseException: per-request isolation cannot help when a collective lost a member, so the core
-ends and its front-end fails (or restarts) it.
+one step per stage is in flight (`submit` / `collect`). Any rank may also send a KV connector
+report after a step (only when it has one); they are kept for `take_kv_reports`, whatever the
+executor was waiting for when they came. A worker that dies or fails takes the executor down
+with a WorkerDiedError, a BaseException: per-request isolation cannot help when a collective
+lost a member, so the core ends and its front-end fails (or restarts) it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections import deque
 
 import msgspec
 import zmq
@@ -37,6 +40,8 @@ from kvserve.protocol.worker import (
     FromWorker,
     InitKVCache,
     KVCacheReady,
+    KVConnectorOutput,
+    KVReport,
     ModelRunnerOutput,
     StepResult,
     StopWorker,
@@ -72,6 +77,8 @@ class MultiprocExecutor(PipelinedExecutor):
         self.inputs: list[zmq.Socket] = []
         self.workers: list[subprocess.Popen] = []
         self._pending = 0  # submitted steps with something scheduled, not yet collected
+        self._step_results: deque[StepResult] = deque()  # came while looking for reports
+        self._kv_reports: list[KVConnectorOutput] = []
         self._closed = False
         # also when the executor is garbage-collected without shutdown(): workers never outlive
         # it (the list of sockets is filled as workers start)
@@ -105,9 +112,9 @@ class MultiprocExecutor(PipelinedExecutor):
         self.workers.append(start_module_process("kvserve.worker.worker", args, self.config))
 
     # ---- the executor interface ------------------------------------------------------------
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
         self._broadcast(InitKVCache(num_blocks, block_size))
-        self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
+        return self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
 
     def submit(self, step: ExecuteStep) -> None:
         """Every worker gets the step; the pipeline's first stage starts on it while later
@@ -122,7 +129,19 @@ class MultiprocExecutor(PipelinedExecutor):
         if self._pending == 0:
             raise RuntimeError("collect() without a submitted step to collect")
         self._pending -= 1
+        if self._step_results:
+            return self._step_results.popleft().output
         return self._receive(StepResult, timeout=None).output
+
+    def take_kv_reports(self, wait_s: float = 0.0, poll: bool = False
+                        ) -> list[KVConnectorOutput]:
+        if poll:
+            self._broadcast(ExecuteStep([], [], []))
+        self._drain(0)
+        if not self._kv_reports and wait_s > 0:
+            self._drain(wait_s)
+        reports, self._kv_reports = self._kv_reports, []
+        return reports
 
     def check_health(self) -> None:
         for rank, worker in enumerate(self.workers):
@@ -148,9 +167,9 @@ class MultiprocExecutor(PipelinedExecutor):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.results.poll(LIVENESS_POLL_MS):
-                message = self.decoder.decode(self.results.recv(copy=False).buffer)
-                if isinstance(message, WorkerFailed):
-                    raise WorkerDiedError(f"worker {message.rank} failed: {message.message}")
+                message = self._read()
+                if message is None:
+                    continue
                 if not isinstance(message, kind):
                     raise WorkerDiedError(f"a worker sent {type(message).__name__}, "
                                           f"expected {kind.__name__}")
@@ -158,6 +177,28 @@ class MultiprocExecutor(PipelinedExecutor):
             self.check_health()
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError(f"no {kind.__name__} from the workers in {timeout:.0f}s")
+
+    def _read(self):
+        """The next message (one is waiting); a KV report is kept and gives None."""
+        message = self.decoder.decode(self.results.recv(copy=False).buffer)
+        if isinstance(message, WorkerFailed):
+            raise WorkerDiedError(f"worker {message.rank} failed: {message.message}")
+        if isinstance(message, KVReport):
+            self._kv_reports.append(message.output)
+            return None
+        return message
+
+    def _drain(self, wait_s: float) -> None:
+        """Read every message waiting (the first may take up to `wait_s` to come), keeping
+        reports and step results for later."""
+        timeout_ms = int(wait_s * 1000)
+        while self.results.poll(timeout_ms):
+            message = self._read()
+            if isinstance(message, StepResult):
+                self._step_results.append(message)
+            elif message is not None:
+                raise WorkerDiedError(f"a worker sent {type(message).__name__} between steps")
+            timeout_ms = 0
 
     def _gather(self, kind, timeout: float) -> list:
         """One `kind` message from every rank, in rank order."""

@@ -6,7 +6,8 @@ bundle i (strategy PACK unless KVSERVE_RAY_PLACEMENT_STRATEGY says otherwise; bu
 engine core's node). Each actor holds the same `Worker` as an mp worker process; the ranks meet
 over torch.distributed at tcp://<rank 0's node IP>:<a free port there>. Each step every actor gets
 the same msgspec-encoded ExecuteStep (Ray runs one caller's calls to an actor in order) and the
-output rank's reply carries the samples. A dead actor (killed, its node lost) or a worker
+output rank's reply carries the samples; any rank's reply may also carry a KV connector report
+(kept for `take_kv_reports`). A dead actor (killed, its node lost) or a worker
 exception is a WorkerDiedError, as with mp: the engine core ends. Ray itself is started here
 (a local instance, no dashboard) unless it is running or RAY_ADDRESS names a cluster; a local
 instance started here stops when the last executor using it shuts down.
@@ -32,8 +33,11 @@ from kvserve.executor.mp import WorkerDiedError, _check_model_splits
 from kvserve.models import resolve_dtype
 from kvserve.protocol.worker import (
     ExecuteStep,
+    FromWorker,
     InitKVCache,
     KVCacheReady,
+    KVConnectorOutput,
+    KVReport,
     ModelRunnerOutput,
     StepResult,
     WorkerReady,
@@ -91,9 +95,15 @@ class RayWorker:
         message = msgspec.msgpack.decode(data, type=InitKVCache)
         return self.encoder.encode(self.worker.init_kv_cache(message))
 
-    def execute(self, data: bytes) -> bytes | None:
-        result = self.worker.execute(self.step_decoder.decode(data))
-        return None if result is None else self.encoder.encode(result)
+    def execute(self, data: bytes) -> list[bytes]:
+        """The step's messages: the StepResult (output rank, scheduled steps) and a KV
+        report, each when there is one."""
+        try:
+            result = self.worker.execute(self.step_decoder.decode(data))
+        finally:
+            report = self.worker.take_kv_report()
+        return [self.encoder.encode(message) for message in (result, report)
+                if message is not None]
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -108,9 +118,10 @@ class RayExecutor(PipelinedExecutor):
         self.world_size = config.world_size
         self.max_concurrent_batches = config.pipeline_parallel_size
         self.encoder = msgspec.msgpack.Encoder()
-        self.result_decoder = msgspec.msgpack.Decoder(StepResult)
+        self.reply_decoder = msgspec.msgpack.Decoder(FromWorker)
         self._outputs: deque = deque()  # output rank's refs of scheduled steps, oldest first
         self._calls: list = []  # every other call not yet seen finished: checked for failures
+        self._kv_reports: list[KVConnectorOutput] = []
         self._failure: str | None = None
         self._closed = False
         self._held = _Held(owns_ray=_acquire_ray(ray))
@@ -160,12 +171,11 @@ class RayExecutor(PipelinedExecutor):
         return list(self._held.pids)
 
     # ---- the executor interface ------------------------------------------------------------
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
         data = self.encoder.encode(InitKVCache(num_blocks, block_size))
         replies = self._gather([actor.init_kv_cache.remote(data)
                                 for actor in self._held.actors], STARTUP_TIMEOUT_SECONDS)
-        for reply in replies:
-            msgspec.msgpack.decode(reply, type=KVCacheReady)
+        return [msgspec.msgpack.decode(reply, type=KVCacheReady) for reply in replies]
 
     def submit(self, step: ExecuteStep) -> None:
         """Every actor gets the step (Ray keeps each actor's calls in order, so a pipeline's
@@ -188,11 +198,25 @@ class RayExecutor(PipelinedExecutor):
         ray = _import_ray()
         while not ray.wait([ref], timeout=LIVENESS_POLL_SECONDS)[0]:
             self.check_health()
-        return self.result_decoder.decode(self._get([ref])[0]).output
+        (result,) = [message for message in self._replies(self._get([ref]))
+                     if isinstance(message, StepResult)]
+        return result.output
+
+    def take_kv_reports(self, wait_s: float = 0.0, poll: bool = False
+                        ) -> list[KVConnectorOutput]:
+        if poll:
+            self.submit(ExecuteStep([], [], []))
+        self.check_health()
+        if not self._kv_reports and wait_s > 0 and self._calls:
+            _import_ray().wait(self._calls, num_returns=1, timeout=wait_s, fetch_local=False)
+            self.check_health()
+        reports, self._kv_reports = self._kv_reports, []
+        return reports
 
     def check_health(self) -> None:
         """Cheap (one local ray.wait over the calls in flight): a call that ended with an
-        error means its actor died or its worker raised."""
+        error means its actor died or its worker raised. The replies of those that ended
+        are read for KV reports."""
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
         if not self._calls:
@@ -201,7 +225,14 @@ class RayExecutor(PipelinedExecutor):
         done, self._calls = ray.wait(self._calls, num_returns=len(self._calls), timeout=0,
                                      fetch_local=False)
         if done:
-            self._get(done)
+            self._replies(self._get(done))
+
+    def _replies(self, values: list) -> list:
+        """The messages of execute calls' return values; KV reports are kept."""
+        messages = [self.reply_decoder.decode(data) for value in values for data in value]
+        self._kv_reports.extend(message.output for message in messages
+                                if isinstance(message, KVReport))
+        return messages
 
     def shutdown(self) -> None:
         if self._closed:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import Executor
-from kvserve.protocol.worker import ExecuteStep, InitKVCache, ModelRunnerOutput
+from kvserve.protocol.worker import (
+    ExecuteStep,
+    InitKVCache,
+    KVCacheReady,
+    KVConnectorOutput,
+    KVReport,
+    ModelRunnerOutput,
+)
 from kvserve.worker.worker import Worker
 
 
@@ -19,13 +26,29 @@ class UniExecutor(Executor):
         self.dtype = loaded.dtype
         self.kv_dtype = loaded.kv_dtype
         self.quantization = loaded.quantization
+        self._kv_reports: list[KVConnectorOutput] = []
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.worker.init_kv_cache(InitKVCache(num_blocks, block_size))
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
+        return [self.worker.init_kv_cache(InitKVCache(num_blocks, block_size))]
 
     def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
-        result = self.worker.execute(step)
+        try:
+            result = self.worker.execute(step)
+        finally:
+            self._keep(self.worker.take_kv_report())
         return result.output if result is not None else ModelRunnerOutput.empty()
+
+    def take_kv_reports(self, wait_s: float = 0.0, poll: bool = False
+                        ) -> list[KVConnectorOutput]:
+        """The worker is here: its connector is asked directly (`poll` needs no step)."""
+        if not self._kv_reports:
+            self._keep(self.worker.poll_kv(wait_s))
+        reports, self._kv_reports = self._kv_reports, []
+        return reports
+
+    def _keep(self, report: KVReport | None) -> None:
+        if report is not None:
+            self._kv_reports.append(report.output)
 
     @property
     def runner(self):

@@ -1,15 +1,18 @@
-"""Which side of a KV transfer an engine is on, and its settings, from `--kv-role` and/or vLLM's
-`--kv-transfer-config` JSON (`kv_role` kv_producer | kv_consumer | kv_both, `kv_ip`, `kv_port`,
-`kv_connector_extra_config`; `kv_connector` may name ours, "KVServeConnector", or be left out)."""
+"""Which KV connector an engine runs, which side of a transfer it is on, and its settings, from
+`--kv-role` and/or vLLM's `--kv-transfer-config` JSON (`kv_connector`: a registered name or
+"module:Class", default "TcpConnector"; `kv_connector_module_path`; `kv_role` kv_producer |
+kv_consumer | kv_both; `kv_ip`, `kv_port`; `kv_connector_extra_config`, whose keys below are
+read into fields and which a connector gets whole as `extra_config`)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvserve.kv_transfer.factory import DEFAULT_CONNECTOR, check_connector_name
 
 ROLES = ("prefill", "decode", "both")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
-CONNECTOR_NAME = "KVServeConnector"
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("tcp", "shm")
 
@@ -27,6 +30,9 @@ class KVTransferConfig:
     # (else frames). tcp is the default: measured as fast or faster on one host
     # (benchmarks/kv_transfer.py, docs/performance.md)
     transport: str = "tcp"
+    connector: str = DEFAULT_CONNECTOR  # a registered name or "module:Class"
+    # kv_connector_extra_config as given, for connectors with settings of their own
+    extra_config: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -71,11 +77,12 @@ def kv_transfer_config(role: str | None, config_json: str | None) -> KVTransferC
 
 
 def _from_vllm_keys(raw: dict) -> dict:
-    connector = raw.get("kv_connector")
-    if connector not in (None, CONNECTOR_NAME):
-        raise ValueError(f"kv_connector {connector!r} is a vLLM connector; kvserve has its own "
-                         f"({CONNECTOR_NAME}): leave kv_connector out or name that")
     settings: dict = {}
+    connector = raw.get("kv_connector")
+    if raw.get("kv_connector_module_path"):
+        connector = f"{raw['kv_connector_module_path']}:{connector or ''}"
+    if connector:
+        settings["connector"] = check_connector_name(str(connector))
     if "kv_role" in raw:
         role = raw["kv_role"]
         settings["role"] = _VLLM_ROLES.get(role, role)
@@ -84,6 +91,9 @@ def _from_vllm_keys(raw: dict) -> dict:
     if raw.get("kv_port") is not None:
         settings["port"] = int(raw["kv_port"])
     extra = raw.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_connector_extra_config must be a JSON object")
+    settings["extra_config"] = dict(extra)
     for key in ("hold_timeout_s", "transfer_timeout_s", "load_failure_policy", "transport"):
         if key in extra:
             settings[key] = extra[key]

@@ -6,15 +6,18 @@ the lease (leases.py), gathers the request's blocks from every layer's KV tensor
 with a `PullReply` header and one frame per layer ([2, blocks, block_size, kv_heads, head_dim],
 sent without copying once gathered), then marks the lease done. One round trip: there is no
 release message, and a puller that dies mid-reply costs the sender nothing. A sender that dies
-is a pull that times out (`transfer_timeout_s`). When both engines are on one host (the pull
-names the puller's host and it matches) the blocks go through a /dev/shm file instead of
-frames (shm.py), unless the sender's transport is "tcp".
+is a pull that times out (`transfer_timeout_s`). A pull may come before the sender's rank has
+heard of the lease (it hears in a step after the request finished, the decode engine as soon as
+the prefill engine answered): such a pull waits, up to the transfer timeout, for it. When both
+engines are on one host (the pull names the puller's host and it matches) the blocks go through
+a /dev/shm file instead of frames (shm.py), unless the sender's transport is "tcp".
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 
 import msgspec
@@ -28,6 +31,7 @@ from kvserve.platform import host_identity
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+PARKED_POLL_MS = 2  # while pulls wait for their lease
 
 
 class KVTransferError(RuntimeError):
@@ -90,6 +94,8 @@ class KVSender:
             self.port = port
         else:
             self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        self.park_s = transfer_timeout_s
+        self._parked: list[tuple[float, bytes, Pull]] = []  # (give up at, puller, pull)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
         self._thread.start()
@@ -101,7 +107,9 @@ class KVSender:
         while not self._stop.is_set():
             if self.janitor is not None:
                 self.janitor.sweep()
-            if not self._socket.poll(POLL_MS):
+            if self._parked:
+                self._retry_parked(encoder)
+            if not self._socket.poll(PARKED_POLL_MS if self._parked else POLL_MS):
                 continue
             identity, payload = self._socket.recv_multipart()
             try:
@@ -110,7 +118,20 @@ class KVSender:
                 self._socket.send_multipart([identity, encoder.encode(
                     PullReply(False, f"malformed pull: {exc}"))])
                 continue
-            self._answer(identity, pull, encoder)
+            if self.leases.knows(pull.request_id):
+                self._answer(identity, pull, encoder)
+            else:
+                self._parked.append((time.monotonic() + self.park_s, identity, pull))
+
+    def _retry_parked(self, encoder) -> None:
+        """Answer the waiting pulls whose lease came, and refuse those that waited too long."""
+        now, waiting = time.monotonic(), []
+        for give_up_at, identity, pull in self._parked:
+            if self.leases.knows(pull.request_id) or now > give_up_at:
+                self._answer(identity, pull, encoder)
+            else:
+                waiting.append((give_up_at, identity, pull))
+        self._parked = waiting
 
     def _answer(self, identity: bytes, pull: Pull, encoder) -> None:
         if self.leases.is_stalled(pull.request_id):

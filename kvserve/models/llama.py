@@ -12,6 +12,10 @@ config is the rank's (kvserve/distributed/sharding.py), o_proj and down_proj out
 sums all-reduced in place, the embedding and LM head hold a vocabulary range. With tp_size 1 the
 context is dropped (`self.tp` None) and nothing extra runs.
 
+A KV connector that moves KV layer by layer is bound with `bind_kv_connector`: each stage
+layer i then calls its `wait_for_layer_load(i)` before running and `save_kv_layer(i, cache,
+metadata)` after (without one, `self.kv_connector` is None and nothing extra runs).
+
 Given pp_size > 1 the model is one pipeline stage: it builds only its decoder layers (the
 others are parameterless `PPMissingLayer`s, so parameter names keep their global layer index),
 the embedding on the first stage, the final norm and LM head on the last. A stage other than
@@ -177,6 +181,7 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
         self.ops = getattr(backend, "ops", None)
+        self.kv_connector = None  # a layer-wise KV connector's hooks (worker side), if bound
 
     def forward(self, input_ids, positions, metadata,
                 intermediate: IntermediateTensors | None = None):
@@ -186,8 +191,13 @@ class LlamaModel(nn.Module):
             return self._forward_fused(input_ids, positions, metadata, intermediate)
         hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate.hidden
         rotary = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.stage_layers:
+        hooks = self.kv_connector
+        for i, layer in enumerate(self.stage_layers):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
             hidden = layer(rotary, hidden, metadata)
+            if hooks is not None:
+                hooks.save_kv_layer(i, layer.self_attn.kv_cache, metadata)
         if not self.is_last_stage:
             return IntermediateTensors(hidden)
         return self.norm(hidden)
@@ -202,13 +212,18 @@ class LlamaModel(nn.Module):
         else:
             residual, hidden = intermediate.residual, intermediate.hidden
         cos_sin = self.rotary_emb.cos_sin
-        for layer in self.stage_layers:
+        hooks = self.kv_connector
+        for i, layer in enumerate(self.stage_layers):
+            if hooks is not None:
+                hooks.wait_for_layer_load(i)
             norm = layer.input_layernorm
             if hidden is None:
                 hidden = ops.rms_norm(residual, norm.weight, norm.eps)
             else:
                 ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
             hidden = layer.self_attn.forward_fused(hidden, positions, cos_sin, metadata)
+            if hooks is not None:
+                hooks.save_kv_layer(i, layer.self_attn.kv_cache, metadata)
             norm = layer.post_attention_layernorm
             ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
             mlp = layer.mlp
@@ -314,6 +329,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"need {len(layers)} KV tensors, got {len(kv_caches)}")
         for layer, cache in zip(layers, kv_caches):
             layer.self_attn.kv_cache = cache
+
+    def bind_kv_connector(self, hooks) -> None:
+        """A KV connector's worker side whose per-layer hooks the stage's layers call (its
+        layer index is the position in `bind_kv_cache`'s list)."""
+        self.model.kv_connector = hooks
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

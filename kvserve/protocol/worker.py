@@ -4,7 +4,10 @@ executor carries (in-process for `uni`, ZeroMQ for `mp`, actor calls for `ray`).
 A request's prompt and sampling parameters cross once (`NewRequestData`); after that each step
 sends, per scheduled request, the token ids it computes (one per decode), the block ids added
 since the last step (the whole list again only after a preemption) and whether it samples.
-The output rank answers with the sampled tokens (`ModelRunnerOutput`).
+The output rank answers with the sampled tokens (`ModelRunnerOutput`). With a KV connector a
+step also carries its metadata (what the workers load, save or serve; opaque bytes here, the
+connector's own struct), and every rank reports the transfers it finished (`KVReport`) after
+a step, only when there are some.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ class ModelRunnerOutput:
         self.num_rejected_tokens.update(other.num_rejected_tokens)
 
 
+class KVConnectorOutput(msgspec.Struct, **_WIRE):
+    """Transfers a KV connector's worker side finished: requests whose held blocks it no longer
+    reads (sent, or the hold expired), and requests whose loads ended (`load_errors`: those
+    that failed, and why). From one rank, or every rank's merged (kv_transfer.aggregator)."""
+
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    load_errors: dict[str, str] = {}
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving)
+
+
 class NewRequestData(msgspec.Struct, **_WIRE):
     request_id: str
     prompt_token_ids: list[int]
@@ -75,6 +91,8 @@ class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledData]
     finished_ids: list[str]
+    # the KV connector's metadata for this step, msgpack of its own struct (None: nothing)
+    kv_connector_metadata: bytes | None = None
 
 
 class StopWorker(msgspec.Struct, tag=True, **_WIRE):
@@ -91,10 +109,19 @@ class WorkerReady(msgspec.Struct, tag=True, **_WIRE):
 
 class KVCacheReady(msgspec.Struct, tag=True, **_WIRE):
     rank: int
+    # what the KV connector's scheduler side needs from this rank (e.g. where it serves KV)
+    kv_connector_info: dict | None = None
 
 
 class StepResult(msgspec.Struct, tag=True, **_WIRE):
     output: ModelRunnerOutput
+
+
+class KVReport(msgspec.Struct, tag=True, **_WIRE):
+    """A rank's finished transfers, sent after a step only when there are some."""
+
+    rank: int
+    output: KVConnectorOutput
 
 
 class WorkerFailed(msgspec.Struct, tag=True, **_WIRE):
@@ -103,4 +130,4 @@ class WorkerFailed(msgspec.Struct, tag=True, **_WIRE):
 
 
 ToWorker = InitKVCache | ExecuteStep | StopWorker
-FromWorker = WorkerReady | KVCacheReady | StepResult | WorkerFailed
+FromWorker = WorkerReady | KVCacheReady | StepResult | KVReport | WorkerFailed

@@ -11,11 +11,11 @@ process. Then a request whose prompt text contains `kvserve-fault:<kind>` trigge
 - `output`: the front-end's output processing of that request raises;
 - `engine_thread`: a BaseException from the worker ends the engine core's loop (its thread, or
   its process);
-- `kv_send`: a prefill engine holds the request's KV for a decode engine but its sender never
-  answers the pull (a prefill server hung, or dying, mid-transfer).
+- `kv_send`: a prefill engine holds the request's KV for a decode engine but its senders never
+  answer the pull (a prefill server hung, or dying, mid-transfer).
 
-The hooks wrap the real classes (Worker, SampleState, the KV connector's scheduler side) and
-read the prompt's text with the model's own tokenizer, so no fault field crosses the wire.
+The hooks wrap the real classes (Worker, SampleState) and read the prompt's text with the
+model's own tokenizer, so no fault field crosses the wire.
 """
 
 from __future__ import annotations
@@ -67,15 +67,15 @@ def _prompt_text(model: str, token_ids: Iterable[int]) -> str:
 def _install() -> None:
     _install_worker_hook()
     _install_output_hook()
-    _install_kv_send_hook()
 
 
 def _install_worker_hook() -> None:
-    """`execute` and `engine_thread`: raised from the worker's step when a scheduled request's
-    prompt asks (a request's kinds are read once, when the worker first sees it)."""
+    """`execute` and `engine_thread`: raised from the worker's model step when a scheduled
+    request's prompt asks (a request's kinds are read once, when the worker first sees it).
+    `kv_send`: the rank's KV sender is told then never to answer pulls of that request."""
     from kvserve.worker.worker import Worker
 
-    original = Worker.execute
+    original = Worker.execute_model
 
     @functools.wraps(original)
     def execute(self, step):
@@ -84,6 +84,8 @@ def _install_worker_hook() -> None:
             if new.request_id not in asked:
                 asked[new.request_id] = kinds_asked(
                     _prompt_text(self.config.model, new.prompt_token_ids))
+                if "kv_send" in asked[new.request_id]:
+                    _stall_sends(self, new.request_id)
         for request_id in step.finished_ids:
             asked.pop(request_id, None)
         kinds = {kind for item in step.scheduled for kind in asked.get(item.request_id, ())}
@@ -92,7 +94,13 @@ def _install_worker_hook() -> None:
                 raise_fault(kind)
         return original(self, step)
 
-    Worker.execute = execute
+    Worker.execute_model = execute
+
+
+def _stall_sends(worker, request_id: str) -> None:
+    leases = getattr(worker.kv_connector, "leases", None)  # TcpConnector's worker side
+    if leases is not None:
+        leases.stall(request_id)
 
 
 def _install_output_hook() -> None:
@@ -115,30 +123,6 @@ def _install_output_hook() -> None:
         return original_add(self, *args, **kwargs)
 
     SampleState.__init__, SampleState.add_delta = init, add_delta
-
-
-def _install_kv_send_hook() -> None:
-    """`kv_send`: the prefill side holds the blocks, then its sender leaves the pull hanging."""
-    from kvserve.core.engine_core import EngineCore
-    from kvserve.kv_transfer.connector import KVConnectorScheduler
-
-    original_core_init, original_hold = EngineCore.__init__, KVConnectorScheduler.hold
-
-    @functools.wraps(original_core_init)
-    def core_init(self, config, *args, **kwargs):
-        original_core_init(self, config, *args, **kwargs)
-        if self.scheduler.connector is not None:
-            self.scheduler.connector._fault_model = config.model
-
-    @functools.wraps(original_hold)
-    def hold(self, request, block_ids):
-        original_hold(self, request, block_ids)
-        model = getattr(self, "_fault_model", None)
-        if model is not None and "kv_send" in kinds_asked(
-                _prompt_text(model, request.prompt_token_ids)):
-            self.leases.stall(request.request_id)
-
-    EngineCore.__init__, KVConnectorScheduler.hold = core_init, hold
 
 
 _switch = PluginSwitch(_install)

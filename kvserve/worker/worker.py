@@ -8,6 +8,11 @@ with the EngineConfig as JSON on stdin. It joins the process group (torch.distri
 CPU), loads its shard, reports ready, then runs each ExecuteStep it receives. Any exception is
 fatal for the group (the other ranks would wait in a collective forever): it reports
 WorkerFailed and exits, and the core fails with it. It also exits when the core goes away.
+
+With a KV connector (`--kv-role` / `--kv-transfer-config`) each rank holds the connector's
+worker side beside its KV tensors: every step starts its loads (`start_load_kv`) before the
+model runs and asks what finished after it (`get_finished`), which goes back to the core as a
+`KVReport` only when there is something.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import zmq
 
 from kvserve.engine_config import EngineConfig
+from kvserve.kv_transfer.aggregator import merge_reports
 from kvserve.platform import exit_when_parent_dies
 from kvserve.plugins import load_plugins
 from kvserve.protocol.worker import (
@@ -29,6 +35,8 @@ from kvserve.protocol.worker import (
     FromWorker,
     InitKVCache,
     KVCacheReady,
+    KVConnectorOutput,
+    KVReport,
     ScheduledData,
     StepResult,
     StopWorker,
@@ -70,6 +78,8 @@ class Worker:
         self.loaded = load_engine_model(config, self.parallel)
         self.requests: dict[str, CachedRequestState] = {}
         self.runner = None
+        self.kv_connector = _make_kv_connector(config, rank)
+        self._kv_report: KVConnectorOutput | None = None  # finished since the core last asked
 
     def ready_message(self) -> WorkerReady:
         loaded = self.loaded
@@ -82,7 +92,15 @@ class Worker:
                                   kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
                                   samples=self.is_output_rank,
                                   logits_processors=self._logits_processors())
-        return KVCacheReady(self.rank)
+        connector = self.kv_connector
+        if connector is None:
+            return KVCacheReady(self.rank)
+        from kvserve.kv_transfer.base import uses_layer_hooks
+
+        connector.register_kv_caches(self.runner.kv_caches)
+        if uses_layer_hooks(connector):
+            self.loaded.model.bind_kv_connector(connector)
+        return KVCacheReady(self.rank, connector.get_handshake_metadata())
 
     def _logits_processors(self) -> list:
         """The custom logits processors, built once, on the rank that samples."""
@@ -93,6 +111,23 @@ class Worker:
         return [cls(init) for cls in self.processor_classes]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
+        """One step: the connector's loads start, the model runs, the connector's finished
+        transfers are noted for `take_kv_report`."""
+        connector = self.kv_connector
+        if connector is None:
+            return self.execute_model(step)
+        metadata = None
+        if step.kv_connector_metadata is not None:
+            metadata = msgspec.msgpack.decode(step.kv_connector_metadata,
+                                              type=connector.metadata_type)
+        connector.start_load_kv(metadata)
+        try:
+            return self.execute_model(step)
+        finally:
+            connector.wait_for_save()
+            self._note_finished(step.finished_ids)
+
+    def execute_model(self, step: ExecuteStep) -> StepResult | None:
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
             if new.request_id not in self.requests:
                 self.requests[new.request_id] = CachedRequestState.from_new(new)
@@ -106,6 +141,30 @@ class Worker:
             self.requests[request_id].output_token_ids.extend(tokens)
         return StepResult(output)
 
+    # ---- the KV connector's reports --------------------------------------------------------
+    def _note_finished(self, finished_ids: list[str]) -> None:
+        sending, recving = self.kv_connector.get_finished(finished_ids)
+        if sending or recving:
+            report = KVConnectorOutput(sorted(sending), sorted(recving),
+                                       self.kv_connector.get_load_errors())
+            self._kv_report = merge_reports([r for r in (self._kv_report, report) if r])
+
+    def take_kv_report(self) -> KVReport | None:
+        """What the connector finished since the last call (sent to the core after a step)."""
+        report, self._kv_report = self._kv_report, None
+        return None if report is None else KVReport(self.rank, report)
+
+    def poll_kv(self, wait_s: float = 0.0) -> KVReport | None:
+        """Between steps, for a core in this process (`uni`): what finished, waiting up to
+        `wait_s` for something when nothing has."""
+        if self.kv_connector is None:
+            return None
+        self._note_finished([])
+        if self._kv_report is None and wait_s > 0:
+            self.kv_connector.wait_for_finished(wait_s)
+            self._note_finished([])
+        return self.take_kv_report()
+
     def _scheduled(self, item: ScheduledData) -> ScheduledItem:
         request = self.requests[item.request_id]
         if item.reset_blocks:
@@ -115,10 +174,26 @@ class Worker:
         return ScheduledItem(request, item.token_ids, item.start_position, item.sample)
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.parallel is not None:
             from kvserve.distributed.parallel_state import destroy_distributed
 
             destroy_distributed(self.parallel)
+
+
+def _make_kv_connector(config: EngineConfig, rank: int):
+    """This rank's side of the engine's KV connector, or None without one."""
+    from kvserve.kv_transfer.config import kv_transfer_config
+
+    kv_config = kv_transfer_config(config.kv_role, config.kv_transfer_config)
+    if kv_config is None:
+        return None
+    from kvserve.kv_transfer.base import KVConnectorContext, KVConnectorRole
+    from kvserve.kv_transfer.factory import make_connector
+
+    return make_connector(kv_config, KVConnectorRole.WORKER, KVConnectorContext(
+        config.block_size, config.tensor_parallel_size, config.pipeline_parallel_size, rank))
 
 
 def run_worker(config: EngineConfig, input_address: str, output_address: str, rank: int,
@@ -145,6 +220,9 @@ def run_worker(config: EngineConfig, input_address: str, output_address: str, ra
                 reply = worker.execute(message)
             if reply is not None:
                 outputs.send(encoder.encode(reply), copy=False)
+            report = worker.take_kv_report()
+            if report is not None:
+                outputs.send(encoder.encode(report), copy=False)
     except BaseException as exc:  # reported, then fatal: see the module docstring
         logger.exception("worker %d failed", rank)
         outputs.send(encoder.encode(WorkerFailed(rank, f"{type(exc).__name__}: {exc}")))

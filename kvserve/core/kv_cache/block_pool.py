@@ -6,7 +6,9 @@ front; cached (hashed) blocks go to the back in the order they were freed, so th
 used cached block is evicted first.
 
 With KV events on (`enable_events`), caching, evicting and resetting are recorded as vLLM's
-BlockStored / BlockRemoved / AllBlocksCleared (kvserve/kv_events.py) until `take_events`.
+BlockStored / BlockRemoved / AllBlocksCleared (kvserve/kv_events.py) until `take_events`. With
+`record_evictions` (a KV connector that wants them, e.g. an offload tier), each cached block
+dropped, by reuse or by a reset, is kept as (hash, block id) until `take_evictions`.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.events: list | None = None  # None: KV events off, nothing recorded
+        self.evictions: list[tuple[int, int]] | None = None  # None: nobody asked
 
     def enable_events(self) -> None:
         self.events = []
@@ -90,6 +93,17 @@ class BlockPool:
         """The events since the last call (consecutive ones of a kind merged)."""
         events, self.events = self.events, []
         return events
+
+    def record_evictions(self) -> None:
+        self.evictions = []
+
+    def take_evictions(self) -> list[tuple[int, int]]:
+        """(block hash, block id) of each cached block dropped since the last call, in order;
+        [] when not recording."""
+        if not self.evictions:
+            return []
+        evictions, self.evictions = self.evictions, []
+        return evictions
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,6 +176,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.evictions is not None:
+                    self.evictions.append((block.block_hash, block.block_id))
                 if self.events is not None:
                     last = self.events[-1] if self.events else None
                     if isinstance(last, BlockRemoved):
