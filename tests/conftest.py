@@ -9,7 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from kvserve.kernels import get_ops, isa
+from kvserve.errors import KernelBuildError
+from kvserve.kernels import compiled_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
 
@@ -24,11 +25,12 @@ os.environ.setdefault("KVSERVE_ADAPTIVE_THREADS", "0")
 @pytest.fixture(scope="session", params=isa.machine_levels())
 def kernels(request):
     """The compiled kernels built for each instruction-set level this CPU can execute (AVX2 and
-    scalar everywhere on x86), so every vector variant is tested on any machine."""
-    ops = get_ops(True, request.param)
-    if not ops.compiled:
-        pytest.skip(f"C++ CPU kernels ({request.param}) did not build")
-    return ops
+    scalar everywhere on x86), so every vector variant is tested on any machine. A level that
+    does not build fails its tests: no green run without the kernels."""
+    try:
+        return compiled_ops(request.param)
+    except KernelBuildError as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 @pytest.fixture(scope="session")
