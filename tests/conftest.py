@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-import textwrap
 
 import pytest
 import torch
@@ -85,34 +83,6 @@ def tiny_model():
     from kvserve.models import random_model
 
     return random_model(tiny_config(), "float32", seed=0)
-
-
-def long_text() -> str:
-    """Real prose and code (the standard library's textwrap module) for prompts > 1,000 tokens."""
-    return inspect.getsource(textwrap)
-
-
-def chat_prompts(tokenizer) -> list[str]:
-    conversations = [
-        [{"role": "user", "content": "What is the capital of France?"}],
-        [{"role": "system", "content": "You are a terse assistant."},
-         {"role": "user", "content": "Write a haiku about the sea."}],
-        [{"role": "user", "content": "Explain what a hash table is."},
-         {"role": "assistant", "content": "A map from keys to values using a hash function."},
-         {"role": "user", "content": "And what is a collision?"}],
-        [{"role": "user", "content": "List three prime numbers greater than 100."}],
-    ]
-    return [tokenizer.apply_chat_template(c) for c in conversations]
-
-
-RAW_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the river,",
-    "import numpy as np\nx = np.arange(10)\nprint(",
-    "Les chats sont des animaux",
-    "1, 2, 3, 5, 8, 13,",
-]
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from tests.helpers import bounded
 
 GREEDY = dict(temperature=0.0)
 
@@ -91,7 +92,9 @@ def test_n_samples_share_the_prompt_blocks(tiny_llm):
                        SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=7))
     hits_before = engine.engine_core.kv_manager.stats.hits
     outputs = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(100, "the fan-out"):
+        if not engine.has_unfinished_requests():
+            break
         tables = [engine.engine_core.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
         if all(tables):
             shared = {tuple(t[:2]) for t in tables}
@@ -184,3 +187,4 @@ def test_bf16_kv_cache_with_float32_activations(tiny_model_dir):
         first = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
         reference = c.outputs[0].logprobs[0][c.outputs[0].token_ids[0]].logprob
         assert abs(first - reference) < 0.05
+

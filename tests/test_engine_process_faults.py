@@ -18,8 +18,7 @@ import psutil
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, complete, tiny_server_flags
-from tests.test_engine_process import process_alive, wait_gone
+from tests.helpers import assert_idle, complete, process_alive, tiny_server_flags, wait_gone
 
 pytestmark = pytest.mark.multiprocess
 

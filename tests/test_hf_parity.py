@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.models.paged_loop import PagedLoop
-from tests.conftest import RAW_PROMPTS, chat_prompts, long_text
+from tests.helpers import RAW_PROMPTS, chat_prompts, long_text
 
 pytestmark = pytest.mark.slow
 

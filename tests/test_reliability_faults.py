@@ -21,7 +21,8 @@ from kvserve.engine.llm_engine import RequestFailedError
 from kvserve.plugins import ENV_VAR as PLUGINS_ENV_VAR
 from kvserve.testing import faults
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import (
+from tests.helpers import (
+    bounded,
     assert_idle,
     complete,
     finished_by_reason,
@@ -46,7 +47,9 @@ def run_all(engine, requests: dict[str, tuple[str, SamplingParams]]):
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     finished, failed = {}, {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(10_000, "the requests"):
+        if not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = [o.token_ids for o in output.outputs]
