@@ -11,6 +11,7 @@ from kvserve.errors import KernelBuildError
 from kvserve.kernels import compiled_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
+from tests.helpers import kernel_level
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 # Kernel choices fixed (the documented limits) so tests do not time kernels; tests/test_autotune.py
@@ -29,6 +30,15 @@ def kernels(request):
         return compiled_ops(request.param)
     except KernelBuildError as error:
         pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture(params=isa.machine_levels())
+def isa_level(request):
+    """The test once per kernel ISA level this machine can execute: KVSERVE_CPU_ISA caps the
+    level while it runs, so the models, engines and core processes it starts load that level's
+    build (the equivalence tests run at every level, not only the best one)."""
+    with kernel_level(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

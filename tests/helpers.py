@@ -4,8 +4,10 @@ helpers from here only, never from one another or from conftest (tests/test_laye
 from __future__ import annotations
 
 import inspect
+import os
 import textwrap
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import httpx
@@ -69,6 +71,26 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0,
     while not condition():
         assert time.monotonic() < deadline, f"{what}: timed out after {timeout} s"
         time.sleep(interval)
+
+
+# ---- kernel levels ----------------------------------------------------------------------------
+@contextmanager
+def kernel_level(level: str) -> Iterator[None]:
+    """Build what runs inside at this kernel ISA level: KVSERVE_CPU_ISA caps it, and models,
+    engines and core processes started meanwhile load that level's build (a model keeps the op
+    set it was built with)."""
+    from kvserve.kernels import get_ops, isa
+
+    saved = os.environ.get(isa.ISA_ENV)
+    os.environ[isa.ISA_ENV] = level
+    try:
+        assert get_ops(True).isa == level, f"{level} is not a level this machine runs"
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(isa.ISA_ENV, None)
+        else:
+            os.environ[isa.ISA_ENV] = saved
 
 
 # ---- processes --------------------------------------------------------------------------------
