@@ -3,6 +3,7 @@ helpers from here only, never from one another or from conftest (tests/test_laye
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import textwrap
@@ -208,6 +209,32 @@ async def complete(client, prompt: str, stream: bool = False, max_tokens: int = 
             if line.startswith("data: "):
                 events.append(line[6:])
     return response.status_code, events
+
+
+async def watch_health(base_url: str, stop: asyncio.Event, interval: float = 0.005) -> list:
+    """/health's status codes, polled from now until `stop` is set or the server stops
+    answering ("gone" ends the list). Started before a fault, it sees every state the server
+    passes through on the way down, however short."""
+    statuses: list = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        while not stop.is_set():
+            try:
+                statuses.append((await client.get("/health")).status_code)
+            except httpx.TransportError:
+                statuses.append("gone")
+                break
+            await asyncio.sleep(interval)
+    return statuses
+
+
+def assert_health_went_503_then_gone(statuses: list) -> None:
+    """What `watch_health` saw around an engine's death in a server that then exits: 200 while
+    it served (if the watch began early enough), then 503 on every poll, until the server went
+    away."""
+    assert statuses and statuses[-1] == "gone", statuses
+    assert 503 in statuses, f"/health never answered 503: {statuses}"
+    first = statuses.index(503)
+    assert set(statuses[:first]) <= {200} and set(statuses[first:-1]) == {503}, statuses
 
 
 def wait_router_synced(router, timeout: float = 30.0) -> None:
