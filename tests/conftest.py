@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 import os
-import textwrap
 
 import pytest
 import torch
 
-from kvserve.kernels import get_ops, isa
+from kvserve.errors import KernelBuildError
+from kvserve.kernels import compiled_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
+from tests.helpers import kernel_level
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 # Kernel choices fixed (the documented limits) so tests do not time kernels; tests/test_autotune.py
@@ -24,11 +24,21 @@ os.environ.setdefault("KVSERVE_ADAPTIVE_THREADS", "0")
 @pytest.fixture(scope="session", params=isa.machine_levels())
 def kernels(request):
     """The compiled kernels built for each instruction-set level this CPU can execute (AVX2 and
-    scalar everywhere on x86), so every vector variant is tested on any machine."""
-    ops = get_ops(True, request.param)
-    if not ops.compiled:
-        pytest.skip(f"C++ CPU kernels ({request.param}) did not build")
-    return ops
+    scalar everywhere on x86), so every vector variant is tested on any machine. A level that
+    does not build fails its tests: no green run without the kernels."""
+    try:
+        return compiled_ops(request.param)
+    except KernelBuildError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture(params=isa.machine_levels())
+def isa_level(request):
+    """The test once per kernel ISA level this machine can execute: KVSERVE_CPU_ISA caps the
+    level while it runs, so the models, engines and core processes it starts load that level's
+    build (the equivalence tests run at every level, not only the best one)."""
+    with kernel_level(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")
@@ -83,34 +93,6 @@ def tiny_model():
     from kvserve.models import random_model
 
     return random_model(tiny_config(), "float32", seed=0)
-
-
-def long_text() -> str:
-    """Real prose and code (the standard library's textwrap module) for prompts > 1,000 tokens."""
-    return inspect.getsource(textwrap)
-
-
-def chat_prompts(tokenizer) -> list[str]:
-    conversations = [
-        [{"role": "user", "content": "What is the capital of France?"}],
-        [{"role": "system", "content": "You are a terse assistant."},
-         {"role": "user", "content": "Write a haiku about the sea."}],
-        [{"role": "user", "content": "Explain what a hash table is."},
-         {"role": "assistant", "content": "A map from keys to values using a hash function."},
-         {"role": "user", "content": "And what is a collision?"}],
-        [{"role": "user", "content": "List three prime numbers greater than 100."}],
-    ]
-    return [tokenizer.apply_chat_template(c) for c in conversations]
-
-
-RAW_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the river,",
-    "import numpy as np\nx = np.arange(10)\nprint(",
-    "Les chats sont des animaux",
-    "1, 2, 3, 5, 8, 13,",
-]
 
 
 @pytest.fixture(scope="session")

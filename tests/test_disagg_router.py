@@ -18,11 +18,16 @@ import time
 from contextlib import ExitStack, contextmanager
 
 import httpx
-import psutil
 import pytest
 
 from kvserve.testing.server import ServerProcess, kv_events_config
-from tests.server_helpers import read_metrics, tiny_server_flags, wait_idle
+from tests.helpers import (
+    kill_server_tree,
+    read_metrics,
+    tiny_server_flags,
+    wait_idle,
+    wait_router_synced,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,18 +70,8 @@ def _deployment(model_dir, tmp_path, num_decode: int = 1, default_dtype: bool = 
         router = stack.enter_context(ServerProcess(args, subcommand="router",
                                                    startup_timeout=60,
                                                    log_path=tmp_path / "router.log"))
-        _wait_synced(router)
+        wait_router_synced(router)
         yield prefill, decodes, router
-
-
-def _wait_synced(router) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        state = httpx.get(router.base_url + "/router/state", timeout=5).json()["replicas"]
-        if all(s["healthy"] and s["synced"] for s in state.values()):
-            return
-        assert time.monotonic() < deadline, state
-        time.sleep(0.1)
 
 
 def _body(prompt: str, max_tokens: int = 12, **extra) -> dict:
@@ -97,14 +92,6 @@ def _streamed_text(client: httpx.Client, url: str, body: dict) -> tuple[str, dic
             text += "".join(c.get("text", "") for c in chunk.get("choices", []))
             usage = chunk.get("usage") or usage
     return text, usage
-
-
-def _kill_tree(server: ServerProcess) -> None:
-    """kill -9 of the whole server, its engine core first (as a lost machine takes it)."""
-    for child in psutil.Process(server.process.pid).children(recursive=True):
-        child.kill()
-    server.process.kill()
-    server.process.wait(10)
 
 
 def _assert_idle(*servers) -> None:
@@ -188,7 +175,7 @@ def test_prefill_server_killed_during_a_transfer_and_a_stream(tiny_model_dir, tm
                 hung = asyncio.ensure_future(client.post("/v1/completions",
                                                          json=_body(hung_prompt)))
                 await _until(decode.base_url, "kvserve:num_requests_waiting", 1)
-                _kill_tree(prefill)
+                kill_server_tree(prefill)
                 killed = time.monotonic()
                 (text, usage), answer = await asyncio.wait_for(asyncio.gather(stream, hung), 30)
                 return text, usage, answer, time.monotonic() - killed
@@ -219,12 +206,12 @@ def test_decode_servers_killed_before_they_pull(tiny_model_dir, tmp_path):
             "--policy", "round-robin", "--health-interval", "60")) as (
             prefill, (first, second), router), \
             httpx.Client(base_url=router.base_url, timeout=60) as client:
-        _kill_tree(first)
+        kill_server_tree(first)
         got = client.post("/v1/completions", json=_body(PROMPTS[4]))
         assert got.status_code == 200, got.text
         assert got.headers["x-kvserve-replica"] == second.base_url
         assert got.json()["usage"]["prompt_tokens_details"]["transferred_tokens"] > 0
-        _kill_tree(second)
+        kill_server_tree(second)
         started = time.monotonic()
         failed = client.post("/v1/completions", json=_body(PROMPTS[6]))
         assert failed.status_code == 502 and failed.json()["error"]["code"] == \

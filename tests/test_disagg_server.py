@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 
 import httpx
-import psutil
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import tiny_server_flags, wait_idle
+from tests.helpers import kill_server_tree, tiny_server_flags, wait_idle
 
 pytestmark = pytest.mark.multiprocess
 
@@ -76,12 +75,8 @@ def test_a_killed_prefill_server_makes_the_decode_side_recompute(tiny_model_dir,
             expected = _complete(prefill.base_url, prompt, 12)
             handle = _complete(prefill.base_url, prompt, 1,
                                {"do_remote_decode": True})["kv_transfer_params"]
-            # the whole server: its engine core (which serves the held KV) first, as an OOM
-            # kill or a lost machine would take it
-            for child in psutil.Process(prefill.process.pid).children(recursive=True):
-                child.kill()
-            prefill.process.kill()
-            prefill.process.wait(10)
+            # the whole server: its engine core (which serves the held KV) first
+            kill_server_tree(prefill)
         started = time.monotonic()
         got = _complete(decode.base_url, prompt, 12, handle)
         assert time.monotonic() - started < 15

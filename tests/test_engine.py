@@ -7,6 +7,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from tests.helpers import bounded, run_mixed_workload, small_pool_options
 
 GREEDY = dict(temperature=0.0)
 
@@ -91,7 +92,9 @@ def test_n_samples_share_the_prompt_blocks(tiny_llm):
                        SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=7))
     hits_before = engine.engine_core.kv_manager.stats.hits
     outputs = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(100, "the fan-out"):
+        if not engine.has_unfinished_requests():
+            break
         tables = [engine.engine_core.kv_manager.block_ids(f"{i}_fan") for i in range(4)]
         if all(tables):
             shared = {tuple(t[:2]) for t in tables}
@@ -184,3 +187,37 @@ def test_bf16_kv_cache_with_float32_activations(tiny_model_dir):
         first = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
         reference = c.outputs[0].logprobs[0][c.outputs[0].token_ids[0]].logprob
         assert abs(first - reference) < 0.05
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir):
+    """The mixed workload the plain way: torch_ref attention and torch ops, the whole prompt in
+    one step, no prefix cache, blocks for everyone."""
+    from kvserve import LLM
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", attention_backend="torch_ref",
+              cpu_kernels=False, enable_prefix_caching=False, num_kv_blocks=512,
+              engine_core="thread")
+    yield run_mixed_workload(llm)
+    llm.shutdown()
+
+
+def test_engine_tokens_equal_the_reference_run_at_every_level(isa_level, tiny_model_dir,
+                                                              reference_run):
+    """The default fast path (paged attention, this level's C++ kernels) with chunked prefill,
+    prefix hits and preemption on a small pool: the reference run's greedy tokens, logprobs
+    within 1e-4."""
+    from kvserve import LLM
+
+    llm = LLM(model=str(tiny_model_dir), engine_core="thread", **small_pool_options())
+    try:
+        core = llm.llm_engine.engine_core
+        assert core.runner.model.kernel_ops.isa == isa_level
+        tokens, logprobs = run_mixed_workload(llm)
+        assert core.scheduler.num_preemptions > 0 and core.kv_manager.stats.hits > 0
+    finally:
+        llm.shutdown()
+    expected_tokens, expected_logprobs = reference_run
+    assert tokens == expected_tokens
+    assert len(logprobs) == len(expected_logprobs) > 0
+    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4

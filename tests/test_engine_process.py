@@ -6,33 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import CorruptModelFileError, EngineDeadError
+from tests.helpers import bounded, process_alive, step_until_raises, wait_gone
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is", "1, 2, 3,",
            "import os\n", "Hello", "The capital of"]
-
-
-def process_alive(pid: int) -> bool:
-    """True while /proc lists the pid as anything but a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +66,9 @@ def test_abort_reaches_the_core(process_llm):
     engine = process_llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     engine.add_request("to-abort", "a long story", params)
-    while not engine.step():
-        pass
+    for _ in bounded(1000, "the first token"):
+        if engine.step():
+            break
     engine.abort_request("to-abort")
     assert not engine.has_unfinished_requests()
     assert engine.core.call_utility("num_unfinished") == 0
@@ -112,11 +95,7 @@ def test_killed_core_fails_the_caller_and_shutdown_reaps(tiny_model_dir):
     engine.add_request("long", "a story", SamplingParams(max_tokens=800, ignore_eos=True))
     engine.step()
     os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(EngineDeadError, match="SIGKILL"):
-        while True:
-            engine.step()
-    assert time.monotonic() - started < 5
+    step_until_raises(engine, EngineDeadError, within=5, match="SIGKILL")
     llm.shutdown()
     assert wait_gone(pid)
     with pytest.raises(EngineDeadError):

@@ -18,8 +18,15 @@ import psutil
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, complete, tiny_server_flags
-from tests.test_engine_process import process_alive, wait_gone
+from tests.helpers import (
+    assert_health_went_503_then_gone,
+    assert_idle,
+    complete,
+    process_alive,
+    tiny_server_flags,
+    wait_gone,
+    watch_health,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,9 +57,11 @@ def _worker_pids(server: ServerProcess) -> list[int]:
     return [w.pid for w in sorted(workers, key=lambda w: int(w.cmdline()[-5]))]
 
 
-def _kill_core_under_load(server: ServerProcess, num_requests: int = 6, victim: int | None = None):
+def _kill_core_under_load(server: ServerProcess, num_requests: int = 6, victim: int | None = None,
+                          watch_health_until_gone: bool = False):
     """Start requests, kill -9 the core (or the process `victim`) once they stream, return
-    (results, seconds to end)."""
+    (results, seconds to end, /health's statuses from just before the kill until the server
+    went away, when asked to watch them)."""
     core = victim or _core_pid(server)
 
     async def scenario():
@@ -61,14 +70,19 @@ def _kill_core_under_load(server: ServerProcess, num_requests: int = 6, victim: 
                                                     stream=i % 2 == 0, max_tokens=1500))
                      for i in range(num_requests)]
             await _until_generating(client)
+            stop = asyncio.Event()
+            health = asyncio.ensure_future(watch_health(server.base_url, stop)) \
+                if watch_health_until_gone else None
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*tasks), STREAM_DEADLINE_SECONDS)
-            return results, time.monotonic() - killed
+            seconds = time.monotonic() - killed
+            statuses = await asyncio.wait_for(health, 60) if health else None
+            return results, seconds, statuses
 
-    results, seconds = asyncio.run(scenario())
+    results, seconds, statuses = asyncio.run(scenario())
     assert wait_gone(core)
-    return results, seconds
+    return (results, seconds, statuses) if watch_health_until_gone else (results, seconds)
 
 
 async def _until_generating(client) -> None:
@@ -94,16 +108,12 @@ def _assert_all_failed_cleanly(results) -> None:
 def test_killed_core_fails_streams_and_the_server_exits_nonzero(tiny_model_dir, tmp_path):
     with ServerProcess(_flags(tiny_model_dir), log_path=tmp_path / "server.log") as server:
         children = _descendants(server)
-        results, seconds = _kill_core_under_load(server)
+        results, seconds, health = _kill_core_under_load(server, watch_health_until_gone=True)
         _assert_all_failed_cleanly(results)
         assert seconds < STREAM_DEADLINE_SECONDS
-        try:
-            health = httpx.get(server.base_url + "/health", timeout=5)
-            assert health.status_code == 503
-        except httpx.TransportError:
-            pass  # already exiting
         server.process.wait(30)
     assert server.process.returncode == 1
+    assert_health_went_503_then_gone(health)
     assert not any(process_alive(pid) for pid in children)
 
 
@@ -113,6 +123,11 @@ def test_restarted_core_serves_again_from_empty(tiny_model_dir, tmp_path):
         first_core = _core_pid(server)
         results, _ = _kill_core_under_load(server)
         _assert_all_failed_cleanly(results)
+        # the new core takes seconds to start: meanwhile /health and new requests get 503s
+        health = httpx.get(server.base_url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["message"]
+        late = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "not_ready"
         _wait_health(server.base_url, 200, timeout=120)
         second_core = _core_pid(server)
         assert second_core != first_core and not process_alive(first_core)

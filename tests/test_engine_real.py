@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import RAW_PROMPTS, long_text
+from tests.helpers import RAW_PROMPTS, long_text
 
 pytestmark = pytest.mark.slow
 

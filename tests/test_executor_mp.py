@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -16,17 +15,17 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.errors import EngineDeadError
 from kvserve.testing.tiny import write_tiny_model_dir
-from tests.test_engine_process import process_alive, wait_gone
+from tests.helpers import (
+    bounded,
+    small_pool_options,
+    process_alive,
+    run_mixed_workload,
+    single_process_reference,
+    step_until_raises,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.multiprocess
-
-SHARED = "You are a careful assistant. Answer briefly and precisely. " * 3
-PROMPTS = [SHARED + q for q in ("What is a cat?", "Name a river.", "Count to five.",
-                                "Say hello.", "Why is the sky blue?", "Spell 'tree'.")] + [
-    "The quick brown fox", "Once upon a time", "def main():", "Paris is", "1, 2, 3,",
-    "import os\n", "Hello", "The capital of", "A long time ago in a galaxy far, far away " * 4,
-    "x"]
-
 
 @pytest.fixture(scope="module")
 def six_head_model_dir(tmp_path_factory, tokenizer):
@@ -44,53 +43,17 @@ def deep_model_dir(tmp_path_factory, tokenizer):
                                 num_hidden_layers=6, tie_word_embeddings=False)
 
 
-def _options(**extra):
-    # a small pool and budget: prompts are chunked, and requests get preempted
-    return dict(dtype="float32", num_kv_blocks=24, block_size=16, max_num_batched_tokens=64,
-                **extra)
-
-
-def _workload():
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
-    params = [greedy] * len(PROMPTS)
-    params[3] = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
-    params[7] = SamplingParams(temperature=0, max_tokens=40, stop=["e"])
-    return PROMPTS, params
-
-
-def _run(llm: LLM) -> tuple[list[list[list[int]]], list[float]]:
-    """Every sample's tokens, and the logprobs of the sampled tokens where asked for."""
-    prompts, params = _workload()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [[o.token_ids for o in out.outputs] for out in outputs]
-    logprobs = [step[token].logprob for out in outputs for o in out.outputs if o.logprobs
-                for step, token in zip(o.logprobs, o.token_ids)]
-    return tokens, logprobs
-
-
-def _tokens(llm: LLM) -> list[list[list[int]]]:
-    return _run(llm)[0]
-
-
-def _reference(model_dir) -> tuple[list, list[float], int]:
-    llm = LLM(model=str(model_dir), engine_core="thread", **_options())
-    tokens, logprobs = _run(llm)
-    preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
-    llm.shutdown()
-    return tokens, logprobs, preemptions
-
-
 @pytest.mark.parametrize("tp, pp, engine_core, model", [
     (1, 1, "thread", "six_head"), (2, 1, "thread", "tiny"), (3, 1, "process", "six_head"),
     (1, 2, "thread", "tiny"), (1, 3, "process", "deep"), (2, 2, "thread", "deep")])
 def test_mp_workers_match_one_process(request, tp, pp, engine_core, model):
     model_dir = request.getfixturevalue(f"{model}_model_dir")
-    expected, expected_logprobs, preemptions = _reference(model_dir)
+    expected, expected_logprobs, preemptions = single_process_reference(model_dir)
     assert preemptions > 0  # the workload does exercise preemption
     llm = LLM(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              engine_core=engine_core, distributed_executor_backend="mp", **_options())
+              engine_core=engine_core, distributed_executor_backend="mp", **small_pool_options())
     try:
-        tokens, logprobs = _run(llm)
+        tokens, logprobs = run_mixed_workload(llm)
         assert tokens == expected
         assert len(logprobs) == len(expected_logprobs) > 0
         assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
@@ -101,9 +64,9 @@ def test_mp_workers_match_one_process(request, tp, pp, engine_core, model):
 def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
     """The core submits a second batch (other requests) before collecting the first, and the
     tokens still equal the single-process run's."""
-    expected = _reference(tiny_model_dir)[0]
+    expected = single_process_reference(tiny_model_dir)[0]
     llm = LLM(model=str(tiny_model_dir), pipeline_parallel_size=2, engine_core="thread",
-              **_options())
+              **small_pool_options())
     core = llm.llm_engine.engine_core
     depths, submit = [], core.executor.submit
 
@@ -118,7 +81,7 @@ def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
 
     core.executor.submit = recording_submit
     try:
-        assert _tokens(llm) == expected
+        assert run_mixed_workload(llm)[0] == expected
         assert max(depths) == 1  # a batch went out while another was in flight
         assert depths.count(1) > len(depths) / 4
     finally:
@@ -127,17 +90,17 @@ def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
 
 def test_more_stages_than_layers_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="2 layers cannot make 3 pipeline stages"):
-        LLM(model=str(tiny_model_dir), pipeline_parallel_size=3, **_options())
+        LLM(model=str(tiny_model_dir), pipeline_parallel_size=3, **small_pool_options())
 
 
 def test_heads_that_do_not_divide_are_a_clear_error(six_head_model_dir):
     with pytest.raises(ValueError, match="6"):
-        LLM(model=str(six_head_model_dir), tensor_parallel_size=4, **_options())
+        LLM(model=str(six_head_model_dir), tensor_parallel_size=4, **small_pool_options())
 
 
 def test_killed_worker_fails_the_engine_and_nothing_is_left(six_head_model_dir):
     llm = LLM(model=str(six_head_model_dir), tensor_parallel_size=3, engine_core="process",
-              **_options())
+              **small_pool_options())
     core = psutil.Process(llm.llm_engine.core.ready.pid)
     workers = core.children()
     assert len(workers) == 3
@@ -145,11 +108,7 @@ def test_killed_worker_fails_the_engine_and_nothing_is_left(six_head_model_dir):
     engine.add_request("long", "a story", SamplingParams(max_tokens=300, ignore_eos=True))
     engine.step()
     os.kill(workers[1].pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(EngineDeadError):
-        while True:
-            engine.step()
-    assert time.monotonic() - started < 20
+    step_until_raises(engine, EngineDeadError, within=20)
     llm.shutdown()
     assert wait_gone(core.pid)
     assert all(wait_gone(worker.pid) for worker in workers)
@@ -168,7 +127,9 @@ def test_a_step_with_nothing_scheduled_leaves_no_stale_reply(tiny_model_dir):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         core.add_request(EngineCoreRequest("r", [5, 6, 7, 8, 9], params, 6))
         tokens = []
-        while core.has_unfinished():
+        for _ in bounded(1000, "the request"):
+            if not core.has_unfinished():
+                break
             core.executor.execute(ExecuteStep([], [], []))  # nothing scheduled, between real steps
             tokens += [t for out in core.step().outputs for t in out.new_token_ids]
         return tokens

@@ -21,8 +21,14 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.errors import EngineDeadError
 from kvserve.executor.mp import WorkerDiedError
-from tests.test_engine_process import process_alive, wait_gone
-from tests.test_executor_mp import _options, _reference, _run
+from tests.helpers import (
+    small_pool_options,
+    process_alive,
+    run_mixed_workload,
+    single_process_reference,
+    step_until_raises,
+    wait_gone,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -32,13 +38,13 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """The single-process engine's tokens and logprobs on the workload."""
-    tokens, logprobs, preemptions = _reference(tiny_model_dir)
+    tokens, logprobs, preemptions = single_process_reference(tiny_model_dir)
     assert preemptions > 0  # the workload does exercise preemption
     return tokens, logprobs
 
 
 def _assert_matches(llm: LLM, reference) -> None:
-    tokens, logprobs = _run(llm)
+    tokens, logprobs = run_mixed_workload(llm)
     expected_tokens, expected_logprobs = reference
     assert tokens == expected_tokens
     assert len(logprobs) == len(expected_logprobs) > 0
@@ -47,7 +53,7 @@ def _assert_matches(llm: LLM, reference) -> None:
 
 def _ray_llm(model_dir, engine_core: str, **extra) -> LLM:
     return LLM(model=str(model_dir), engine_core=engine_core,
-               distributed_executor_backend="ray", **_options(**extra))
+               distributed_executor_backend="ray", **small_pool_options(**extra))
 
 
 def _all_gone(pids) -> bool:
@@ -75,12 +81,7 @@ def _kill_mid_request(llm: LLM, pid: int, error: type[BaseException]):
     engine.add_request("long", "a story", SamplingParams(max_tokens=300, ignore_eos=True))
     engine.step()
     os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(error) as failure:
-        while True:
-            engine.step()
-    assert time.monotonic() - started < 20
-    return failure
+    return step_until_raises(engine, error, within=20)
 
 
 # ---- an engine core process that starts its own Ray ------------------------------------------

@@ -1,22 +1,53 @@
-"""Our Llama in float32 against HF transformers loading the same GGUF (the reference)."""
+"""Our Llama in float32 against HF transformers loading the same GGUF (the reference): the torch
+reference path, and the fast path (paged attention, fused C++ kernels) at every kernel ISA level
+this machine can execute."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvserve.kernels import isa
 from kvserve.models.paged_loop import PagedLoop
-from tests.conftest import RAW_PROMPTS, chat_prompts, long_text
+from tests.helpers import RAW_PROMPTS, chat_prompts, kernel_level, long_text
 
 pytestmark = pytest.mark.slow
 
 LOGIT_TOLERANCE = 1e-3
 NEAR_TIE_MARGIN = 0.02
+PARITY_MODELS = ["torch_ref"] + [f"paged-{level}" for level in isa.machine_levels()]
 
 
-def _hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
+@pytest.fixture(scope="module", params=PARITY_MODELS)
+def parity_model(request, smollm_source):
+    """One model at a time: the torch reference path, or the fast path built for one level
+    (the selected level's is conftest's `smollm_fp32_paged`, which other modules share)."""
+    if request.param == "torch_ref":
+        return request.getfixturevalue("smollm_fp32")
+    level = request.param.removeprefix("paged-")
+    if level == isa.selected_level():
+        return request.getfixturevalue("smollm_fp32_paged")
+    from kvserve.models import load_model
+
+    with kernel_level(level):
+        return load_model(smollm_source, "float32", attention_backend="paged")[0]
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_model):
+    """HF's logits for a token sequence, computed once per sequence in this module (each model
+    above asks for the same prompts)."""
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits(token_ids: list[int]) -> torch.Tensor:
+        key = tuple(token_ids)
+        if key not in cache:
+            with torch.no_grad():
+                cache[key] = hf_model(torch.tensor([token_ids])).logits[0].float()
+        return cache[key]
+
+    yield logits
+    cache.clear()
 
 
 def _parity_prompts(tokenizer) -> list[list[int]]:
@@ -28,34 +59,29 @@ def _parity_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-MODELS = ["smollm_fp32", "smollm_fp32_paged"]  # the torch reference path and the fast path
-
-
-@pytest.mark.parametrize("model_name", MODELS)
-def test_logits_match_hf_on_every_position(model_name, request, hf_model, tokenizer):
+def test_logits_match_hf_on_every_position(parity_model, hf_logits, tokenizer):
     prompts = _parity_prompts(tokenizer)
     assert len(prompts) >= 6
-    loop = PagedLoop(request.getfixturevalue(model_name), num_seqs=1, max_len=1200)
+    loop = PagedLoop(parity_model, num_seqs=1, max_len=1200)
     for ids in prompts:
         ours = loop.step([ids], [len(ids)], [0], all_logits=True)[0]
-        reference = _hf_logits(hf_model, ids)
+        reference = hf_logits(ids)
         delta = (ours - reference).abs().max().item()
         assert delta <= LOGIT_TOLERANCE, f"max |dlogit| {delta:.2e} on a {len(ids)}-token prompt"
 
 
-@pytest.mark.parametrize("model_name", MODELS)
-def test_greedy_tokens_match_hf(model_name, request, hf_model, tokenizer):
+def test_greedy_tokens_match_hf(parity_model, hf_logits, tokenizer):
     """Greedy continuation, checked by teacher forcing HF on our tokens: every token must be HF's
     argmax, except after a step where HF's own top-2 margin is below NEAR_TIE_MARGIN (a near
     tie, where float rounding may legitimately pick either); comparison stops there."""
     prompts = [tokenizer.encode(p) for p in chat_prompts(tokenizer) + RAW_PROMPTS[:4]]
     assert len(prompts) >= 8
     new_tokens = 32
-    loop = PagedLoop(request.getfixturevalue(model_name), num_seqs=len(prompts), max_len=256)
+    loop = PagedLoop(parity_model, num_seqs=len(prompts), max_len=256)
     outputs = loop.greedy(prompts, new_tokens)
     near_ties = 0
     for prompt, output in zip(prompts, outputs):
-        logits = _hf_logits(hf_model, prompt + output)[len(prompt) - 1: -1]
+        logits = hf_logits(prompt + output)[len(prompt) - 1: -1]
         top2 = logits.topk(2, dim=-1)
         for step, token in enumerate(output):
             if token == int(top2.indices[step, 0]):

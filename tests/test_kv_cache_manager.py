@@ -5,24 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.request import Request
-from kvserve.sampling_params import SamplingParams
+from tests.helpers import admit, make_request
 
 BLOCK = 4
-
-
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(), max_tokens=16)
-
-
-def admit(kv: KVCacheManager, request: Request) -> int:
-    """Prefix lookup + allocation for the whole prompt + mark it computed (as a step would)."""
-    blocks, hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens - hit, blocks)
-    kv.record_prefix_lookup(request.num_tokens, hit)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_computed_blocks(request)
-    return hit
 
 
 def test_allocation_takes_blocks_in_order_and_frees_tail_first():

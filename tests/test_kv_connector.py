@@ -30,7 +30,7 @@ from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.tcp import KVSender, pull_into
 from kvserve.protocol.kv_transfer_params import KVTransferParams, parse_kv_transfer_params
 from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
-from tests.test_kv_transfer import _run, _wait_idle
+from tests.helpers import run_until_finished, wait_engine_idle
 
 BLOCK = 4
 
@@ -283,7 +283,7 @@ def expected_tokens(tiny_model_dir):
                                     engine_core="thread", num_kv_blocks=64))
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     try:
-        return [_run(engine, f"a{i}", prompt, greedy).outputs[0].token_ids
+        return [run_until_finished(engine, f"a{i}", prompt, greedy).outputs[0].token_ids
                 for i, prompt in enumerate(PROMPTS)]
     finally:
         engine.shutdown()
@@ -304,13 +304,13 @@ def test_disaggregated_through_worker_processes_equals_one_engine(tiny_model_dir
         decode = LLMEngine(EngineConfig(kv_role="decode", **options))
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         for i, (prompt, expected) in enumerate(zip(PROMPTS, expected_tokens)):
-            handle = _run(prefill, f"p{i}", prompt, SamplingParams(max_tokens=1),
+            handle = run_until_finished(prefill, f"p{i}", prompt, SamplingParams(max_tokens=1),
                           KVTransferParams(do_remote_decode=True)).kv_transfer_params
             assert len(handle.remote_addresses) == tp * pp
-            got = _run(decode, f"d{i}", prompt, greedy, handle)
+            got = run_until_finished(decode, f"d{i}", prompt, greedy, handle)
             assert got.outputs[0].token_ids == expected, (tp, pp, prompt)
             assert got.num_transferred_tokens == len(got.prompt_token_ids) - 1
-        assert _wait_idle(prefill, 10) == 0 and _wait_idle(decode, 10) == 0
+        assert wait_engine_idle(prefill, 10) == 0 and wait_engine_idle(decode, 10) == 0
     finally:
         for engine in (prefill, decode):
             if engine is not None:

@@ -11,7 +11,6 @@ import pytest
 import zmq
 
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.request import Request
 from kvserve.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,23 +22,11 @@ from kvserve.kv_events import (
     seq_from_bytes,
 )
 from kvserve.protocol.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
-from kvserve.sampling_params import SamplingParams
 from kvserve.testing.server import free_port
+from tests.helpers import admit, bounded, make_request
 
 BLOCK = 4
 TOKENS = [list(range(i, i + 37)) for i in (0, 1000, 50000)]
-
-
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(), max_tokens=16)
-
-
-def admit(kv: KVCacheManager, request: Request) -> int:
-    blocks, hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens - hit, blocks)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_computed_blocks(request)
-    return hit
 
 
 # ---- hashing ----------------------------------------------------------------------------------
@@ -187,7 +174,7 @@ def test_publisher_heartbeats_then_publishes_numbered_batches(published):
     instance = batch.engine_instance_id
     admit(kv, make_request("a", list(range(9))))
     source.flush()
-    while True:
+    for _ in bounded(100, "waiting for the stored block's event"):
         next_seq, batch = _receive(sub)
         assert next_seq == seq + 1
         seq = next_seq

@@ -28,6 +28,7 @@ from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
+from tests.helpers import run_until_finished, wait_engine_idle
 
 PROMPTS = ([f"Session {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 4)
             for i in range(12)] + ["Hi", "x", "Paris is", "1, 2, 3,"])
@@ -220,24 +221,6 @@ def test_prefill_side_holds_blocks_until_released():
 
 
 # ---- two engines ---------------------------------------------------------------------------
-def _run(engine: LLMEngine, request_id, prompt, params, kv=None):
-    engine.add_prepared(engine.prepare_request(request_id, prompt, params,
-                                               kv_transfer_params=kv))
-    while True:
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output
-
-
-def _wait_idle(engine: LLMEngine, timeout=5.0) -> int:
-    deadline = time.monotonic() + timeout
-    core = engine.engine_core
-    while core.kv_manager.pool.num_used_blocks and time.monotonic() < deadline:
-        core.housekeeping()
-        time.sleep(0.02)
-    return core.kv_manager.pool.num_used_blocks
-
-
 def _leases(engine: LLMEngine) -> LeaseTable:
     """The leases of a one-rank engine's worker (its TcpConnector's worker side)."""
     return engine.engine_core.executor.worker.kv_connector.leases
@@ -261,15 +244,15 @@ def test_disaggregated_tokens_equal_one_engine(tiny_model_dir, dtype, transport)
     first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     try:
         for i, prompt in enumerate(PROMPTS):
-            expected = _run(aggregated, f"a{i}", prompt, greedy)
-            handed = _run(prefill, f"p{i}", prompt, first_token,
+            expected = run_until_finished(aggregated, f"a{i}", prompt, greedy)
+            handed = run_until_finished(prefill, f"p{i}", prompt, first_token,
                           KVTransferParams(do_remote_decode=True))
             handle = handed.kv_transfer_params
             assert handle.do_remote_prefill and handle.remote_block_ids
-            got = _run(decode, f"d{i}", prompt, greedy, handle)
+            got = run_until_finished(decode, f"d{i}", prompt, greedy, handle)
             assert got.outputs[0].token_ids == expected.outputs[0].token_ids, prompt
             assert got.num_transferred_tokens == len(expected.prompt_token_ids) - 1
-        assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
+        assert wait_engine_idle(prefill) == 0 and wait_engine_idle(decode) == 0
         assert _leases(prefill).num_pulled == len(PROMPTS)
     finally:
         for engine in engines:
@@ -289,16 +272,16 @@ def test_a_decode_engine_pulls_only_what_its_prefix_cache_lacks(tiny_model_dir):
     earlier = "System: you are a guide to rivers. User: name a long river. " * 3
     prompt = earlier + "Assistant: the Nile. User: and in Europe?"
     try:
-        expected = _run(aggregated, "a", prompt, greedy)
-        _run(decode, "earlier", earlier, greedy)  # the earlier turn, prefilled on decode
-        handle = _run(prefill, "p", prompt, SamplingParams(max_tokens=1),
+        expected = run_until_finished(aggregated, "a", prompt, greedy)
+        run_until_finished(decode, "earlier", earlier, greedy)  # the earlier turn, prefilled on decode
+        handle = run_until_finished(prefill, "p", prompt, SamplingParams(max_tokens=1),
                       KVTransferParams(do_remote_decode=True)).kv_transfer_params
-        got = _run(decode, "d", prompt, greedy, handle)
+        got = run_until_finished(decode, "d", prompt, greedy, handle)
         assert got.outputs[0].token_ids == expected.outputs[0].token_ids
         num_prompt = len(expected.prompt_token_ids)
         assert got.num_cached_tokens >= 32  # whole blocks of the earlier turn
         assert got.num_transferred_tokens == num_prompt - 1 - got.num_cached_tokens > 0
-        assert _wait_idle(prefill) == 0 and _wait_idle(decode) == 0
+        assert wait_engine_idle(prefill) == 0 and wait_engine_idle(decode) == 0
     finally:
         for engine in engines:
             engine.shutdown()
@@ -311,10 +294,10 @@ def test_unpulled_blocks_are_freed_after_the_hold_timeout(tiny_model_dir):
                                              '{"hold_timeout_s": 0.3}}')
     prefill = LLMEngine(config)
     try:
-        _run(prefill, "p", "a prompt nobody pulls " * 4,
+        run_until_finished(prefill, "p", "a prompt nobody pulls " * 4,
              SamplingParams(max_tokens=1), KVTransferParams(do_remote_decode=True))
         assert prefill.engine_core.kv_manager.pool.num_used_blocks > 0
-        assert _wait_idle(prefill, timeout=5) == 0
+        assert wait_engine_idle(prefill, timeout=5) == 0
         assert _leases(prefill).num_expired == 1
     finally:
         prefill.shutdown()
@@ -332,15 +315,15 @@ def test_a_dead_prefill_engine_makes_the_decode_side_recompute(tiny_model_dir):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = "the prefill engine died " * 3
     try:
-        expected = _run(aggregated, "a", prompt, greedy).outputs[0].token_ids
+        expected = run_until_finished(aggregated, "a", prompt, greedy).outputs[0].token_ids
         handle = KVTransferParams(do_remote_prefill=True, remote_request_id="gone",
                                   remote_block_ids=[0, 1], remote_host="127.0.0.1",
                                   remote_port=port)
         started = time.monotonic()
-        got = _run(decode, "d", prompt, greedy, handle)
+        got = run_until_finished(decode, "d", prompt, greedy, handle)
         assert got.outputs[0].token_ids == expected and got.num_transferred_tokens == 0
         assert time.monotonic() - started < 10
-        assert _wait_idle(decode) == 0
+        assert wait_engine_idle(decode) == 0
     finally:
         socket.close(linger=0)
         silent.term()

@@ -1,8 +1,10 @@
 """The layering holds at run time too: the router and the bench client start without torch or
-the engine, and nothing in the package reaches for its test support."""
+the engine, nothing in the package reaches for its test support, and test files share helpers
+only through tests/helpers.py."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvserve"
+TESTS = Path(__file__).resolve().parent
 HEAVY = ("torch", "kvserve.engine", "kvserve.core", "kvserve.executor", "kvserve.worker",
          "kvserve.models")
 
@@ -37,3 +40,18 @@ def test_the_import_contracts_hold():
     result = subprocess.run([str(lint), "--no-cache"], capture_output=True, text=True,
                             cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_test_files_share_helpers_only_through_tests_helpers():
+    """No test file imports another test file or conftest (fixtures reach tests by name)."""
+    offenders = []
+    for path in sorted(TESTS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {name}" for name in names
+                          if name.startswith("tests") and name != "tests.helpers"]
+            offenders += [f"{path.name}: {name}" for name in names
+                          if name.split(".")[0] in ("conftest", "helpers")
+                          or name.startswith("test_")]
+    assert offenders == []

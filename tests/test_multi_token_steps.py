@@ -14,7 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.plugins import ENV_VAR as PLUGINS_ENV_VAR
 from kvserve.testing import multi_token
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, tiny_server_flags
+from tests.helpers import assert_idle, tiny_server_flags
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def main():\n    return",
            "Paris is the capital of", "1, 2, 3, 4,", "A"]

@@ -31,9 +31,15 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.ray_serve.request import OpenAIRequest
 from kvserve.testing.server import ServerProcess, free_port
-from tests.conftest import RAW_PROMPTS
-from tests.server_helpers import read_metrics, tiny_server_flags
-from tests.test_router_policy import BLOCK, _cache, _publisher, _wait
+from tests.helpers import (
+    EVENT_BLOCK,
+    RAW_PROMPTS,
+    cache_tokens,
+    kv_event_publisher,
+    read_metrics,
+    tiny_server_flags,
+    wait_until,
+)
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve.request_router", reason="needs kvserve[ray] (ray[serve])")
@@ -88,7 +94,7 @@ def _names(tiers) -> list[list[str]]:
 def _events_info(pub_port: int, replay_port: int) -> dict:
     return {"enabled": True, "endpoint": f"tcp://127.0.0.1:{pub_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "",
-            "block_size": BLOCK}
+            "block_size": EVENT_BLOCK}
 
 
 def test_kv_aware_ranks_the_prefix_holder_first_until_its_load_outweighs_it(tiny_model_dir,
@@ -96,16 +102,16 @@ def test_kv_aware_ranks_the_prefix_holder_first_until_its_load_outweighs_it(tiny
     prompt = "The replica that computed this prompt keeps its blocks: " * 3
     token_ids = tokenizer.encode(prompt)
     ports = {name: (free_port(), free_port()) for name in "ab"}
-    publishers = {name: _publisher(*ports[name]) for name in "ab"}
-    _cache(*publishers["a"], token_ids)  # a holds the prompt's blocks
-    _cache(*publishers["b"], list(range(1000, 1040)))  # b holds something else
+    publishers = {name: kv_event_publisher(*ports[name]) for name in "ab"}
+    cache_tokens(*publishers["a"], token_ids)  # a holds the prompt's blocks
+    cache_tokens(*publishers["b"], list(range(1000, 1040)))  # b holds something else
     router = _router(tiny_model_dir, "kv-aware")
     a, b = (ReplicaLike(name, _events_info(*ports[name])) for name in "ab")
-    prompt_blocks = len(token_ids) // BLOCK
+    prompt_blocks = len(token_ids) // EVENT_BLOCK
 
     async def scenario():
         router.update_replicas([a, b])
-        _wait(lambda: router.subscriber.fresh("a", 3.0) and router.subscriber.fresh("b", 3.0)
+        wait_until(lambda: router.subscriber.fresh("a", 3.0) and router.subscriber.fresh("b", 3.0)
               and router.index.num_blocks("a") >= prompt_blocks)
         first = _pending("first", {"prompt": prompt, "max_tokens": 4})
         tiers = await router.choose_replicas([b, a], first)
@@ -129,7 +135,7 @@ def test_kv_aware_ranks_the_prefix_holder_first_until_its_load_outweighs_it(tiny
                         "/v1/chat/completions")
         assert sorted(_names(await router.choose_replicas([a, b], chat))) == [["a"], ["b"]]
         router.update_replicas([b])  # a left: its entries go
-        _wait(lambda: router.index.num_blocks("a") == 0)
+        wait_until(lambda: router.index.num_blocks("a") == 0)
         assert _names(await router.choose_replicas([b], _pending("last", {"prompt": prompt}))) \
             == [["b"]]
 
@@ -419,7 +425,7 @@ def test_a_killed_replica_costs_a_clean_error_and_serve_replaces_it(serving):
 
     with ThreadPoolExecutor(5) as pool:
         streaming = pool.submit(stream)
-        _wait(lambda: len(stream_lines) > 10, timeout=DEADLINE_SECONDS)
+        wait_until(lambda: len(stream_lines) > 10, timeout=DEADLINE_SECONDS)
         others = [pool.submit(complete, i) for i in range(4)]
         time.sleep(0.5)
         actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim[0]}",
@@ -442,7 +448,7 @@ def test_a_killed_replica_costs_a_clean_error_and_serve_replaces_it(serving):
         assert replica != victim[0]
     replaced = _until_replicas(base_url, 2, timeout=90, gone=victim[0])
     assert victim[0] not in replaced
-    _wait(lambda: len(_engine_cores_under_replicas()) == 2, timeout=DEADLINE_SECONDS)
+    wait_until(lambda: len(_engine_cores_under_replicas()) == 2, timeout=DEADLINE_SECONDS)
 
 
 @pytest.mark.multiprocess
@@ -453,7 +459,7 @@ def test_sigterm_deletes_the_app(serving, ray_address):
     assert len(cores) == 2
     assert serving.stop(timeout=60) == 0
     assert APP not in serve.status().applications
-    _wait(lambda: not _engine_cores_under_replicas(), timeout=DEADLINE_SECONDS)
+    wait_until(lambda: not _engine_cores_under_replicas(), timeout=DEADLINE_SECONDS)
 
 
 @pytest.mark.multiprocess

@@ -21,7 +21,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, tiny_server_flags
+from tests.helpers import assert_idle, tiny_server_flags
 
 FUZZ_EXAMPLES = 10
 SOAK_FUZZ_EXAMPLES = 1000

@@ -28,7 +28,7 @@ from kvserve.testing.loadgen import (
     run_load,
 )
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import (
+from tests.helpers import (
     assert_idle,
     finished_by_reason,
     rss_bytes,

@@ -13,7 +13,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ContextLengthExceededError
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import assert_idle, tiny_server_flags
+from tests.helpers import assert_idle, tiny_server_flags
 
 SMALL_POOL_BLOCKS = 16  # 256 tokens: room for about two of the requests below at a time
 MAX_TOKENS = 48  # long enough that the requests overlap even when they arrive spread out

@@ -17,7 +17,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import tiny_server_flags
+from tests.helpers import tiny_server_flags
 
 KEY = "k3y-for-tests"
 GOOD = {"Authorization": f"Bearer {KEY}"}

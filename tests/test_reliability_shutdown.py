@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import tiny_server_flags
+from tests.helpers import tiny_server_flags
 
 
 class StartGate:

@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from kvserve.testing.server import ServerProcess, kv_events_config
-from tests.server_helpers import read_metrics, tiny_server_flags
-from tests.test_engine_process import wait_gone
+from tests.helpers import read_metrics, tiny_server_flags, wait_gone, wait_router_synced
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,13 +50,7 @@ def running_router(model_dir, replicas, policy: str):
     for replica in replicas:
         args += ["--replica", replica.base_url]
     with ServerProcess(args, subcommand="router", startup_timeout=60) as router:
-        deadline = time.monotonic() + 30
-        while True:  # every replica up and its index in step
-            state = httpx.get(router.base_url + "/router/state", timeout=5).json()["replicas"]
-            if all(s["healthy"] and s["synced"] for s in state.values()):
-                break
-            assert time.monotonic() < deadline, state
-            time.sleep(0.1)
+        wait_router_synced(router)
         yield router
 
 

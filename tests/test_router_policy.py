@@ -18,7 +18,6 @@ from kvserve.kv_events import (
     BlockStored,
     KVEventBatch,
     KVSnapshot,
-    make_kv_event_source,
 )
 from kvserve.protocol.block_hash import HASH_ALGORITHM, block_hashes
 from kvserve.router.index import EventSync, KVIndex
@@ -27,8 +26,9 @@ from kvserve.router.replicas import Replica, ReplicaMonitor
 from kvserve.router.subscriber import EventSubscriber, reachable_endpoint
 from kvserve.sampling_params import SamplingParams
 from kvserve.testing.server import free_port
+from tests.helpers import EVENT_BLOCK, cache_tokens, kv_event_publisher, wait_until
 
-BLOCK = 4
+BLOCK = EVENT_BLOCK
 
 
 def stored(*hashes: int) -> BlockStored:
@@ -254,56 +254,31 @@ def test_reachable_endpoint():
 
 
 # ---- the subscriber thread against real publishers --------------------------------------------
-def _publisher(pub_port: int, replay_port: int):
-    kv = KVCacheManager(num_blocks=32, block_size=BLOCK)
-    config = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:%d", '
-              '"replay_endpoint": "tcp://127.0.0.1:%d", "heartbeat_seconds": 0.2}'
-              % (pub_port, replay_port))
-    return kv, make_kv_event_source(config, kv)
-
-
-def _cache(kv: KVCacheManager, source, tokens: list[int]) -> None:
-    request = Request(str(len(tokens)) + str(tokens[0]), tokens, SamplingParams(), max_tokens=4)
-    blocks, hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens - hit, blocks)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_computed_blocks(request)
-    kv.free(request)
-    source.flush()
-
-
-def _wait(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_subscriber_syncs_follows_restarts_and_notices_silence():
     pub_port, replay_port = free_port(), free_port()
     info = {"enabled": True, "endpoint": f"tcp://127.0.0.1:{pub_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": ""}
-    kv, source = _publisher(pub_port, replay_port)
-    _cache(kv, source, list(range(20)))  # before the router connects: from the snapshot
+    kv, source = kv_event_publisher(pub_port, replay_port)
+    cache_tokens(kv, source, list(range(20)))  # before the router connects: from the snapshot
     index = KVIndex()
     subscriber = EventSubscriber(index, replay_timeout=2.0)
     try:
         subscriber.track("r", info)
-        _wait(lambda: held(index) == set(kv.pool.cached) and len(kv.pool.cached) == 5)
-        _cache(kv, source, list(range(100, 120)))  # live
-        _wait(lambda: held(index) == set(kv.pool.cached) and len(kv.pool.cached) == 10)
+        wait_until(lambda: held(index) == set(kv.pool.cached) and len(kv.pool.cached) == 5)
+        cache_tokens(kv, source, list(range(100, 120)))  # live
+        wait_until(lambda: held(index) == set(kv.pool.cached) and len(kv.pool.cached) == 10)
         assert subscriber.fresh("r", 1.0)
         first_instance = subscriber.sync("r").instance_id
         source.close()  # the replica "dies": heartbeats stop
-        _wait(lambda: not subscriber.fresh("r", 0.6))
-        kv, source = _publisher(pub_port, replay_port)  # restarted on the same ports
-        _cache(kv, source, list(range(200, 212)))
-        _wait(lambda: held(index) == set(kv.pool.cached)
+        wait_until(lambda: not subscriber.fresh("r", 0.6))
+        kv, source = kv_event_publisher(pub_port, replay_port)  # restarted on the same ports
+        cache_tokens(kv, source, list(range(200, 212)))
+        wait_until(lambda: held(index) == set(kv.pool.cached)
               and subscriber.sync("r").instance_id != first_instance)
         assert block_hashes(list(range(200, 212)), BLOCK)[0] in held(index)
         assert not held(index) & set(block_hashes(list(range(20)), BLOCK))
         subscriber.track("r", None)  # the replica left: its entries go
-        _wait(lambda: held(index) == set() and subscriber.sync("r") is None)
+        wait_until(lambda: held(index) == set() and subscriber.sync("r") is None)
     finally:
         subscriber.close()
         source.close()

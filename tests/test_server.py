@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.server_helpers import finished_count, read_metrics, wait_idle
+from tests.helpers import finished_count, read_metrics, wait_idle
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -262,7 +262,7 @@ def _load_gguf_sharded(contexts, path, cache_directory, use_cache):
 def test_each_rank_loads_its_slice_of_a_gguf(pool, tmp_path):
     from kvserve.model_source import resolve_model
     from kvserve.models import load_model
-    from tests.test_weights import write_gguf
+    from tests.helpers import write_gguf
 
     config = tiny_config(vocab_size=VOCAB, **CONFIGS[pool.world_size])
     full = random_model(config, "float32", seed=5)
@@ -345,7 +345,7 @@ def test_smollm2_at_tp3_matches_one_process(pool, smollm_fp32_paged, tokenizer):
     GGUF's weight cache: float32 logits within 1e-4, greedy tokens equal, 16 prompts."""
     if pool.world_size != 3:
         pytest.skip("9 heads and 3 KV heads split over 3 ranks (or 9), not 2")
-    from tests.conftest import RAW_PROMPTS, chat_prompts
+    from tests.helpers import RAW_PROMPTS, chat_prompts
 
     texts = RAW_PROMPTS + chat_prompts(tokenizer) + [
         "The three laws of thermodynamics are", "SELECT name FROM users WHERE",

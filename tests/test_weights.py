@@ -15,67 +15,9 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model, random_model
 from kvserve.testing.tiny import tiny_config
 from kvserve.weights import gguf_file, load_config
+from tests.helpers import llama_cpp_permute, write_gguf
 
 gguf = pytest.importorskip("gguf")
-
-
-def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to HF Q/K rows (the inverse of our un-permute)."""
-    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
-_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    _, _, index, rest = hf_name.split(".", 3)
-    return f"blk.{index}.{_TO_GGUF[rest]}"
-
-
-def write_gguf(path, config, tensors: dict[str, np.ndarray], arch="llama", qtype=None,
-               raw_override: dict | None = None):
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_vocab_size(config.vocab_size)
-    for name, array in tensors.items():
-        gguf_name = _gguf_name(name)
-        if "q_proj" in name:
-            array = _llama_cpp_permute(array, config.num_attention_heads)
-        elif "k_proj" in name:
-            array = _llama_cpp_permute(array, config.num_key_value_heads)
-        if raw_override and gguf_name in raw_override:
-            data, raw_type = raw_override[gguf_name]
-            writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
-        elif qtype is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def _hf_tensors(config, seed=0) -> tuple[dict[str, np.ndarray], torch.nn.Module]:
@@ -173,6 +115,6 @@ def test_hf_directory_unsupported_model_type(tmp_path):
         load_model(resolve_model(tmp_path))
 
 
-def test_unpermute_inverts_llama_cpp_permute():
+def test_unpermute_invertsllama_cpp_permute():
     rows = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
-    assert np.array_equal(gguf_file.unpermute_rope_rows(_llama_cpp_permute(rows, 3), 3), rows)
+    assert np.array_equal(gguf_file.unpermute_rope_rows(llama_cpp_permute(rows, 3), 3), rows)

@@ -164,7 +164,8 @@ def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> Non
 
 def get_attention_backend(name: str, use_cpu_kernels: bool = True) -> AttentionBackend:
     """`paged` runs the model's fused layer path with the compiled CPU kernels (or, with
-    use_cpu_kernels=False or no compiler, their torch versions); the others are eager paths."""
+    use_cpu_kernels=False or KVSERVE_KERNELS=reference, their torch versions; kernels that do not
+    build are a KernelBuildError); the others are eager paths."""
     if name not in _BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
     return _BACKENDS[name](use_cpu_kernels)

@@ -1,6 +1,7 @@
 """The torch-op versions of the fused CPU kernels: same signatures, same maths, written as plain
-eager PyTorch. They are the fallback when the C++ build is unavailable and the reference the
-kernels are tested against (tests/test_kernels.py)."""
+eager PyTorch. They run when asked for (`--no-cpu-kernels`, `KVSERVE_KERNELS=reference`; never
+silently in place of a build that failed) and are the reference the kernels are tested against
+(tests/test_kernels.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,422 @@
+"""Helpers that more than one test file uses. Fixtures stay in conftest.py; test files import
+helpers from here only, never from one another or from conftest (tests/test_layers.py checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import textwrap
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# ---- prompts ----------------------------------------------------------------------------------
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the river,",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "Les chats sont des animaux",
+    "1, 2, 3, 5, 8, 13,",
+]
+
+
+def long_text() -> str:
+    """Real prose and code (the standard library's textwrap module) for prompts > 1,000 tokens."""
+    return inspect.getsource(textwrap)
+
+
+def chat_prompts(tokenizer) -> list[str]:
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You are a terse assistant."},
+         {"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "Explain what a hash table is."},
+         {"role": "assistant", "content": "A map from keys to values using a hash function."},
+         {"role": "user", "content": "And what is a collision?"}],
+        [{"role": "user", "content": "List three prime numbers greater than 100."}],
+    ]
+    return [tokenizer.apply_chat_template(c) for c in conversations]
+
+
+# ---- loops with an end ------------------------------------------------------------------------
+def bounded(limit: int, what: str = "the loop") -> Iterator[int]:
+    """`for _ in bounded(N):` in place of `while True:` around engine steps: a loop that never
+    ends fails the test after N rounds instead of hanging it until the suite's timeout."""
+    yield from range(limit)
+    raise AssertionError(f"{what} did not end within {limit} rounds")
+
+
+def step_until_raises(engine, error: type[BaseException], within: float,
+                       match: str | None = None):
+    """Step `engine` (after a fault) until it raises `error`, which must come within `within`
+    seconds; returns pytest's ExceptionInfo."""
+    import pytest
+
+    started = time.monotonic()
+    with pytest.raises(error, match=match) as failure:
+        for _ in bounded(10_000, f"stepping until {error.__name__}"):
+            engine.step()
+    assert time.monotonic() - started < within
+    return failure
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0,
+               what: str = "the condition", interval: float = 0.02) -> None:
+    """Poll `condition()` until it holds; an AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: timed out after {timeout} s"
+        time.sleep(interval)
+
+
+# ---- kernel levels ----------------------------------------------------------------------------
+@contextmanager
+def kernel_level(level: str) -> Iterator[None]:
+    """Build what runs inside at this kernel ISA level: KVSERVE_CPU_ISA caps it, and models,
+    engines and core processes started meanwhile load that level's build (a model keeps the op
+    set it was built with)."""
+    from kvserve.kernels import get_ops, isa
+
+    saved = os.environ.get(isa.ISA_ENV)
+    os.environ[isa.ISA_ENV] = level
+    try:
+        assert get_ops(True).isa == level, f"{level} is not a level this machine runs"
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(isa.ISA_ENV, None)
+        else:
+            os.environ[isa.ISA_ENV] = saved
+
+
+# ---- processes --------------------------------------------------------------------------------
+def process_alive(pid: int) -> bool:
+    """True while /proc lists the pid as anything but a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def kill_server_tree(server) -> None:
+    """kill -9 of a whole `ServerProcess`, its engine core first (as an OOM kill or a lost
+    machine takes it)."""
+    import psutil
+
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        child.kill()
+    server.process.kill()
+    server.process.wait(10)
+
+
+# ---- servers ----------------------------------------------------------------------------------
+def tiny_server_flags(model_dir, *extra: str, kv_blocks: int = 1024,
+                      max_model_len: int = 2048) -> list[str]:
+    """`kvserve serve` flags for the tiny random model in float32."""
+    return ["--model", str(model_dir), "--dtype", "float32", "--num-kv-blocks", str(kv_blocks),
+            "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
+
+
+def read_metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """Sample name -> value (summed over label sets), parsed with prometheus_client."""
+    values: dict[str, float] = {}
+    for sample in _metric_samples(base_url, headers):
+        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def finished_by_reason(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """kvserve:request_success_total per finished_reason label (stop, length, abort, error)."""
+    reasons: dict[str, float] = {}
+    for sample in _metric_samples(base_url, headers):
+        if sample.name == "kvserve:request_success_total":
+            reason = sample.labels["finished_reason"]
+            reasons[reason] = reasons.get(reason, 0.0) + sample.value
+    return reasons
+
+
+def _metric_samples(base_url: str, headers: dict | None):
+    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
+def finished_count(metrics: dict[str, float]) -> float:
+    return metrics.get("kvserve:request_success_total", 0.0)
+
+
+def wait_idle(base_url: str, timeout: float = 3.0, headers: dict | None = None,
+              finished_at_least: float = 0.0) -> dict:
+    """Poll /metrics until nothing runs, nothing waits, no KV block is in use, and at least
+    `finished_at_least` requests have finished (aborts included)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = read_metrics(base_url, headers)
+        idle = (metrics["kvserve:num_requests_running"] == 0
+                and metrics["kvserve:num_requests_waiting"] == 0
+                and metrics["kvserve:kv_cache_usage_perc"] == 0
+                and finished_count(metrics) >= finished_at_least)
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+def assert_idle(base_url: str, timeout: float = 30.0, headers: dict | None = None,
+                quiet_seconds: float = 0.5) -> dict:
+    """Wait for idle metrics, assert them, and check no zombie keeps generating tokens."""
+    metrics = wait_idle(base_url, timeout=timeout, headers=headers)
+    assert metrics["kvserve:num_requests_running"] == 0, metrics
+    assert metrics["kvserve:num_requests_waiting"] == 0, metrics
+    assert metrics["kvserve:kv_cache_usage_perc"] == 0, metrics
+    time.sleep(quiet_seconds)
+    later = read_metrics(base_url, headers)
+    assert later["kvserve:generation_tokens_total"] == metrics["kvserve:generation_tokens_total"]
+    return later
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+async def complete(client, prompt: str, stream: bool = False, max_tokens: int = 8):
+    """A greedy /v1/completions call: (status, JSON body), or (status, the SSE data lines)
+    when streaming."""
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/completions", json=payload)
+        return response.status_code, response.json()
+    events = []
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return response.status_code, events
+
+
+async def watch_health(base_url: str, stop: asyncio.Event, interval: float = 0.005) -> list:
+    """/health's status codes, polled from now until `stop` is set or the server stops
+    answering ("gone" ends the list). Started before a fault, it sees every state the server
+    passes through on the way down, however short."""
+    statuses: list = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        while not stop.is_set():
+            try:
+                statuses.append((await client.get("/health")).status_code)
+            except httpx.TransportError:
+                statuses.append("gone")
+                break
+            await asyncio.sleep(interval)
+    return statuses
+
+
+def assert_health_went_503_then_gone(statuses: list) -> None:
+    """What `watch_health` saw around an engine's death in a server that then exits: 200 while
+    it served (if the watch began early enough), then 503 on every poll, until the server went
+    away."""
+    assert statuses and statuses[-1] == "gone", statuses
+    assert 503 in statuses, f"/health never answered 503: {statuses}"
+    first = statuses.index(503)
+    assert set(statuses[:first]) <= {200} and set(statuses[first:-1]) == {503}, statuses
+
+
+def wait_router_synced(router, timeout: float = 30.0) -> None:
+    """Every replica of a `kvserve router` healthy and its block index in step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = httpx.get(router.base_url + "/router/state", timeout=5).json()["replicas"]
+        if all(s["healthy"] and s["synced"] for s in state.values()):
+            return
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+
+
+# ---- the KV cache manager and its events ------------------------------------------------------
+def make_request(request_id: str, tokens: list[int], max_tokens: int = 16):
+    from kvserve.core.request import Request
+    from kvserve.sampling_params import SamplingParams
+
+    return Request(request_id, tokens, SamplingParams(), max_tokens=max_tokens)
+
+
+def admit(kv, request) -> int:
+    """Prefix lookup + allocation for the whole prompt + mark it computed (as a step would);
+    returns the prefix hit in tokens."""
+    blocks, hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - hit, blocks)
+    kv.record_prefix_lookup(request.num_tokens, hit)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_computed_blocks(request)
+    return hit
+
+
+EVENT_BLOCK = 4  # block size of the in-process KV event publishers below
+
+
+def kv_event_publisher(pub_port: int, replay_port: int):
+    """A real block pool publishing its KV events on loopback ports: (kv manager, source)."""
+    from kvserve.core.kv_cache.manager import KVCacheManager
+    from kvserve.kv_events import make_kv_event_source
+
+    kv = KVCacheManager(num_blocks=32, block_size=EVENT_BLOCK)
+    config = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:%d", '
+              '"replay_endpoint": "tcp://127.0.0.1:%d", "heartbeat_seconds": 0.2}'
+              % (pub_port, replay_port))
+    return kv, make_kv_event_source(config, kv)
+
+
+def cache_tokens(kv, source, tokens: list[int]) -> None:
+    """Compute `tokens` as a finished request would (its full blocks stay cached), publish."""
+    request = make_request(str(len(tokens)) + str(tokens[0]), tokens, max_tokens=4)
+    admit(kv, request)
+    kv.free(request)
+    source.flush()
+
+
+# ---- a mixed workload on a small pool: chunked prefill, prefix hits, preemption, n > 1, stops --
+_SHARED = "You are a careful assistant. Answer briefly and precisely. " * 3
+MIXED_PROMPTS = [_SHARED + q for q in ("What is a cat?", "Name a river.", "Count to five.",
+                                       "Say hello.", "Why is the sky blue?",
+                                       "Spell 'tree'.")] + [
+    "The quick brown fox", "Once upon a time", "def main():", "Paris is", "1, 2, 3,",
+    "import os\n", "Hello", "The capital of", "A long time ago in a galaxy far, far away " * 4,
+    "x"]
+
+
+def small_pool_options(**extra) -> dict:
+    # a small pool and budget: prompts are chunked, and requests get preempted
+    return dict(dtype="float32", num_kv_blocks=24, block_size=16, max_num_batched_tokens=64,
+                **extra)
+
+
+def _mixed_workload():
+    from kvserve import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+    params = [greedy] * len(MIXED_PROMPTS)
+    params[3] = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    params[7] = SamplingParams(temperature=0, max_tokens=40, stop=["e"])
+    return MIXED_PROMPTS, params
+
+
+def run_mixed_workload(llm) -> tuple[list[list[list[int]]], list[float]]:
+    """Every sample's tokens, and the logprobs of the sampled tokens where asked for."""
+    prompts, params = _mixed_workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [[o.token_ids for o in out.outputs] for out in outputs]
+    logprobs = [step[token].logprob for out in outputs for o in out.outputs if o.logprobs
+                for step, token in zip(o.logprobs, o.token_ids)]
+    return tokens, logprobs
+
+
+def single_process_reference(model_dir) -> tuple[list, list[float], int]:
+    """The workload on one process with the core on a thread: (tokens, logprobs, preemptions)."""
+    from kvserve import LLM
+
+    llm = LLM(model=str(model_dir), engine_core="thread", **small_pool_options())
+    tokens, logprobs = run_mixed_workload(llm)
+    preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
+    llm.shutdown()
+    return tokens, logprobs, preemptions
+
+
+# ---- GGUF files -------------------------------------------------------------------------------
+def llama_cpp_permute(weights, num_heads: int):
+    """What llama.cpp's converter does to HF Q/K rows (the inverse of our un-permute)."""
+    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{_TO_GGUF[rest]}"
+
+
+def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
+               raw_override: dict | None = None):
+    """A GGUF file as llama.cpp's converter writes one, from HF-named numpy arrays."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_vocab_size(config.vocab_size)
+    for name, array in tensors.items():
+        gguf_name = _gguf_name(name)
+        if "q_proj" in name:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif "k_proj" in name:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        if raw_override and gguf_name in raw_override:
+            data, raw_type = raw_override[gguf_name]
+            writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
+        elif qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def run_until_finished(engine, request_id, prompt, params, kv=None):
+    """Add one request to an LLMEngine (with a KV transfer handle, if any) and step until it
+    finishes; its final RequestOutput."""
+    engine.add_prepared(engine.prepare_request(request_id, prompt, params,
+                                               kv_transfer_params=kv))
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+
+
+def wait_engine_idle(engine, timeout=5.0) -> int:
+    """Wait until an in-process engine core holds no KV blocks (held blocks released by
+    housekeeping); the blocks still in use."""
+    deadline = time.monotonic() + timeout
+    core = engine.engine_core
+    while core.kv_manager.pool.num_used_blocks and time.monotonic() < deadline:
+        core.housekeeping()
+        time.sleep(0.02)
+    return core.kv_manager.pool.num_used_blocks
