@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(BIN)/lint-imports  # layers as folders, arrows only downward (pyproject's importlinter)
+	$(BIN)/python -m kvserve.kernels all  # every level the tests run, built before any test's timeout starts
 	$(BIN)/python -m pytest -q
 
 test-fast: install
