@@ -4,7 +4,7 @@ evictions reaching a connector that asks, tokens a connector loads within the st
 by name ("module:Class" too), a layer-wise connector's hooks called by a real engine, the
 handle of a prefill engine with several ranks, a pull that comes before its lease; and
 prefill -> decode through the `mp` executor (one rank, tensor parallel 2, pipeline parallel 2
-on both sides) giving one engine's greedy tokens."""
+on both sides; the `ray` executor at tensor parallel 2) giving one engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -290,14 +290,20 @@ def expected_tokens(tiny_model_dir):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
-def test_disaggregated_through_worker_processes_equals_one_engine(tiny_model_dir,
-                                                                 expected_tokens, tp, pp):
-    """Both engines on the mp executor: each rank serves (prefill) or pulls (decode) its own
-    shard of every request's blocks; tokens equal one single-process engine's."""
+@pytest.mark.parametrize("backend, tp, pp", [("mp", 1, 1), ("mp", 2, 1), ("mp", 1, 2),
+                                             ("ray", 2, 1)])
+def test_disaggregated_through_worker_processes_equals_one_engine(
+        tiny_model_dir, expected_tokens, monkeypatch, backend, tp, pp):
+    """Both engines' workers in processes of their own (mp) or Ray actors: each rank serves
+    (prefill) or pulls (decode) its own shard of every request's blocks; tokens equal one
+    single-process engine's."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+        # two engines of two ranks on a local Ray of 2 CPUs (tests' machines)
+        monkeypatch.setenv("KVSERVE_RAY_CPUS_PER_RANK", "0.5")
     options = dict(model=str(tiny_model_dir), dtype="float32", engine_core="thread",
                    num_kv_blocks=64, max_num_batched_tokens=64, tensor_parallel_size=tp,
-                   pipeline_parallel_size=pp, distributed_executor_backend="mp")
+                   pipeline_parallel_size=pp, distributed_executor_backend=backend)
     prefill = LLMEngine(EngineConfig(kv_role="prefill", **options))
     decode = None
     try:
@@ -305,7 +311,8 @@ def test_disaggregated_through_worker_processes_equals_one_engine(tiny_model_dir
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         for i, (prompt, expected) in enumerate(zip(PROMPTS, expected_tokens)):
             handle = run_until_finished(prefill, f"p{i}", prompt, SamplingParams(max_tokens=1),
-                          KVTransferParams(do_remote_decode=True)).kv_transfer_params
+                                        KVTransferParams(do_remote_decode=True)
+                                        ).kv_transfer_params
             assert len(handle.remote_addresses) == tp * pp
             got = run_until_finished(decode, f"d{i}", prompt, greedy, handle)
             assert got.outputs[0].token_ids == expected, (tp, pp, prompt)
