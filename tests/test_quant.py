@@ -162,17 +162,24 @@ def test_quantized_model_one_row_equals_batched(mode):
 
 
 @pytest.mark.slow
+# w8a8's int8 GEMMs (torch._int_mm) have no fast path without VNNI: ~4 min on an AVX2-only CPU,
+# 15 on a busy one; seconds with AVX512-VNNI
+@pytest.mark.timeout(1500)
 def test_perplexity_bounds_on_smollm2(smollm_source):
     """The stated bounds (benchmarks/results/*-perplexity.md has the full table): int4 and int8
-    within 1% of bfloat16, w8a8 within 5%, on 4 windows of the held-out text."""
+    within 1% of the unquantized model, w8a8 within 5%, on 4 windows of the held-out text. In
+    the machine's default dtype: bfloat16 where the CPU multiplies bf16 natively, float32
+    elsewhere (emulated bf16 GEMMs are ~100x slower there: no test could wait for them)."""
     from kvserve.bench.perplexity import held_out_text, perplexity
     from kvserve.models import load_model
+    from kvserve.platform import default_dtype
     from kvserve.tokenizer import load_tokenizer
 
     tokens = load_tokenizer(smollm_source).encode(held_out_text(), add_special_tokens=False)
+    dtype = default_dtype("cpu")
     results = {}
     for mode in ("none", "int4", "int8", "w8a8"):
-        model, _ = load_model(smollm_source, "bfloat16", attention_backend="paged",
+        model, _ = load_model(smollm_source, dtype, attention_backend="paged",
                               quantization=mode)
         results[mode] = perplexity(model, tokens, 512, max_windows=4)["perplexity"]
     assert results["int4"] <= results["none"] * 1.01
