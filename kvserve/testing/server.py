@@ -72,7 +72,8 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited early with {self.process.returncode}")
+                raise RuntimeError(f"server exited early with {self.process.returncode}"
+                                   + self._log_tail())
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -81,7 +82,14 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise TimeoutError("server did not become healthy")
+        raise TimeoutError(f"server did not become healthy in {self.startup_timeout:.0f} s"
+                           + self._log_tail())
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        """The end of the server's log, for the error that says it did not start."""
+        if self.log_path is None or not Path(self.log_path).is_file():
+            return ""
+        return "; its log ends:\n" + Path(self.log_path).read_text(errors="replace")[-chars:]
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process and self.process.poll() is None:
