@@ -405,7 +405,7 @@ def run_until_finished(engine, request_id, prompt, params, kv=None):
     finishes; its final RequestOutput."""
     engine.add_prepared(engine.prepare_request(request_id, prompt, params,
                                                kv_transfer_params=kv))
-    while True:
+    for _ in bounded(10_000, f"request {request_id}"):
         for output in engine.step():
             if output.request_id == request_id and output.finished:
                 return output

@@ -117,6 +117,7 @@ def test_killed_core_fails_streams_and_the_server_exits_nonzero(tiny_model_dir, 
     assert not any(process_alive(pid) for pid in children)
 
 
+@pytest.mark.timeout(600)  # two engine start-ups: ~4 min on a busy 2-core machine
 def test_restarted_core_serves_again_from_empty(tiny_model_dir, tmp_path):
     flags = _flags(tiny_model_dir, "--restart-engine-on-failure", "--max-engine-restarts", "2")
     with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
@@ -141,6 +142,7 @@ def test_restarted_core_serves_again_from_empty(tiny_model_dir, tmp_path):
     assert not any(process_alive(pid) for pid in children)
 
 
+@pytest.mark.timeout(600)  # two start-ups of a core and its two workers
 def test_killed_worker_under_load_restarts_the_engine(tiny_model_dir, tmp_path):
     """A pipeline stage's worker is killed mid-stream: the streams end cleanly, the core and its
     other worker are gone, a new core with new workers serves, and nothing leaks."""

@@ -14,6 +14,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
+from tests.helpers import bounded
 
 EOS = 2
 
@@ -115,7 +116,9 @@ def test_preempted_request_keeps_its_output_tokens():
     scheduler.add_request(make_request("b", 4, max_tokens=6))
     counter = iter(range(100, 1000))
     seen: dict[str, list[int]] = {}
-    while scheduler.has_unfinished():
+    for _ in bounded(200, "the two requests"):
+        if not scheduler.has_unfinished():
+            break
         _, done = fake_step(scheduler, token_for=lambda r: next(counter))
         for request in done:
             seen[request.request_id] = request.output_token_ids
