@@ -30,7 +30,7 @@ from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.tcp import KVSender, pull_into
 from kvserve.protocol.kv_transfer_params import KVTransferParams, parse_kv_transfer_params
 from kvserve.protocol.worker import KVConnectorOutput, ModelRunnerOutput
-from tests.helpers import run_until_finished, wait_engine_idle
+from tests.helpers import bounded, run_until_finished, wait_engine_idle
 
 BLOCK = 4
 
@@ -78,7 +78,9 @@ def _request(request_id, tokens, max_tokens=2):
 def _run_alone(scheduler, request):
     """Schedule the request until it finishes (one sampled token per step)."""
     scheduler.add_request(request)
-    while not request.is_finished:
+    for _ in bounded(1000, f"request {request.request_id}"):
+        if request.is_finished:
+            break
         output = scheduler.schedule()
         scheduler.update_from_output(output, ModelRunnerOutput(
             {item.request.request_id: [7] for item in output.scheduled if item.sample}, {}))
@@ -259,7 +261,9 @@ def test_a_layer_wise_connectors_hooks_run_around_every_layer(tiny_model_dir):
         calls.clear()
         engine.add_prepared(engine.prepare_request("r", "Hello there", SamplingParams(
             temperature=0, max_tokens=1)))
-        while engine.has_unfinished_requests():
+        for _ in bounded(100, "the request"):
+            if not engine.has_unfinished_requests():
+                break
             engine.step()
         start = calls.index(("start", None))  # (a uni core also asks get_finished between)
         first = calls[start:calls.index(("saved",)) + 2]

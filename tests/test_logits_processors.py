@@ -15,6 +15,7 @@ from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from kvserve.errors import InvalidRequestError
 from kvserve.testing.logits_processors import BanTokens, FailWhenAsked, RecordRows
+from tests.helpers import bounded
 
 GREEDY = dict(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "Paris is", "1, 2, 3,"]
@@ -69,7 +70,9 @@ def test_processor_events_hold_under_preemption(tiny_model_dir, plain_tokens):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
     finished = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(10_000, "the requests"):
+        if not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids
@@ -91,7 +94,9 @@ def test_a_failing_apply_fails_only_the_request_that_uses_it(tiny_model_dir, pla
         extra = {"tag": str(i), **({"fail": True} if i == 2 else {})}
         engine.add_request(str(i), prompt, SamplingParams(extra_args=extra, **GREEDY))
     finished, failures = {}, []
-    while engine.has_unfinished_requests():
+    for _ in bounded(10_000, "the requests"):
+        if not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids
