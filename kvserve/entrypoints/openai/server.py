@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server: FastAPI routes over an AsyncEngine, run by uvicorn.
+"""The OpenAI-compatible server: the FastAPI app (middleware, error handlers and the routers of
+`routes/`) over an AsyncEngine, run by uvicorn.
 
 The HTTP side binds first and answers /health with 503 while the engine thread loads and warms
 up the model. Bad input never reaches the engine: pydantic and `prepare` reject it with a 400.
@@ -10,53 +11,25 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import time
-from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kvserve.entrypoints.openai import serving
 from kvserve.entrypoints.openai.errors import (
     error_response,
     response_for_engine_error,
     validation_message,
 )
-from kvserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from kvserve.errors import InvalidRequestError, KVServeError
-from kvserve.kv_events import kv_events_info
-from kvserve.options import option as _opt
+from kvserve.entrypoints.openai.routes import ROUTERS
+from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.errors import KVServeError
+
+__all__ = ["ServerConfig", "build_app", "run_server"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
-    port: int = _opt(8000, "port to listen on")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but "
-                               "/health")
-    served_model_name: str | None = _opt(None, "model name clients use (default: the model's)")
-    max_waiting_requests: int = _opt(1024, "reject new requests with 503 beyond this many "
-                                     "unfinished ones")
-    max_request_body_bytes: int = _opt(16 * 2**20, "larger request bodies get 413")
-    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM")
-    disable_log_requests: bool = _opt(False, "do not log each request")
-    restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
-                                           "OOM kill), fail its requests and start a new core "
-                                           "instead of exiting non-zero")
-    max_engine_restarts: int = _opt(3, "with --restart-engine-on-failure: restarts allowed "
-                                    "before the server gives up and exits non-zero")
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -65,7 +38,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.config = config
     _install_middleware(app, config)
     _install_error_handlers(app)
-    _install_routes(app, engine, config)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 
@@ -167,147 +141,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception):
         logger.exception("unexpected error")
         return error_response(500, f"internal error: {type(exc).__name__}")
-
-
-# ---- routes --------------------------------------------------------------------------------
-def _install_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig) -> None:
-    def model_name() -> str:
-        info = engine.model_info()
-        return config.served_model_name or (info.name if info else engine.config.model)
-
-    def check_ready_and_model(requested: str | None) -> JSONResponse | None:
-        if not engine.is_ready:
-            return error_response(503, "the model is still loading" if engine.is_alive
-                                  else "the engine is not running", code="not_ready")
-        if requested and requested not in (model_name(), engine.config.model):
-            return error_response(404, f"model {requested!r} does not exist; this server "
-                                  f"serves {model_name()!r}", "model", "model_not_found")
-        if engine.num_unfinished >= config.max_waiting_requests:
-            return error_response(503, "too many requests in flight; retry later",
-                                  code="overloaded", headers={"Retry-After": "1"})
-        return None
-
-    @app.get("/health")
-    async def health():
-        if engine.is_ready:
-            return Response(status_code=200)
-        reason = "loading" if engine.is_alive else "engine not running"
-        return error_response(503, reason, code="not_ready")
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/v1/models")
-    async def models():
-        info = engine.model_info()
-        max_len = info.max_model_len if info else None
-        return {"object": "list", "data": [{
-            "id": model_name(), "object": "model", "created": int(time.time()),
-            "owned_by": "kvserve", "root": engine.config.model, "max_model_len": max_len}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/kv_events_info")
-    async def kv_events_endpoints():
-        """Where this replica publishes its KV events, and its block size (kvserve router)."""
-        info = kv_events_info(engine.config.kv_events_config, engine.config.block_size)
-        model = engine.model_info()
-        info["num_kv_blocks"] = model.num_kv_blocks if model else None
-        return info
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        problem = check_ready_and_model(body.model)
-        if problem:
-            return problem
-        inputs = engine.inputs
-        if body.messages is not None:
-            tokens = inputs.render_chat([m.as_template_message() for m in body.messages],
-                                        body.add_generation_prompt)["prompt_token_ids"]
-        elif body.prompt is not None:
-            tokens = inputs.tokenizer.encode(body.prompt, body.add_special_tokens)
-        else:
-            raise InvalidRequestError("give 'prompt' or 'messages'", param="prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": inputs.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        problem = check_ready_and_model(body.model)
-        if problem:
-            return problem
-        return {"prompt": engine.detokenize(body.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        problem = check_ready_and_model(body.model)
-        if problem:
-            return problem
-        body.check_unsupported()
-        response_id = serving.new_id("cmpl")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompts = body.prompts()
-        kv_params = body.kv_params()
-        if kv_params is not None and len(prompts) != 1:
-            raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
-        prepared = [_prepare(engine, f"{response_id}-{i}", p, params, body.priority,
-                             kv_params) for i, p in enumerate(prompts)]
-        echo = [p.prompt if p.prompt is not None else engine.detokenize(p.prompt_token_ids)
-                for p in prepared] if body.echo else []
-        job = serving.make_job("completion", response_id, body, model_name(), prepared, echo,
-                               not config.disable_log_requests, body.logprobs or 0)
-        return await _run(job, body, raw, engine)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        problem = check_ready_and_model(body.model)
-        if problem:
-            return problem
-        num_top = body.requested_logprobs()
-        params = body.sampling_params(body.requested_max_tokens(), num_top)
-        prompt = engine.inputs.render_chat([m.as_template_message() for m in body.messages],
-                                           body.add_generation_prompt,
-                                           **(body.chat_template_kwargs or {}))
-        response_id = serving.new_id("chatcmpl")
-        prepared = [_prepare(engine, response_id, prompt, params, body.priority,
-                             body.kv_params())]
-        job = serving.make_job("chat", response_id, body, model_name(), prepared, [],
-                               not config.disable_log_requests, num_top or 0)
-        return await _run(job, body, raw, engine)
-
-
-def _prepare(engine: AsyncEngine, *args):
-    """`engine.prepare`, with an error in the processors' arguments named by the HTTP field
-    that carried them (vllm_xargs)."""
-    try:
-        return engine.prepare(*args)
-    except InvalidRequestError as exc:
-        if exc.param != "extra_args":
-            raise
-        raise InvalidRequestError(str(exc).replace("extra_args", "vllm_xargs", 1),
-                                  param="vllm_xargs") from exc
-
-
-async def _run(job, body, raw: Request, engine: AsyncEngine):
-    if job.log_requests:
-        serving.logger.info("%s received: %d prompt(s), %d prompt tokens, n=%d, stream=%s",
-                            job.response_id, len(job.prepared),
-                            sum(len(p.prompt_token_ids) for p in job.prepared), job.n,
-                            body.stream)
-    if body.stream:
-        return serving.sse_response(serving.stream_job(engine, job, body.include_usage))
-    started = time.monotonic()
-    try:
-        outputs = await serving.collect(engine, job, raw)
-    except serving.ClientDisconnected:
-        serving.logger.info("%s aborted: client disconnected", job.response_id)
-        return Response(status_code=499)
-    serving.log_finish(job, outputs, started)
-    if job.kind == "chat":
-        return serving.json_response(serving.chat_response(job, outputs))
-    return serving.json_response(serving.completion_response(job, outputs))
 
 
 # ---- running -------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""What every route needs: the engine client and server options on `app.state`, the served
+model's name, and the checks a request passes before it reaches the engine."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.server_config import ServerConfig
+
+
+def engine_of(raw: Request) -> AsyncEngine:
+    return raw.app.state.engine
+
+
+def config_of(raw: Request) -> ServerConfig:
+    return raw.app.state.config
+
+
+def model_name(raw: Request) -> str:
+    """The name clients use: --served-model-name, else the model's own, else its path."""
+    engine = engine_of(raw)
+    info = engine.model_info()
+    return config_of(raw).served_model_name or (info.name if info else engine.config.model)
+
+
+def check_ready_and_model(raw: Request, requested: str | None) -> JSONResponse | None:
+    """The error response for a request the engine should not see (not ready, another model,
+    too many in flight), or None."""
+    engine = engine_of(raw)
+    if not engine.is_ready:
+        return error_response(503, "the model is still loading" if engine.is_alive
+                              else "the engine is not running", code="not_ready")
+    if requested and requested not in (model_name(raw), engine.config.model):
+        return error_response(404, f"model {requested!r} does not exist; this server "
+                              f"serves {model_name(raw)!r}", "model", "model_not_found")
+    if engine.num_unfinished >= config_of(raw).max_waiting_requests:
+        return error_response(503, "too many requests in flight; retry later",
+                              code="overloaded", headers={"Retry-After": "1"})
+    return None

@@ -1,0 +1,27 @@
+"""The server's own options (the engine's are EngineConfig): a module of its own so the route
+modules can read them without importing the server that includes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.options import option as _opt
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but "
+                               "/health")
+    served_model_name: str | None = _opt(None, "model name clients use (default: the model's)")
+    max_waiting_requests: int = _opt(1024, "reject new requests with 503 beyond this many "
+                                     "unfinished ones")
+    max_request_body_bytes: int = _opt(16 * 2**20, "larger request bodies get 413")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM")
+    disable_log_requests: bool = _opt(False, "do not log each request")
+    restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
+                                           "OOM kill), fail its requests and start a new core "
+                                           "instead of exiting non-zero")
+    max_engine_restarts: int = _opt(3, "with --restart-engine-on-failure: restarts allowed "
+                                    "before the server gives up and exits non-zero")
