@@ -105,13 +105,18 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str]) -> dic
             if path.exists():
                 record["scenarios"][scenario] = json.loads(path.read_text())["summary"]
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_server(process)
         record["wall_s"] = time.monotonic() - started
     return record
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM the server's whole session (it started one), SIGKILL after a minute."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _versions() -> dict:

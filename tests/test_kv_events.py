@@ -71,7 +71,7 @@ def test_a_hash_collision_is_a_miss():
     block = kv.pool.cached[first]
     block.block_key = (None, (9, 9, 9, 9), None)
     again = make_request("b", TOKENS[0])
-    assert kv.get_computed_blocks(again) == ([], 0)
+    assert kv.get_computed_blocks(again) == (([],), 0)
 
 
 # ---- events from the block pool -----------------------------------------------------------

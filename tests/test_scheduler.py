@@ -215,7 +215,7 @@ def test_random_sequences_lose_nothing(ops, num_blocks, block_size, budget, poli
     pool = scheduler.kv.pool
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert pool.num_free_blocks == num_blocks
-    assert scheduler.kv.req_blocks == {}
+    assert scheduler.kv.managers[0].req_blocks == {}
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash
 
@@ -344,11 +344,11 @@ def test_rejected_positions_step_back_and_never_enter_the_prefix_cache():
     scheduler.add_request(request)
     _step_with(scheduler, [5], rejected=3)
     assert request.num_computed_tokens == 5
-    cached = [block.block_hash is not None for block in scheduler.kv.req_blocks["r"]]
+    cached = [block.block_hash is not None for block in scheduler.kv.managers[0].req_blocks["r"]]
     assert cached == [True, False]
     output, _ = _step_with(scheduler, [6])
     (item,) = output.scheduled
     assert (item.start_position, item.num_new_tokens) == (5, 4)
     assert request.num_computed_tokens == 9
-    assert [block.block_hash is not None for block in scheduler.kv.req_blocks["r"]] == \
+    assert [block.block_hash is not None for block in scheduler.kv.managers[0].req_blocks["r"]] == \
         [True, True, False]

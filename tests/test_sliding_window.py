@@ -19,6 +19,7 @@ from kvserve.models import load_model, random_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config, write_tiny_model_dir, write_tokenizer_files
 from kvserve.weights.gguf_file import config_from_metadata
+from tests.helpers import bounded
 
 transformers = pytest.importorskip("transformers")
 
@@ -262,3 +263,50 @@ def test_engine_chunked_prefill_and_prefix_hits_match_hf(family, request):
         results = llm.generate(requests, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in results] == case["expected"]
     assert llm.llm_engine.engine_core.kv_manager.stats.hits > 0
+
+
+@pytest.mark.slow
+def test_engine_window_kv_is_bounded_and_prefix_hits_equal_no_hits(mistral):
+    """The Mistral's one window group: while a 300-token prompt decodes, it holds the blocks
+    of its last 64 positions only (ceil(63/16) + 1 = 5), never the 19 of a full table; the
+    released blocks stay cached, so a second identical prompt hits; and greedy tokens with
+    prefix caching on equal those with it off (and HF's)."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.core.kv_cache.spec import SlidingWindowSpec
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt, expected = mistral["prompts"][0], mistral["expected"][0]
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(model=str(mistral["dir"]), dtype="float32", block_size=16,
+                  enable_prefix_caching=caching, engine_core="thread")
+        engine = llm.llm_engine
+        kv = engine.engine_core.kv_manager
+        assert [type(group.spec) for group in kv.groups] == [SlidingWindowSpec]
+        outputs[caching] = []
+        for turn in range(2):
+            engine.add_request(f"r{turn}", {"prompt_token_ids": prompt}, params)
+            held, tokens = [], []
+            for _ in bounded(200, "one request"):
+                if not engine.has_unfinished_requests():
+                    break
+                for output in engine.step():
+                    tokens = output.outputs[0].token_ids
+                if 0 < len(tokens) < NEW_TOKENS:
+                    held.append(kv.num_held_blocks(f"r{turn}"))
+            assert held and max(held) <= 5, held
+            outputs[caching].append(list(tokens))
+        if caching:
+            assert kv.stats.hits == (len(prompt) - 1) // 16 * 16
+        assert kv.pool.num_used_blocks == 0
+    assert outputs[True] == outputs[False] == [expected, expected]
+
+
+def test_kv_transfer_is_refused_for_window_groups(mistral):
+    """Slid-out blocks are freed, so a transfer would carry them empty: refused at start-up."""
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="sliding-window KV cache groups"):
+        LLMEngine(EngineConfig(model=str(mistral["dir"]), dtype="float32", kv_role="prefill",
+                               engine_core="thread"))

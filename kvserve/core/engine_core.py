@@ -16,6 +16,7 @@ from typing import Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, kv_cache_groups
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.core.step_encoder import StepEncoder, connector_step
@@ -61,10 +62,10 @@ class EngineCore:
         self.executor = executor or make_executor(config)
         self.model_config = self.executor.model_config
         self.num_kv_blocks = self._num_kv_blocks()
-        self.max_model_len = self._max_model_len(self.num_kv_blocks)
-        kv_ready = self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
-                                         config.enable_prefix_caching)
+                                         config.enable_prefix_caching, self._kv_cache_groups())
+        self.max_model_len = self._max_model_len(self.kv_manager.pool.num_usable_blocks)
+        kv_ready = self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
         self.kv_events = make_kv_event_source(config.kv_events_config, self.kv_manager)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -85,6 +86,18 @@ class EngineCore:
         logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
                     "%d threads", self.load_seconds, self.executor.dtype,
                     self.executor.quantization, self.max_model_len, threads)
+
+    def _kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        model = self.model_config
+        groups = kv_cache_groups(model.sliding_windows, model.num_hidden_layers,
+                                 self.config.block_size)
+        windowed = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
+        if windowed and (self.config.kv_role or self.config.kv_transfer_config):
+            raise ValueError(
+                "KV transfer (--kv-role / --kv-transfer-config) is not built for models with "
+                "sliding-window KV cache groups: their slid-out blocks are freed, and a "
+                "transfer would carry them as empty")
+        return groups
 
     def _make_kv_connector(self, kv_ready: list[KVCacheReady]):
         """The scheduler side of the engine's KV connector (--kv-role, --kv-transfer-config),

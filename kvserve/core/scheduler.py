@@ -366,6 +366,7 @@ class Scheduler(SchedulerInterface):
             request.num_computed_tokens += item.num_new_tokens - rejected.get(
                 request.request_id, 0)
             self.kv.cache_computed_blocks(request)
+            self.kv.release_unneeded(request)  # window blocks behind the next query
             new_tokens = sampled.get(request.request_id) if item.sample else None
             if not new_tokens:
                 continue

@@ -47,8 +47,10 @@ class StepEncoder:
 
 
 def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
-    """(block ids to send, whether they replace the workers' table). Tables only grow while a
-    request runs; a preempted request comes back with a new table, sent whole."""
+    """(block ids to send, whether they replace the workers' table). Tables grow while a
+    request runs; a preempted request comes back with a new table, and a sliding-window
+    table's slid-out positions turn into the null block (once per block): both are sent
+    whole."""
     if len(current) >= len(sent) and current[:len(sent)] == sent:
         added = current[len(sent):]
         sent.extend(added)

@@ -9,6 +9,12 @@ With KV events on (`enable_events`), caching, evicting and resetting are recorde
 BlockStored / BlockRemoved / AllBlocksCleared (kvserve/kv_events.py) until `take_events`. With
 `record_evictions` (a KV connector that wants them, e.g. an offload tier), each cached block
 dropped, by reuse or by a reset, is kept as (hash, block id) until `take_evictions`.
+
+KV cache groups (spec.py) share the pool: each group caches its blocks under its own map (one
+prefix has one block per group), and only group 0's blocks are published as KV events and
+evictions (the router and the connectors see one hash chain). With a sliding-window group the
+pool keeps block 0 aside as the null block: a window table points its slid-out positions at it,
+and the kernels never read it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class KVBlock:
     ref_count: int = 0
     block_hash: int | None = None
     block_key: BlockKey | None = None  # what was hashed, to confirm hits
+    group: int = 0  # the KV cache group whose map caches it (while block_hash is set)
     prev: "KVBlock | None" = None
     next: "KVBlock | None" = None
 
@@ -75,14 +82,20 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError("the KV pool needs at least one block")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1,
+                 reserve_null_block: bool = False):
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError("the KV pool needs at least one block"
+                             + (" besides the null block" if reserve_null_block else ""))
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        usable = self.blocks[1:] if reserve_null_block else self.blocks
+        self.num_usable_blocks = len(usable)
+        self.free_queue = FreeBlockQueue(usable)
+        self.cached_by_group: list[dict[int, KVBlock]] = [{} for _ in range(num_groups)]
+        self.cached = self.cached_by_group[0]  # group 0: the hashes published as KV events
         self.events: list | None = None  # None: KV events off, nothing recorded
         self.evictions: list[tuple[int, int]] | None = None  # None: nobody asked
 
@@ -111,10 +124,10 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_usable_blocks - self.num_free_blocks
 
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
     def allocate(self, count: int) -> list[KVBlock]:
         """Take `count` blocks from the front of the free queue, evicting their cached contents."""
@@ -128,21 +141,27 @@ class BlockPool:
             taken.append(block)
         return taken
 
-    def lookup(self, block_hash: int, block_key: BlockKey) -> KVBlock | None:
-        """A cached block with this hash whose key matches exactly (no silent collisions)."""
-        block = self.cached.get(block_hash)
+    def lookup(self, block_hash: int, block_key: BlockKey, group: int = 0) -> KVBlock | None:
+        """A cached block of `group` with this hash whose key matches exactly (no silent
+        collisions)."""
+        block = self.cached_by_group[group].get(block_hash)
         if block is None or block.block_key != block_key:
             return None
         return block
 
     def touch(self, block: KVBlock) -> None:
         """Take a reference on a (possibly free) cached block."""
+        if block is self.null_block:
+            return
         if block.ref_count == 0:
             self.free_queue.remove(block)
         block.ref_count += 1
 
     def free(self, blocks_tail_first: list[KVBlock]) -> None:
+        """Drop one reference from each block (the null block is never counted)."""
         for block in blocks_tail_first:
+            if block is self.null_block:
+                continue
             block.ref_count -= 1
             if block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id} freed twice")
@@ -152,15 +171,18 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
-        """Record a full, computed block under its prefix hash (first writer wins)."""
-        if not self.enable_caching or block.block_hash is not None:
+    def cache(self, block: KVBlock, block_hash: int, block_key: BlockKey,
+              group: int = 0) -> None:
+        """Record a full, computed block of `group` under its prefix hash (first writer
+        wins)."""
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
-        if block_hash in self.cached:
+        cached = self.cached_by_group[group]
+        if block_hash in cached:
             return  # an identical block is already cached; this one stays private
-        block.block_hash, block.block_key = block_hash, block_key
-        self.cached[block_hash] = block
-        if self.events is not None:
+        block.block_hash, block.block_key, block.group = block_hash, block_key, group
+        cached[block_hash] = block
+        if self.events is not None and group == 0:
             self._record_stored(block_hash, block_key)
 
     def _record_stored(self, block_hash: int, block_key: BlockKey) -> None:
@@ -174,11 +196,12 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-                if self.evictions is not None:
+            cached = self.cached_by_group[block.group]
+            if cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
+                if self.evictions is not None and block.group == 0:
                     self.evictions.append((block.block_hash, block.block_id))
-                if self.events is not None:
+                if self.events is not None and block.group == 0:
                     last = self.events[-1] if self.events else None
                     if isinstance(last, BlockRemoved):
                         last.block_hashes.append(block.block_hash)

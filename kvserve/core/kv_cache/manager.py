@@ -1,10 +1,13 @@
-"""KVCacheManager: which blocks each request owns, and automatic prefix caching.
+"""KVCacheManager: the coordinator of the KV cache groups, and automatic prefix caching.
 
-It speaks block ids only. A full block is hashed (protocol/block_hash.py: chained to its parent
-block's hash, equal across processes) once its tokens' KV is computed; a later request whose
-prompt walks the same chain of hashes reuses those blocks. Rules learnt by other engines: a hit
-never covers the whole prompt (one token is always computed, to produce logits), hits are
-confirmed against the tokens, finished requests leave prompt *and* output blocks cached, and
+It speaks block ids only. Every group (spec.py: full attention, a sliding window) has its own
+block table per request, from the one block pool, managed by a per-type manager
+(single_type.py); this class asks them all. A full block is hashed (protocol/block_hash.py:
+chained to its parent block's hash, equal across processes) once its tokens' KV is computed; a
+later request whose prompt walks the same chain of hashes reuses those blocks. Rules learnt by
+other engines: a hit never covers the whole prompt (one token is always computed, to produce
+logits), hits are confirmed against the tokens, a hit is a length every group can serve (the
+groups' answers intersected), finished requests leave prompt *and* output blocks cached, and
 blocks are freed tail first.
 """
 
@@ -13,8 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.core.kv_cache.block_pool import BlockKey, BlockPool, KVBlock
+from kvserve.core.kv_cache.single_type import SingleTypeKVCacheManager, make_single_type_manager
+from kvserve.core.kv_cache.spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kvserve.core.request import Request
 from kvserve.protocol.block_hash import hash_block_tokens
+
+# a prefix hit: per group, the blocks its table starts with (the null block where a window
+# group needs nothing)
+ComputedBlocks = tuple[list[KVBlock], ...]
 
 
 @dataclass
@@ -28,11 +37,20 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: tuple[KVCacheGroup, ...] | None = None):
+        groups = groups or (KVCacheGroup(FullAttentionSpec(block_size)),)
+        if any(group.spec.block_size != block_size for group in groups):
+            raise ValueError("every KV cache group must use the engine's block size")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.groups = groups
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups=len(groups),
+                              reserve_null_block=any(isinstance(group.spec, SlidingWindowSpec)
+                                                     for group in groups))
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_single_type_manager(group.spec, self.pool, index)
+            for index, group in enumerate(groups)]
         self.stats = PrefixCacheStats()
         # full prompt blocks scheduled but not computed yet: hash -> the request computing it
         self.pending: dict[int, str] = {}
@@ -48,10 +66,20 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks.get(request_id, [])]
+        """The request's block table, as the workers hold it (one group: the workers keep one
+        table per request)."""
+        if len(self.managers) != 1:
+            raise NotImplementedError("the workers hold one block table per request; this "
+                                      "engine has several KV cache groups")
+        return self.managers[0].block_ids(request_id)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in every group."""
+        return [manager.block_ids(request_id) for manager in self.managers]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Real blocks the request holds, all groups together."""
+        return sum(manager.num_held_blocks(request_id) for manager in self.managers)
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_key(self, request: Request, index: int) -> BlockKey:
@@ -68,8 +96,8 @@ class KVCacheManager:
                                             tokens[index * size:(index + 1) * size]))
 
     def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of `token_ids` this pool holds cached (the ground
-        truth a router's placement is measured against; read-only)."""
+        """How many leading full blocks of `token_ids` group 0 holds cached (the ground truth
+        a router's placement is measured against; read-only)."""
         if not self.enable_prefix_caching:
             return 0
         size, parent, count = self.block_size, None, 0
@@ -81,23 +109,36 @@ class KVCacheManager:
             parent, count = block_hash, count + 1
         return count
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Cached blocks matching the request's prefix, and how many tokens they cover.
+    def _lookup(self, request: Request, group: int):
+        """index -> the cached block of `group` holding the request's block there, or None."""
+        def lookup(index: int) -> KVBlock | None:
+            return self.pool.lookup(request.block_hashes[index], self._block_key(request, index),
+                                    group)
+        return lookup
 
-        Capped so at least one token is left to compute."""
+    def _no_hit(self) -> ComputedBlocks:
+        return tuple([] for _ in self.managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[ComputedBlocks, int]:
+        """Cached blocks matching the request's prefix in every group, and how many tokens
+        they cover: the longest length every group can serve (asked in turn until they agree;
+        each answer is at most the one before). Capped so at least one token is left to
+        compute."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return self._no_hit(), 0
         max_hit_tokens = request.num_tokens - 1
         self._extend_hashes(request, max_hit_tokens)
-        hits: list[KVBlock] = []
-        for index, block_hash in enumerate(request.block_hashes):
-            if (index + 1) * self.block_size > max_hit_tokens:
+        lookups = [self._lookup(request, group) for group in range(len(self.managers))]
+        hit = min(len(request.block_hashes), max_hit_tokens // self.block_size)
+        while True:
+            agreed = hit
+            for manager, lookup in zip(self.managers, lookups):
+                hit = manager.longest_hit(lookup, hit)
+            if hit == agreed:
                 break
-            block = self.pool.lookup(block_hash, self._block_key(request, index))
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        blocks = tuple(manager.hit_blocks(lookup, hit)
+                       for manager, lookup in zip(self.managers, lookups))
+        return blocks, hit * self.block_size
 
     def is_computing_elsewhere(self, request: Request, num_hit_tokens: int) -> bool:
         """Is the block right after this request's hit being computed by another request?
@@ -134,46 +175,57 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed_blocks: ComputedBlocks | None = None) -> bool:
         """Make room for num_new_tokens beyond the computed ones (after taking `computed_blocks`,
-        a prefix hit, for a request with no blocks yet). False, changing nothing, if the pool
-        cannot hold them."""
-        computed_blocks = computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
-        if computed_blocks and held:
+        a prefix hit, for a request with no blocks yet). Window groups first release the
+        blocks no query from here on reads, so the need counted is the real one. False,
+        changing nothing else, if the pool cannot hold them."""
+        computed_blocks = computed_blocks or self._no_hit()
+        num_hit_blocks = len(computed_blocks[0])
+        if num_hit_blocks and self.managers[0].blocks(request.request_id):
             raise AssertionError("prefix hits are only taken by requests without blocks")
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        for manager in self.managers:
+            manager.release_unneeded(request.request_id, num_computed)
+        total = num_computed + num_new_tokens
+        needed = [manager.num_new_blocks(request.request_id, total, computed)
+                  for manager, computed in zip(self.managers, computed_blocks)]
         # free cached blocks we are about to touch are not available for allocation
-        reusable_free = sum(1 for block in computed_blocks if block.ref_count == 0)
-        if needed > self.pool.num_free_blocks - reusable_free:
+        reusable_free = sum(1 for computed in computed_blocks for block in computed
+                            if block.ref_count == 0 and block is not self.pool.null_block)
+        if sum(needed) > self.pool.num_free_blocks - reusable_free:
             return False
-        for block in computed_blocks:
-            self.pool.touch(block)
-        blocks = self.req_blocks.setdefault(request.request_id, held)
-        blocks.extend(computed_blocks)
-        if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+        for manager, computed, count in zip(self.managers, computed_blocks, needed):
+            manager.take(request.request_id, computed, count)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Hash and cache the request's full blocks whose KV is now computed."""
+        """Hash and cache the request's full blocks whose KV is now computed, in every group."""
         if not self.enable_prefix_caching:
             return
         self._extend_hashes(request, request.num_computed_tokens)
-        blocks = self.req_blocks.get(request.request_id, [])
-        computed = min(request.num_computed_tokens // self.block_size, len(blocks))
-        for index in range(computed):
-            if blocks[index].block_hash is None:
-                self.pool.cache(blocks[index], request.block_hashes[index],
-                                self._block_key(request, index))
-            if self.pending.get(request.block_hashes[index]) == request.request_id:
-                del self.pending[request.block_hashes[index]]
+        num_full = request.num_computed_tokens // self.block_size
+        for group, manager in enumerate(self.managers):
+            manager.cache_full_blocks(
+                request.request_id, num_full,
+                lambda block, index, group=group: self.pool.cache(
+                    block, request.block_hashes[index], self._block_key(request, index), group))
+        for block_hash in request.block_hashes[:num_full]:
+            if self.pending.get(block_hash) == request.request_id:
+                del self.pending[block_hash]
+
+    def release_unneeded(self, request: Request) -> None:
+        """Free the blocks no query from the request's next position on reads (window groups:
+        those behind the window), right after a step, so the next step's admission and
+        preemption count them as free. Cached ones stay cached until reused."""
+        for manager in self.managers:
+            manager.release_unneeded(request.request_id, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so the tail is evicted before the prefix."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.pool.free(list(reversed(blocks)))
+        """Release the request's blocks in every group, tail first, so the tail is evicted
+        before the prefix."""
+        for manager in self.managers:
+            manager.free(request.request_id)
         self._clear_pending(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
