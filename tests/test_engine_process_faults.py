@@ -30,7 +30,8 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.multiprocess
 
-STREAM_DEADLINE_SECONDS = 20
+STREAM_DEADLINE_SECONDS = 20  # streams end within this after the core is killed
+WORKER_DEATH_SECONDS = 3  # and within this after a worker is (measured: 0.05 s; was 6-14 s)
 
 
 def _flags(model_dir, *extra):
@@ -153,7 +154,9 @@ def test_killed_worker_under_load_restarts_the_engine(tiny_model_dir, tmp_path):
         assert len(workers) == 2
         results, seconds = _kill_core_under_load(server, victim=workers[1])
         _assert_all_failed_cleanly(results)
-        assert seconds < STREAM_DEADLINE_SECONDS
+        # the core says it is dying before it stops its other worker (stuck in a collective
+        # with the dead one: seconds), as a worker monitor would
+        assert seconds < WORKER_DEATH_SECONDS, seconds
         assert wait_gone(first_core) and wait_gone(workers[0])
         _wait_health(server.base_url, 200, timeout=120)
         assert len(_worker_pids(server)) == 2

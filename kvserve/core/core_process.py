@@ -7,7 +7,9 @@ The front-end starts it as `python -m kvserve.core.core_process IN OUT PARENT_PI
 with the EngineConfig as JSON on stdin (core_client.py says why not multiprocessing). It
 connects to the sockets the front-end bound, builds and warms the core, and answers with a
 CoreReady (or a CoreFailed saying why it could not start). It exits when told (Shutdown), and
-on its own when the front-end process goes away, however it went.
+on its own when the front-end process goes away, however it went. An error it cannot go on
+from (a dead worker) is sent as a CoreDying first, so the front-end fails its streams before
+the core has stopped its other workers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvserve.platform import exit_when_parent_dies
 from kvserve.protocol.engine_core import (
     AbortRequests,
     Codec,
+    CoreDying,
     CoreFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -65,11 +68,19 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         context.term()
         sys.exit(1)
     outputs.send(codec.encode(core.ready_info(os.getpid())))
-    CoreLoop(core, inputs, outputs, codec).run()
-    core.shutdown()
-    outputs.close()
-    inputs.close(linger=0)
-    context.term()
+    try:
+        CoreLoop(core, inputs, outputs, codec).run()
+    except BaseException as exc:
+        # say so before stopping the workers: a rank stuck in a collective with a dead peer
+        # takes seconds to stop, and the front-end's streams should not wait for it
+        logger.exception("engine core failed")
+        outputs.send(codec.encode(CoreDying(f"{type(exc).__name__}: {exc}")))
+        raise
+    finally:
+        core.shutdown()
+        outputs.close()
+        inputs.close(linger=0)
+        context.term()
 
 
 class CoreLoop:

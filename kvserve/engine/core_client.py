@@ -3,7 +3,8 @@
 Both clients speak the messages of protocol/engine_core.py: `add_request`, `abort_requests`,
 `get_outputs` (one EngineCoreOutputs per core step), `call_utility`, `shutdown`. The process
 client also watches the core: if it dies (segfault, kill -9, OOM kill) the next call raises
-EngineDeadError within LIVENESS_POLL_SECONDS, so nobody waits on a dead core.
+EngineDeadError within LIVENESS_POLL_SECONDS, so nobody waits on a dead core; a core that
+says it is dying (CoreDying: a worker died) is treated as dead at once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvserve.processes import (
 from kvserve.protocol.engine_core import (
     AbortRequests,
     Codec,
+    CoreDying,
     CoreFailed,
     CoreReady,
     EngineCoreOutputs,
@@ -146,6 +148,7 @@ class MPClient:
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(output_address)
         self._closed = False
+        self._dying: str | None = None  # the core said it is exiting (CoreDying), and why
         self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
         self._call_ids = itertools.count()
         self.process = _start_core_process(config, input_address, output_address)
@@ -221,7 +224,11 @@ class MPClient:
             wait = LIVENESS_POLL_SECONDS if deadline is None else \
                 max(0.0, min(LIVENESS_POLL_SECONDS, deadline - time.monotonic()))
             if self.output.poll(int(wait * 1000)):
-                return self.codec.decode_output(self.output.recv(copy=False).buffer)
+                message = self.codec.decode_output(self.output.recv(copy=False).buffer)
+                if isinstance(message, CoreDying):
+                    self._dying = message.message
+                    self._check_alive()
+                return message
             self._check_alive()
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -233,6 +240,8 @@ class MPClient:
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine core was shut down")
+        if self._dying is not None:
+            raise EngineDeadError(f"the engine core failed: {self._dying}")
         if self.process.poll() is not None:
             raise EngineDeadError(f"the engine core process died "
                                   f"({describe_exit(self.process.returncode)})")

@@ -115,7 +115,14 @@ class CoreFailed(msgspec.Struct, tag=True, **_WIRE):
     message: str
 
 
-CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed
+class CoreDying(msgspec.Struct, tag=True, **_WIRE):
+    """After start: the core hit an error it cannot go on from (a worker died) and exits once
+    it has stopped its workers, which takes seconds; the front-end fails its requests now."""
+
+    message: str
+
+
+CoreOutput = EngineCoreOutputs | UtilityResult | CoreReady | CoreFailed | CoreDying
 
 
 class Codec:
