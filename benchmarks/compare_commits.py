@@ -71,7 +71,11 @@ def report(name: str, header: dict, sides: dict[str, dict], rounds: list[dict],
     checkouts = (f"before: `{sides['before']['commit']}` ({sides['before']['path']}); after: "
                  f"`{sides['after']['commit']}` ({sides['after']['path']}); rounds alternate "
                  "before, after.")
-    lines = [f"# {name}: before/after", "", machine, "", checkouts, "",
+    knobs = {key: value for key, value in sorted(os.environ.items())
+             if key.startswith("KVSERVE_")}
+    settings = "KVSERVE_* settings: " + (", ".join(f"`{k}={v}`" for k, v in knobs.items())
+                                         or "none (the defaults)")
+    lines = [f"# {name}: before/after", "", machine, "", checkouts, "", settings, "",
              "| scenario | metric | before (per round) | after (per round) | before median | "
              "after median | after / before |", "|---|---|---|---|---|---|---|"]
     for scenario in scenarios:
