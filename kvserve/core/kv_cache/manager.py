@@ -110,10 +110,15 @@ class KVCacheManager:
         return count
 
     def _lookup(self, request: Request, group: int):
-        """index -> the cached block of `group` holding the request's block there, or None."""
+        """index -> the cached block of `group` holding the request's block there, or None;
+        remembered, since the groups' answers and the hit's blocks ask for the same ones."""
+        found: dict[int, KVBlock | None] = {}
+
         def lookup(index: int) -> KVBlock | None:
-            return self.pool.lookup(request.block_hashes[index], self._block_key(request, index),
-                                    group)
+            if index not in found:
+                found[index] = self.pool.lookup(request.block_hashes[index],
+                                                self._block_key(request, index), group)
+            return found[index]
         return lookup
 
     def _no_hit(self) -> ComputedBlocks:
@@ -130,12 +135,14 @@ class KVCacheManager:
         self._extend_hashes(request, max_hit_tokens)
         lookups = [self._lookup(request, group) for group in range(len(self.managers))]
         hit = min(len(request.block_hashes), max_hit_tokens // self.block_size)
-        while True:
-            agreed = hit
-            for manager, lookup in zip(self.managers, lookups):
-                hit = manager.longest_hit(lookup, hit)
-            if hit == agreed:
-                break
+        # a group's answer is a fixed point for itself: stop once every group in a row has
+        # answered the current length (one question when there is one group)
+        agreed, turn = 0, 0
+        while agreed < len(self.managers):
+            group = turn % len(self.managers)
+            answer = self.managers[group].longest_hit(lookups[group], hit)
+            agreed = agreed + 1 if answer == hit else 1
+            hit, turn = answer, turn + 1
         blocks = tuple(manager.hit_blocks(lookup, hit)
                        for manager, lookup in zip(self.managers, lookups))
         return blocks, hit * self.block_size

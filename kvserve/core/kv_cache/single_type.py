@@ -121,13 +121,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         table = self.req_blocks.get(request_id)
         if not table:
             return
+        # released positions form a prefix of the table: walk back from the first block still
+        # needed to the last one released, so a step costs only what it releases
         null = self.pool.null_block
         released = []
-        for index in range(min(self.spec.first_needed_block(num_computed_tokens), len(table))):
-            if table[index] is not null:
-                released.append(table[index])
-                table[index] = null
-        self.pool.free(list(reversed(released)))
+        index = min(self.spec.first_needed_block(num_computed_tokens), len(table)) - 1
+        while index >= 0 and table[index] is not null:
+            released.append(table[index])
+            table[index] = null
+            index -= 1
+        self.pool.free(released)
 
 
 def make_single_type_manager(spec: KVCacheSpec, pool: BlockPool,
