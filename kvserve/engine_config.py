@@ -46,8 +46,10 @@ class EngineConfig:
     quantization: str = _opt("auto", "weights of the decoder projections: auto (int4 for "
                              "4-bit GGUFs in bfloat16, else none), none, int4 (groupwise, exact "
                              "for Q4_1 GGUFs), int8 (per channel) or w8a8 (int8 weights, int8 "
-                             "activations for batches; +4%% perplexity on SmolLM2)",
-                             choices=["auto", "none", "int4", "int8", "w8a8"])
+                             "activations for batches; +4%% perplexity on SmolLM2) or w4a8 (int4 weights, decode "
+                             "activations rounded to int8 per group of 32 for integer dot "
+                             "products, as llama.cpp)",
+                             choices=["auto", "none", "int4", "int8", "w8a8", "w4a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
     autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape on "

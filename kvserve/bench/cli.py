@@ -72,6 +72,10 @@ def add_bench_parser(commands) -> None:
                      help="K/V storage (auto: the engine's choice for --dtype)")
     ppl.add_argument("--window", type=int, default=512)
     ppl.add_argument("--max-windows", type=int, default=None)
+    ppl.add_argument("--chunk", type=int, default=None,
+                     help="tokens per step of one window, so decode-sized kernels score it "
+                     "(w4a8's integer dot products run only on few-row steps); default: each "
+                     "window in one prefill step")
     ppl.add_argument("--output-json", default=None)
 
     roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates, and the "
@@ -81,7 +85,7 @@ def add_bench_parser(commands) -> None:
                       help="the model's dtype (auto: the engine's on this CPU, bfloat16 only "
                       "with native bf16)")
     roof.add_argument("--quantization", default="auto",
-                      choices=["auto", "none", "int4", "int8", "w8a8"],
+                      choices=["auto", "none", "int4", "int8", "w8a8", "w4a8"],
                       help="weight format whose bytes a decode step reads (auto: as the engine)")
     roof.add_argument("--output-json", default=None)
 
@@ -233,8 +237,9 @@ def _perplexity(args) -> int:
     tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
     result = {"model": source.name, "dtype": str(dtype), "kv_cache_dtype": str(kv_dtype),
               "quantization": args.quantization,
+              "chunk": args.chunk,
               **perplexity(model, tokens, args.window, max_windows=args.max_windows,
-                           kv_dtype=kv_dtype)}
+                           kv_dtype=kv_dtype, chunk=args.chunk)}
     print(json.dumps(result, indent=1))
     if args.output_json:
         report.write_json(args.output_json, result)

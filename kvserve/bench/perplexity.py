@@ -4,7 +4,10 @@ workloads cut prompts from. It is how quantization modes are compared (`kvserve 
 perplexity`; `benchmarks/perplexity.py` runs every mode and writes the table).
 
 The text is cut into non-overlapping windows; each window is one fresh sequence through the paged
-model, and every position but the last predicts the next token.
+model, and every position but the last predicts the next token. A window goes through in one
+prefill step by default; `chunk` feeds it a few tokens per step instead, so the decode path's
+few-row kernels (w4a8's integer dot products, the int4 GEMVs) compute the logits, not the
+prefill's dense GEMMs.
 """
 
 from __future__ import annotations
@@ -38,18 +41,24 @@ def held_out_text() -> str:
 
 @torch.inference_mode()
 def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: int = 4,
-               max_windows: int | None = None, kv_dtype: torch.dtype | None = None) -> dict:
-    """exp(mean negative log-likelihood) over every predicted position of every window."""
+               max_windows: int | None = None, kv_dtype: torch.dtype | None = None,
+               chunk: int | None = None) -> dict:
+    """exp(mean negative log-likelihood) over every predicted position of every window.
+    `chunk`: tokens per step of one window (decode-sized steps); None: whole windows, batched."""
     from kvserve.models.paged_loop import PagedLoop
 
     windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
     windows = windows[:max_windows] if max_windows else windows
-    loop = PagedLoop(model, windows_per_batch, window, kv_dtype=kv_dtype)
+    per_batch = 1 if chunk else windows_per_batch
+    loop = PagedLoop(model, per_batch, window, kv_dtype=kv_dtype)
     total_nll, count = 0.0, 0
-    for start in range(0, len(windows), windows_per_batch):
-        batch = windows[start:start + windows_per_batch]
-        logits = loop.step(batch, [len(w) for w in batch], list(range(len(batch))),
-                           all_logits=True)
+    for start in range(0, len(windows), per_batch):
+        batch = windows[start:start + per_batch]
+        if chunk:
+            logits = [_chunked_logits(loop, batch[0], chunk)]
+        else:
+            logits = loop.step(batch, [len(w) for w in batch], list(range(len(batch))),
+                               all_logits=True)
         for window_logits, ids in zip(logits, batch):
             targets = torch.tensor(ids[1:])
             nll = F.cross_entropy(window_logits[:-1].float(), targets, reduction="sum")
@@ -57,3 +66,10 @@ def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: i
             count += len(ids) - 1
     return {"perplexity": math.exp(total_nll / count), "tokens_scored": count,
             "windows": len(windows), "window": window}
+
+
+def _chunked_logits(loop, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position of one window (sequence 0 of `loop`), `chunk` tokens a step."""
+    parts = [loop.step([ids[i:i + chunk]], [min(i + chunk, len(ids))], [0], all_logits=True)[0]
+             for i in range(0, len(ids), chunk)]
+    return torch.cat(parts)

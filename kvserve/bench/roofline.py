@@ -56,7 +56,7 @@ def weight_format(dtype: str, quantization: str) -> WeightFormat:
     element = DTYPE_BYTES[dtype]
     if quantization == "none":
         return WeightFormat(dtype, quantization, element, element)
-    if quantization == "int4":
+    if quantization in ("int4", "w4a8"):
         layer = 0.5 + 2 * element / INT4_GROUP_SIZE
     elif quantization in ("int8", "w8a8"):
         layer = 1.0

@@ -188,7 +188,7 @@ def stage_layer_counts(config: ModelConfig, pp_size: int, head_cost: float = 1.0
 def head_cost_for(quantization: str) -> float:
     """Bytes per LM-head weight over bytes per decoder-layer weight: every quantized mode keeps
     the head int8 (~1.06 bytes a weight), so only 4-bit layers (~0.53) make it dearer."""
-    return 2.0 if quantization == "int4" else 1.0
+    return 2.0 if quantization in ("int4", "w4a8") else 1.0
 
 
 def stage_layer_range(counts: list[int], pp_rank: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from kvserve.kernels.cpu_ext import build_failure, load_cpu_kernels, require_cpu
 OP_NAMES = ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_", "paged_attention_",
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
             "dequantize_int32", "argmax_rows", "int4_linear", "int4_linear_fast", "int8_linear",
-            "bf16_linear")
+            "bf16_linear", "int4_linear_q8", "int8_linear_q8")
 KERNELS_ENV = "KVSERVE_KERNELS"
 KERNEL_CHOICES = ("compiled", "reference")
 

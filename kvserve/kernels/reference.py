@@ -253,6 +253,28 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype)
 
 
+# ---- integer-dot GEMVs (csrc/q8_dot_gemm.cpp): x rounded to int8 per group of 32
+
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x' = d * round(x / d) per group of 32 along K, d = absmax / 127 (llama.cpp's
+    Q8 activations): the values the integer-dot kernels multiply exactly, as float32."""
+    rows, cols = x.shape
+    groups = x.float().view(rows, cols // 32, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    return (torch.round(groups * inverse) * step).view(rows, cols)
+
+
+def int4_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    return int4_linear(quantize_activations_q8(x), packed, bias, out_features).to(x.dtype)
+
+
+def int8_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    return int8_linear(quantize_activations_q8(x), packed, bias, out_features).to(x.dtype)
+
+
 # ---- bf16 weight GEMM (csrc/bf16_gemm.cpp): bf16 weights in panels of 16 rows
 
 BF16_GROUP, BF16_PANEL = 32, 16

@@ -15,6 +15,10 @@ beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2
 - `int8`: per-output-channel symmetric 8-bit weight-only.
 - every quantized mode: the LM head in int8, groupwise (GGUF Q8_0-exact) with our kernel.
 - unquantized bf16: projections and LM head laid out for our bf16 decode kernel (lossless).
+- `w4a8`: the `int4` weights (same panels), with each decode row's activations rounded to int8
+  per group of 32 (llama.cpp's Q8 activations) so the GEMVs and the LM head run on integer
+  multiply-adds (kernels/csrc/q8_dot_gemm.cpp): ~2x faster at 1-32 rows on AVX2, lossy in the
+  activations only (perplexity in docs/performance.md). Prefill's dense GEMMs are unchanged.
 - `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
   runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
 
@@ -41,7 +45,7 @@ from kvserve.kernels.reference import (
     quantize_int8_groupwise,
 )
 
-QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8")  # plus "auto", see resolve_quantization
+QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8")  # plus "auto", see resolve_quantization
 INT4_GROUP_SIZE = 32
 # Row counts at which the low-bit kernels stop winning. Our kernels' limits are measured per
 # shape on the machine at start-up (kvserve/kernels/autotune.py); these fixed values apply with
@@ -92,7 +96,9 @@ class Int4WeightOnlyLinear(nn.Module):
     reference ops, no ops, float16): torch's int4 kernel for up to WEIGHT_ONLY_MAX_ROWS rows.
     Larger batches (prefill) take the dense copy either way."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops=None):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops=None,
+                 int8_activations: bool = False):
+        """`int8_activations` (w4a8): the integer-dot kernel, x rounded to int8 per group."""
         super().__init__()
         rows, cols = linear.weight.shape
         if cols % INT4_GROUP_SIZE:
@@ -110,7 +116,9 @@ class Int4WeightOnlyLinear(nn.Module):
             # scales and zeros as exact as the activation dtype, in half the bytes for bf16
             meta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
             self.register_buffer("panels", pack_int4(codes, scale_t, zero_t, meta_dtype))
-            self.max_rows = autotune.max_rows("int4", ops.int4_linear, self.panels,
+            kind, self.kernel = (("int4_q8", ops.int4_linear_q8) if int8_activations
+                                 else ("int4", ops.int4_linear))
+            self.max_rows = autotune.max_rows(kind, self.kernel, self.panels,
                                               self.dense_weight, dtype, ops.isa,
                                               INT4_KERNEL_MAX_ROWS)
         else:
@@ -124,7 +132,7 @@ class Int4WeightOnlyLinear(nn.Module):
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense_weight, self.bias)
         if self.ops is not None:
-            return self.ops.int4_linear(x, self.panels, self.bias, self.out_features)
+            return self.kernel(x, self.panels, self.bias, self.out_features)
         out = _INT4_MM(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
 
@@ -213,10 +221,14 @@ class Int8GroupwiseLinear(_PanelLinear):
     embedding is Q8_0, so the LM head computes with the checkpoint's own weights), through our
     kernel (kernels/csrc/int8_gemm.cpp, float FMAs on the widened codes) for decode batches."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops, max_rows: int):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops, max_rows: int,
+                 int8_activations: bool = False):
+        """`int8_activations` (w4a8): x rounded to int8 per group, integer dot products."""
         codes, scale = quantize_int8_groupwise(linear.weight.data)
         dense = (codes.float().view(codes.shape[0], -1, 32) * scale[..., None]).view(codes.shape)
-        super().__init__("int8", ops.int8_linear, pack_int8(codes, scale), dense,
+        kind, kernel = (("int8_q8", ops.int8_linear_q8) if int8_activations
+                        else ("int8", ops.int8_linear))
+        super().__init__(kind, kernel, pack_int8(codes, scale), dense,
                          _bias(linear, dtype), dtype, ops.isa, max_rows)
 
 
@@ -290,7 +302,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None,
                          f"{', '.join(QUANTIZATION_MODES)}")
     if mode == "none":
         return model
-    if mode in ("w8a8", "int4") and ops is None:  # eager attention paths: no op set yet
+    if mode in ("w8a8", "int4", "w4a8") and ops is None:  # eager attention paths: no op set yet
         from kvserve.kernels import get_ops
 
         ops = get_ops(next(model.parameters()).device.type == "cpu")  # C++ ops read CPU memory
@@ -312,7 +324,7 @@ def _whole_row_absmax(linear: nn.Linear, name: str, mode: str,
                       parallel: ParallelContext) -> torch.Tensor | None:
     """A row-parallel slice [N, K / tp]: int4 groups must not straddle two ranks (ValueError
     otherwise); int8 scales need the absmax of the whole row, gathered here."""
-    if mode == "int4":
+    if mode in ("int4", "w4a8"):
         if linear.in_features % INT4_GROUP_SIZE:
             raise ValueError(
                 f"int4 with tensor-parallel size {parallel.tp_size}: each rank's slice of "
@@ -331,14 +343,15 @@ def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> 
     if mode == "w8a8":
         return W8A8Linear(linear, dtype, ops)
     if _has_vector_kernels(ops) and linear.in_features % 32 == 0:
-        return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS)
+        return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS,
+                                   int8_activations=mode == "w4a8")
     return Int8WeightOnlyLinear(linear, dtype, max_rows=LM_HEAD_WEIGHT_ONLY_MAX_ROWS)
 
 
 def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops,
                absmax: torch.Tensor | None = None) -> nn.Module:
-    if mode == "int4":
-        return Int4WeightOnlyLinear(linear, dtype, ops)
+    if mode in ("int4", "w4a8"):
+        return Int4WeightOnlyLinear(linear, dtype, ops, int8_activations=mode == "w4a8")
     if mode == "int8":
         return Int8WeightOnlyLinear(linear, dtype, absmax=absmax)
     return W8A8Linear(linear, dtype, ops, absmax)

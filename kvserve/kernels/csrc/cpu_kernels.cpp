@@ -19,6 +19,7 @@
 #include "bf16_gemm.h"
 #include "int4_gemm.h"
 #include "int8_gemm.h"
+#include "q8_dot_gemm.h"
 #include "vec.h"
 
 namespace {
@@ -776,6 +777,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &kvserve::int8_linear,
         "x @ W.T (+ bias) with groupwise int8 W (GGUF Q8_0) in the panel layout (few rows)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_linear_q8", &kvserve::int4_linear_q8,
+        "x' @ W.T (+ bias): x rounded to int8 per group of 32, int4 W, integer dot products",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_linear_q8", &kvserve::int8_linear_q8,
+        "x' @ W.T (+ bias): x rounded to int8 per group of 32, Q8_0 W, integer dot products",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "panel_layouts.h"
 #include "vec.h"
 
 namespace kvserve {
@@ -35,36 +36,16 @@ namespace {
 
 using at::BFloat16;
 
-constexpr int64_t kGroup = 32;                      // quantization group along K
-constexpr int64_t kPanel = 16;                      // output rows per panel: one float lane each
-constexpr int64_t kCodeBytes = kPanel * kGroup / 2;  // codes per block
-constexpr int64_t kChunkBytes = 64;                 // one load: 4 k-pairs of the panel
+constexpr int64_t kGroup = kInt4Group;
+constexpr int64_t kPanel = kInt4Panel;
+constexpr int64_t kChunkBytes = kInt4ChunkBytes;
 constexpr int kRowBlock = 8;                        // rows of x per pass over a panel's codes
 constexpr float kCodeOffset = 136.f;                // 128 from the bf16 trick + the 8 of q - 8
-// Blocks prefetched ahead (~10 KB): each call starts new streams, which the hardware prefetcher
-// picks up late (measured at one row: gate_up 26 -> 19 us, qkv 11.8 -> 9.4 us; 8 or 16 blocks
-// ahead gain less, 48 or 64 no more).
-constexpr int64_t kPrefetchBlocks = 32;
-
-// One (panel, group) block: codes, then the 16 scales, then the 16 zeros, in S (float or bf16).
-template <typename S> struct Block {
-  static constexpr int64_t kBytes = kCodeBytes + 2 * kPanel * sizeof(S);
-  static const S* scales(const uint8_t* block) {
-    return reinterpret_cast<const S*>(block + kCodeBytes);
-  }
-  static const S* zeros(const uint8_t* block) { return scales(block) + kPanel; }
-};
+constexpr int64_t kPrefetchBlocks = kInt4PrefetchBlocks;
+template <typename S> using Block = Int4Block<S>;
 
 inline float widen(float v) { return v; }
 inline float widen(BFloat16 v) { return static_cast<float>(v); }
-
-// The code of w[n, k] (k within the block's group) in the panel layout, for the scalar path.
-inline int code_at(const uint8_t* block, int64_t n, int64_t k) {
-  const int64_t chunk = k / 8, j = (k % 8) / 2, word = 2 * (n % kPanel) + k % 2;
-  uint16_t bits;
-  std::memcpy(&bits, block + chunk * kChunkBytes + 2 * word, sizeof(bits));
-  return (bits >> (4 * j)) & 0xF;
-}
 
 // Plain loops over the same layout, for the portable scalar build.
 template <typename T, typename S>
@@ -79,7 +60,7 @@ void int4_linear_scalar(const T* x, int64_t rows, int64_t ldx, const uint8_t* pa
           const float scale = widen(Block<S>::scales(block)[n % kPanel]);
           const float zero = widen(Block<S>::zeros(block)[n % kPanel]);
           for (int64_t k = 0; k < kGroup; ++k) {
-            const float w = (code_at(block, n, k) - 8) * scale + zero;
+            const float w = (int4_code_at(block, n, k) - 8) * scale + zero;
             acc += w * widen(x[m * ldx + g * kGroup + k]);
           }
         }
@@ -90,11 +71,6 @@ void int4_linear_scalar(const T* x, int64_t rows, int64_t ldx, const uint8_t* pa
 }
 
 #if KVSERVE_VEC
-
-template <typename S> inline void prefetch_block(const uint8_t* block) {
-  for (int64_t line = 0; line < Block<S>::kBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + line), _MM_HINT_T0);
-}
 
 // Sum of each group of 32 values of each row: xsum[m][g], float.
 template <typename T>
@@ -161,7 +137,7 @@ void panel_rows(const T* x, int64_t ldx, const uint8_t* panel, const float* xsum
   for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * Block<S>::kBytes;
-    prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
+    int4_prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
     __m512 dot[R][C];
     for (int m = 0; m < R; ++m)
       for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_ps();
@@ -238,7 +214,7 @@ void half_panel_rows(const float* x, int64_t ldx, const uint8_t* panel, const fl
   for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * Block<S>::kBytes;
-    if (half == 0) prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
+    if (half == 0) int4_prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
     __m256 dot_even[R][C], dot_odd[R][C];
     for (int m = 0; m < R; ++m)
       for (int c = 0; c < C; ++c) dot_even[m][c] = dot_odd[m][c] = _mm256_setzero_ps();

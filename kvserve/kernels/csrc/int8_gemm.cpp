@@ -19,25 +19,19 @@
 #include <algorithm>
 #include <vector>
 
+#include "panel_layouts.h"
 #include "vec.h"
 
 namespace kvserve {
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kPanel = 16;
-constexpr int64_t kCodeBytes = kPanel * kGroup;               // 512
-constexpr int64_t kBlockBytes = kCodeBytes + kPanel * 4;      // + float32 scales
+constexpr int64_t kGroup = kInt8Group;
+constexpr int64_t kPanel = kInt8Panel;
+constexpr int64_t kBlockBytes = kInt8BlockBytes;
 constexpr int kRowBlock = 8;                                  // rows of x per pass over a panel
-constexpr int64_t kPrefetchBlocks = 16;                       // ~9 KB ahead
+constexpr int64_t kPrefetchBlocks = kInt8PrefetchBlocks;
 
-inline const float* block_scales(const uint8_t* block) {
-  return reinterpret_cast<const float*>(block + kCodeBytes);
-}
-
-inline int code_at(const uint8_t* block, int64_t n, int64_t k) {
-  return static_cast<int8_t>(block[(k / 4) * 64 + (n % kPanel) * 4 + k % 4]);
-}
+inline const float* block_scales(const uint8_t* block) { return int8_block_scales(block); }
 
 void int8_linear_scalar(const float* x, int64_t rows, int64_t ldx, const uint8_t* packed,
                         int64_t out_features, int64_t groups, float* y) {
@@ -48,7 +42,7 @@ void int8_linear_scalar(const float* x, int64_t rows, int64_t ldx, const uint8_t
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* block = packed + ((n / kPanel) * groups + g) * kBlockBytes;
           float dot = 0.f;
-          for (int64_t k = 0; k < kGroup; ++k) dot += code_at(block, n, k) * x[m * ldx + g * kGroup + k];
+          for (int64_t k = 0; k < kGroup; ++k) dot += int8_code_at(block, n, k) * x[m * ldx + g * kGroup + k];
           acc += dot * block_scales(block)[n % kPanel];
         }
         y[m * out_features + n] = acc;

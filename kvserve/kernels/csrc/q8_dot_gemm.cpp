@@ -1,0 +1,365 @@
+// Integer-dot GEMVs for few rows: activations quantized to int8 per group of 32 (llama.cpp's
+// Q8 activations), dotted with int4 (Q4_1) or int8 (Q8_0) weights by integer multiply-adds.
+//
+// Why: at one row the float kernels (int4_gemm.cpp, int8_gemm.cpp) are bound by their own
+// instructions on AVX2, not by memory: widening each weight to float and one FMA per weight and
+// row held the int4 layers at ~12 GB/s inside a decode step on a Zen 3 (roof ~33 GB/s).
+// `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed bytes and adds pairs into int16, so the
+// codes are used as they are (a mask, a shift) and one instruction does 32 multiply-adds; with
+// AVX512-VNNI `vpdpbusd` also does the add into int32. The cost is lossy: x is rounded to 127
+// steps of its group's absmax (x' = d * xq), as llama.cpp does on every CPU; the dot products are
+// then exact, so y = W x' exactly up to float rounding of the per-group partial sums.
+//
+// Weights stay in the float kernels' panel layouts (reference.py::pack_int4 / pack_int8), so one
+// packed copy serves both kernels. x's codes are stored per group in the byte order the layout's
+// 32-bit lanes need:
+// - int4: a 32-byte half of a 64-byte chunk is 8 output rows, one 32-bit lane each, holding the
+//   row's nibbles for k = 8c..8c+7 as two 16-bit words (even k, odd k). `lane & 0x0F0F0F0F` gives
+//   bytes (k0, k4, k1, k5), `(lane >> 4) & 0x0F0F0F0F` gives (k2, k6, k3, k7): x's codes for a
+//   chunk are stored in that order, so each is one broadcast 32-bit value.
+//   y = sum_g scale d sum(q xq) + (zero - 8 scale) d sum(xq), with q in 0..15: per group the int16
+//   sums stay below 8 * 2 * 15 * 127 = 30,480, no saturation.
+// - int8: chunk c holds k = 4c..4c+3 of 16 rows, one lane each; x's codes in natural order. The
+//   signed x signed product goes through |w| and sign(x, w) (vpmaddubsw wants one operand
+//   unsigned); pairs reach 2 * 127 * 127, so each chunk widens to int32 at once.
+#include "q8_dot_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "panel_layouts.h"
+#include "vec.h"
+
+namespace kvserve {
+namespace {
+
+using at::BFloat16;
+
+constexpr int kRowBlock = 8;  // rows of x per pass over a panel (the unpacked codes are shared)
+
+enum class CodeOrder { kInt4Lanes, kNatural };
+
+// x quantized per group of 32: codes in the layout's lane order, and per (row, group) the step d
+// and d * sum(codes) (the exact sum of x' = d * xq, for the int4 zero-point term).
+struct QuantizedRows {
+  std::vector<int8_t> codes;  // [rows, K]
+  std::vector<float> step;    // [rows, groups]
+  std::vector<float> sum;     // [rows, groups]
+  int64_t cols = 0, groups = 0;
+
+  const int8_t* group_codes(int64_t m, int64_t g) const { return codes.data() + m * cols + g * 32; }
+  float step_at(int64_t m, int64_t g) const { return step[m * groups + g]; }
+  float sum_at(int64_t m, int64_t g) const { return sum[m * groups + g]; }
+};
+
+// Position in the stored group of the code of x[k] (k within the group).
+inline int stored_position(int k, CodeOrder order) {
+  if (order == CodeOrder::kNatural) return k;
+  // chunk of 8: stored (k0, k4, k1, k5, k2, k6, k3, k7)
+  static constexpr int kInChunk[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  return (k & ~7) + kInChunk[k & 7];
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t ldx, int64_t cols,
+                            CodeOrder order) {
+  QuantizedRows q;
+  q.cols = cols;
+  q.groups = cols / 32;
+  q.codes.resize(rows * cols);
+  q.step.resize(rows * q.groups);
+  q.sum.resize(rows * q.groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < q.groups; ++g) {
+      const float* src = x + m * ldx + g * 32;
+      float absmax = 0.f;
+      for (int k = 0; k < 32; ++k) absmax = std::max(absmax, std::fabs(src[k]));
+      const float step = absmax / 127.f;
+      const float inverse = step > 0.f ? 1.f / step : 0.f;
+      int8_t* dst = q.codes.data() + m * cols + g * 32;
+      int code_sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int code = static_cast<int>(std::nearbyint(src[k] * inverse));
+        dst[stored_position(k, order)] = static_cast<int8_t>(code);
+        code_sum += code;
+      }
+      q.step[m * q.groups + g] = step;
+      q.sum[m * q.groups + g] = step * static_cast<float>(code_sum);
+    }
+  }
+  return q;
+}
+
+inline float widen(float v) { return v; }
+inline float widen(BFloat16 v) { return static_cast<float>(v); }
+
+// ---- portable loops over the same layouts and codes (the scalar build)
+
+template <typename S>
+float int4_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, int64_t n) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = panel + g * Int4Block<S>::kBytes;
+    const int8_t* codes = xq.group_codes(m, g);
+    int dot = 0;
+    for (int k = 0; k < 32; ++k)
+      dot += int4_code_at(block, n, k) * codes[stored_position(k, CodeOrder::kInt4Lanes)];
+    const float scale = widen(Int4Block<S>::scales(block)[n]);
+    const float zero = widen(Int4Block<S>::zeros(block)[n]);
+    acc += scale * xq.step_at(m, g) * static_cast<float>(dot) + (zero - 8.f * scale) * xq.sum_at(m, g);
+  }
+  return acc;
+}
+
+float int8_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, int64_t n) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = panel + g * kInt8BlockBytes;
+    const int8_t* codes = xq.group_codes(m, g);
+    int dot = 0;
+    for (int k = 0; k < 32; ++k) dot += int8_code_at(block, n, k) * codes[k];
+    acc += int8_block_scales(block)[n] * xq.step_at(m, g) * static_cast<float>(dot);
+  }
+  return acc;
+}
+
+#if KVSERVE_VEC
+
+inline __m256i broadcast_code_word(const int8_t* codes) {
+  int32_t word;
+  std::memcpy(&word, codes, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+// acc += sum over each 32-bit lane's 4 byte products, u8 x s8, into int32
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+#endif
+
+// out[m][8 lanes] for R rows over one half (8 output rows) of an int4 panel.
+template <int R, typename S>
+void int4_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, int half,
+                     float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 total[R];
+  for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = panel + g * Int4Block<S>::kBytes;
+    if (half == 0) int4_prefetch_block<S>(block + kInt4PrefetchBlocks * Int4Block<S>::kBytes);
+    __m256i acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m256i words = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(block + chunk * kInt4ChunkBytes + 32 * half));
+      const __m256i low = _mm256_and_si256(words, low4);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(words, 4), low4);
+      for (int m = 0; m < R; ++m) {
+        const int8_t* codes = xq.group_codes(m0 + m, g) + 8 * chunk;
+        const __m256i x_low = broadcast_code_word(codes), x_high = broadcast_code_word(codes + 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        acc[m] = dot_add(dot_add(acc[m], low, x_low), high, x_high);
+#else
+        acc[m] = _mm256_add_epi16(acc[m], _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low),
+                                                           _mm256_maddubs_epi16(high, x_high)));
+#endif
+      }
+    }
+    const __m256 scale = load8(Int4Block<S>::scales(block) + 8 * half);
+    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale,
+                                           load8(Int4Block<S>::zeros(block) + 8 * half));
+    for (int m = 0; m < R; ++m) {
+      const __m256i dot = kVnni ? acc[m] : _mm256_madd_epi16(acc[m], ones);
+      const __m256 step_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xq.step_at(m0 + m, g)));
+      total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), step_scale, total[m]);
+      total[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xq.sum_at(m0 + m, g)), total[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * 16 + 8 * half, total[m]);
+}
+
+// out[m][8 lanes] for R rows over one half of an int8 (Q8_0) panel.
+template <int R>
+void int8_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, int half,
+                     float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[R];
+  for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    const uint8_t* block = panel + g * kInt8BlockBytes;
+    if (half == 0) {
+      for (int64_t line = 0; line < kInt8BlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kInt8PrefetchBlocks * kInt8BlockBytes
+                                                   + line), _MM_HINT_T0);
+    }
+    __m256i acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
+    for (int chunk = 0; chunk < 8; ++chunk) {
+      const __m256i w = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half));
+      const __m256i magnitude = _mm256_abs_epi8(w);
+      for (int m = 0; m < R; ++m) {
+        const __m256i x = broadcast_code_word(xq.group_codes(m0 + m, g) + 4 * chunk);
+        const __m256i signed_x = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        acc[m] = dot_add(acc[m], magnitude, signed_x);
+#else
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(
+                                              _mm256_maddubs_epi16(magnitude, signed_x), ones));
+#endif
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(int8_block_scales(block) + 8 * half);
+    for (int m = 0; m < R; ++m) {
+      const __m256 step_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xq.step_at(m0 + m, g)));
+      total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), step_scale, total[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * 16 + 8 * half, total[m]);
+}
+
+// A panel's 16 outputs for `rows` (<= kRowBlock) rows from m0, both halves.
+template <typename Kernel>
+void panel_rows(int rows, Kernel kernel) {
+  for (int half = 0; half < 2; ++half) {
+    switch (rows) {
+#define KVSERVE_ROWS_CASE(R) \
+  case R: kernel(std::integral_constant<int, R>(), half); break;
+      KVSERVE_ROWS_CASE(1) KVSERVE_ROWS_CASE(2) KVSERVE_ROWS_CASE(3) KVSERVE_ROWS_CASE(4)
+      KVSERVE_ROWS_CASE(5) KVSERVE_ROWS_CASE(6) KVSERVE_ROWS_CASE(7) KVSERVE_ROWS_CASE(8)
+#undef KVSERVE_ROWS_CASE
+      default: TORCH_CHECK(false, "q8 dot: bad row block ", rows);
+    }
+  }
+}
+
+#endif  // KVSERVE_VEC
+
+// y[m, n] (float) for every row and output: each thread takes one contiguous run of panels (one
+// stream of blocks); `tile(rows, m0, panel, out)` fills out[m][16] for a row block.
+template <typename Tile, typename Scalar>
+void run_panels(int64_t rows, int64_t out_features, int64_t panel_bytes, const uint8_t* packed,
+                float* y, Tile tile, Scalar scalar) {
+  const int64_t panels = (out_features + 15) / 16;
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    float out[kRowBlock * 16];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = packed + p * panel_bytes;
+      const int64_t count = std::min<int64_t>(16, out_features - p * 16);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        const int block_rows = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
+#if KVSERVE_VEC
+        tile(block_rows, m0, panel, out);
+#else
+        for (int m = 0; m < block_rows; ++m)
+          for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
+#endif
+        for (int m = 0; m < block_rows; ++m)
+          std::copy(out + m * 16, out + m * 16 + count, y + (m0 + m) * out_features + p * 16);
+      }
+    }
+  });
+}
+
+template <typename S>
+void int4_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
+             float* y) {
+  const int64_t panel_bytes = xq.groups * Int4Block<S>::kBytes;
+  auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
+#if KVSERVE_VEC
+    panel_rows(block_rows, [&](auto r, int half) {
+      int4_half_panel<decltype(r)::value, S>(xq, m0, panel, half, out);
+    });
+#endif
+  };
+  auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
+    return int4_dot_scalar<S>(xq, m, panel, n);
+  };
+  run_panels(rows, out_features, panel_bytes, packed, y, tile, scalar);
+}
+
+void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
+             float* y) {
+  auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
+#if KVSERVE_VEC
+    panel_rows(block_rows, [&](auto r, int half) {
+      int8_half_panel<decltype(r)::value>(xq, m0, panel, half, out);
+    });
+#endif
+  };
+  auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
+    return int8_dot_scalar(xq, m, panel, n);
+  };
+  run_panels(rows, out_features, xq.groups * kInt8BlockBytes, packed, y, tile, scalar);
+}
+
+// x (float32 or bfloat16, [M, K]) as contiguous float rows, then y (+ bias) back in x's dtype.
+at::Tensor with_float_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features, CodeOrder order,
+                           void (*run)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
+                                       float*),
+                           const at::Tensor& packed) {
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  if (x.size(0) > 0 && out_features > 0) {
+    const QuantizedRows xq = quantize_rows(x_float.data_ptr<float>(), x.size(0), x.size(1),
+                                           x.size(1), order);
+    run(xq, x.size(0), packed, out_features, y.data_ptr<float>());
+  }
+  if (bias) y.add_(bias->to(at::kFloat));
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, name,
+              ": x must be [M, K] with K divisible by 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": x must be float32 or bfloat16");
+}
+
+}  // namespace
+
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_x(x, "int4_linear_q8");
+  const int64_t groups = x.size(1) / 32;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (out_features + 15) / 16 && packed.size(1) == groups &&
+                  (packed.size(2) == Int4Block<BFloat16>::kBytes ||
+                   packed.size(2) == Int4Block<float>::kBytes),
+              "int4_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 320 or 384]");
+  TORCH_CHECK(!bias || bias->numel() == out_features, "int4_linear_q8: bias must be [N]");
+  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n, float* y) {
+    const uint8_t* data = w.data_ptr<uint8_t>();
+    w.size(2) == Int4Block<BFloat16>::kBytes ? int4_q8<BFloat16>(xq, rows, data, n, y)
+                                             : int4_q8<float>(xq, rows, data, n, y);
+  };
+  return with_float_rows(x, bias, out_features, CodeOrder::kInt4Lanes, run, packed);
+}
+
+at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_x(x, "int8_linear_q8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (out_features + 15) / 16 &&
+                  packed.size(1) == x.size(1) / 32 && packed.size(2) == kInt8BlockBytes,
+              "int8_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 576]");
+  TORCH_CHECK(!bias || bias->numel() == out_features, "int8_linear_q8: bias must be [N]");
+  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n, float* y) {
+    int8_q8(xq, rows, w.data_ptr<uint8_t>(), n, y);
+  };
+  return with_float_rows(x, bias, out_features, CodeOrder::kNatural, run, packed);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,18 @@
+// Integer-dot GEMVs with int8 activations for few rows (decode batches), q8_dot_gemm.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvserve {
+
+// y = x' @ W.T (+ bias) with x' = x rounded per group of 32 along K to int8 steps of its absmax
+// (x' = d * round(x / d), d = absmax / 127) and W int4 in int4_linear's panel layout; float32 or
+// bfloat16 x, y in x's dtype. Lossy in x only: the integer dot products are exact.
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// The same with W int8 groupwise (GGUF Q8_0) in int8_linear's panel layout.
+at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+}  // namespace kvserve

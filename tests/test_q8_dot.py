@@ -1,0 +1,120 @@
+"""Integer-dot kernels (w4a8): activations rounded to int8 per group of 32, int4 or Q8_0 weights.
+Each kernel at every ISA level equals the float linear of the *rounded* activations (the integer
+dot products are exact), the rounding is llama.cpp's Q8, and a w4a8 model decodes alone as in a
+batch. The perplexity bound is in test_quant.py's slow test."""
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve.kernels import reference
+from kvserve.models import random_model
+from kvserve.models.paged_loop import PagedLoop
+from kvserve.quant.linear import Int4WeightOnlyLinear, quantize_int4_groupwise
+from kvserve.testing.tiny import tiny_config
+
+
+def test_activation_rounding_is_per_group_absmax_over_127():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=generator) * torch.tensor([1.0, 10.0, 0.01])[:, None]
+    x[1, 32:64] = 0  # an all-zero group stays zero (no division by a zero step)
+    rounded = reference.quantize_activations_q8(x)
+    groups, got = x.view(3, 3, 32), rounded.view(3, 3, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    assert torch.equal(got[1, 1], torch.zeros(32))
+    # every value is an integer number of steps, at most half a step from x, within +-127 steps
+    codes = torch.where(step > 0, got / torch.where(step > 0, step, 1), 0)
+    assert torch.allclose(codes, codes.round(), atol=1e-3)
+    assert (codes.abs() <= 127 + 1e-3).all()
+    assert ((got - groups).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all()
+
+
+def _int4_packed(rows, cols, meta_dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    codes, scale, low = quantize_int4_groupwise(torch.randn(rows, cols, generator=generator))
+    return reference.pack_int4(codes, scale, low + 8 * scale, meta_dtype)
+
+
+def _int8_packed(rows, cols, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=generator) * 0.05
+    return reference.pack_int8(*reference.quantize_int8_groupwise(weight))
+
+
+def _assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
+    """1..17 rows (row blocks of 8 and remainders), with and without bias: the float linear of
+    x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16 output
+    rounding."""
+    rows, cols = dense.shape
+    generator = torch.Generator().manual_seed(rows + cols)
+    bias = torch.randn(rows, generator=generator).to(dtype)
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    for m in range(1, 18):
+        x = torch.randn(m, cols, generator=generator).to(dtype)
+        for b in (None, bias):
+            rounded = reference.quantize_activations_q8(x)
+            expected = nn.functional.linear(rounded, dense, None if b is None else b.float())
+            got = kernel(x, packed, b, rows)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(37, 64), (96, 1536), (130, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kernels):
+    rows, cols = shape
+    for meta_dtype in (torch.bfloat16, torch.float32):
+        packed = _int4_packed(rows, cols, meta_dtype, seed=cols)
+        dense = reference.unpack_int4(packed, rows)
+        _assert_equals_linear_of_rounded_x(kernels.int4_linear_q8, packed, dense, dtype)
+        _assert_equals_linear_of_rounded_x(reference.int4_linear_q8, packed, dense, dtype)
+
+
+@pytest.mark.parametrize("shape", [(37, 64), (130, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kernels):
+    rows, cols = shape
+    packed = _int8_packed(rows, cols, seed=cols)
+    dense = reference.unpack_int8(packed, rows)
+    _assert_equals_linear_of_rounded_x(kernels.int8_linear_q8, packed, dense, dtype)
+    _assert_equals_linear_of_rounded_x(reference.int8_linear_q8, packed, dense, dtype)
+
+
+def test_extreme_activations_do_not_saturate(kernels):
+    """Every code at 15 against x at +-absmax: the int16 partial sums reach 8 * 2 * 15 * 127 =
+    30,480, just under int16's limit; a saturating sum would be visibly wrong."""
+    rows, cols = 16, 64
+    codes = torch.full((rows, cols), 15, dtype=torch.int32)
+    scale, zero = torch.ones(rows, 2), torch.zeros(rows, 2)
+    packed = reference.pack_int4(codes, scale, zero, torch.float32)
+    dense = reference.unpack_int4(packed, rows)
+    for sign in (1.0, -1.0):
+        x = torch.full((1, cols), sign * 3.0)
+        expected = nn.functional.linear(x, dense)
+        torch.testing.assert_close(kernels.int4_linear_q8(x, packed, None, rows), expected)
+
+
+def test_w4a8_layer_serves_decode_rows_with_the_integer_kernel(kernels):
+    if not kernels.int4_linear_fast():
+        pytest.skip(f"the {kernels.isa} build has no vectorised int4 kernel")
+    linear = nn.Linear(128, 96)
+    layer = Int4WeightOnlyLinear(linear, torch.float32, kernels, int8_activations=True)
+    assert layer.kernel is kernels.int4_linear_q8
+    x = torch.randn(3, 128)
+    expected = nn.functional.linear(reference.quantize_activations_q8(x), layer.dense_weight,
+                                    layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_w4a8_model_one_row_equals_batched():
+    """Decoded alone (integer-dot GEMVs and LM head) and among 19 others (the dense GEMM of the
+    same int4 weights, float activations): the logits differ only by the activations' rounding."""
+    model = random_model(tiny_config(), "float32", seed=3, attention_backend="paged",
+                         quantization="w4a8")
+    assert model.quantization == "w4a8"
+    prompt = [(5 * i + 1) % 200 + 3 for i in range(12)]
+    alone = PagedLoop(model, 1, 32).step([prompt], [12], [0])[0]
+    others = [[(t + k) % 200 + 3 for t in prompt] for k in range(1, 20)]
+    batched = PagedLoop(model, 20, 32).step([prompt] + others, [12] * 20, list(range(20)))[0]
+    assert (alone - batched).abs().max() <= 0.03 * max(1.0, alone.abs().max().item())
