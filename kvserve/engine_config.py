@@ -43,8 +43,9 @@ class EngineConfig:
                                "activations' dtype), float32 or bfloat16 (bf16 with float32 "
                                "activations: K/V rounded to bf16, perplexity in "
                                "docs/performance.md)", choices=["auto", "float32", "bfloat16"])
-    quantization: str = _opt("auto", "weights of the decoder projections: auto (int4 for "
-                             "4-bit GGUFs in bfloat16, else none), none, int4 (groupwise, exact "
+    quantization: str = _opt("auto", "weights of the decoder projections: auto (for 4-bit "
+                             "GGUFs: int4 in bfloat16, w4a8 where float32 is only the machine's "
+                             "default, i.e. no native bf16; else none), none, int4 (groupwise, exact "
                              "for Q4_1 GGUFs), int8 (per channel) or w8a8 (int8 weights, int8 "
                              "activations for batches; +4%% perplexity on SmolLM2) or w4a8 (int4 weights, decode "
                              "activations rounded to int8 per group of 32 for integer dot "

@@ -87,3 +87,17 @@ def test_contended_timings_are_used_but_not_cached(tuning, monkeypatch):
     packed, dense = _int4_weights()
     assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
     assert not autotune.table_path().exists()
+
+
+def test_a_kernel_winning_at_every_prefill_size_has_no_row_limit():
+    decode = list(autotune.ROW_BUCKETS)
+    everything = decode + list(autotune.PREFILL_BUCKETS)
+    faster = [1.0] * len(everything)
+    slower = [2.0] * len(everything)
+    assert autotune._max_winning_rows(everything, faster, slower) == autotune.NO_LIMIT
+    # decode buckets only: the largest bucket, never unlimited
+    assert autotune._max_winning_rows(decode, faster[:len(decode)], slower[:len(decode)]) == 128
+    # losing at 512 rows: up to 256
+    kernel_us = faster[:]
+    kernel_us[everything.index(512)] = 3.0
+    assert autotune._max_winning_rows(everything, kernel_us, slower) == 256

@@ -278,9 +278,11 @@ def test_roofline_dtype_follows_native_bf16(monkeypatch, native_bf16):
     fmt = roofline.resolve_format(config)
     # the machine's default dtype keeps a 4-bit checkpoint 4-bit, float32 included
     assert fmt.dtype == expected and fmt.quantization == resolve_quantization(
-        "auto", config.source_weight_type, roofline.GEMM_DTYPES[expected], True) == "int4"
+        "auto", config.source_weight_type, roofline.GEMM_DTYPES[expected], True) == (
+        "int4" if native_bf16 else "w4a8")
     assert roofline.resolve_format(config, "float32").quantization == "none"  # asked for: exact
     assert roofline.resolve_format(config, "bfloat16", "int4").layer_bytes_per_weight == 0.625
+    assert roofline.resolve_format(config, "float32", "w4a8").layer_bytes_per_weight == 0.625
     # bf16 asked for where it is emulated: the roof takes the fp32 rate, never the emulated one
     machine = roofline.MachineRoof(40.0, {"float32": 100.0, "bfloat16": 3.0}, 2, native_bf16)
     payload = roofline.roof_payload(machine, config, roofline.weight_format("bfloat16", "int4"),

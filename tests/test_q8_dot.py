@@ -10,7 +10,7 @@ from torch import nn
 from kvserve.kernels import reference
 from kvserve.models import random_model
 from kvserve.models.paged_loop import PagedLoop
-from kvserve.quant.linear import Int4WeightOnlyLinear, quantize_int4_groupwise
+from kvserve.quant.linear import W4A8Linear, quantize_int4_groupwise
 from kvserve.testing.tiny import tiny_config
 
 
@@ -30,9 +30,10 @@ def test_activation_rounding_is_per_group_absmax_over_127():
 
 
 def _int4_packed(rows, cols, meta_dtype, seed):
+    """The integer-dot kernel's panels: codes with (scale, low) per group in meta_dtype."""
     generator = torch.Generator().manual_seed(seed)
     codes, scale, low = quantize_int4_groupwise(torch.randn(rows, cols, generator=generator))
-    return reference.pack_int4(codes, scale, low + 8 * scale, meta_dtype)
+    return reference.pack_int4(codes, scale, low, meta_dtype)
 
 
 def _int8_packed(rows, cols, seed):
@@ -64,9 +65,9 @@ def _assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kernels):
     rows, cols = shape
-    for meta_dtype in (torch.bfloat16, torch.float32):
+    for meta_dtype in (torch.float16, torch.float32):
         packed = _int4_packed(rows, cols, meta_dtype, seed=cols)
-        dense = reference.unpack_int4(packed, rows)
+        dense = reference.unpack_int4_q8(packed, rows)
         _assert_equals_linear_of_rounded_x(kernels.int4_linear_q8, packed, dense, dtype)
         _assert_equals_linear_of_rounded_x(reference.int4_linear_q8, packed, dense, dtype)
 
@@ -86,21 +87,38 @@ def test_extreme_activations_do_not_saturate(kernels):
     30,480, just under int16's limit; a saturating sum would be visibly wrong."""
     rows, cols = 16, 64
     codes = torch.full((rows, cols), 15, dtype=torch.int32)
-    scale, zero = torch.ones(rows, 2), torch.zeros(rows, 2)
-    packed = reference.pack_int4(codes, scale, zero, torch.float32)
-    dense = reference.unpack_int4(packed, rows)
+    scale, low = torch.ones(rows, 2), torch.zeros(rows, 2)
+    packed = reference.pack_int4(codes, scale, low, torch.float32)
+    dense = reference.unpack_int4_q8(packed, rows)
     for sign in (1.0, -1.0):
         x = torch.full((1, cols), sign * 3.0)
         expected = nn.functional.linear(x, dense)
         torch.testing.assert_close(kernels.int4_linear_q8(x, packed, None, rows), expected)
 
 
-def test_w4a8_layer_serves_decode_rows_with_the_integer_kernel(kernels):
+def test_w4a8_layer_keeps_float16_metadata_only_when_exact(kernels):
+    """Scales and lows already in float16 (a GGUF's Q4_1) are stored in float16, losslessly;
+    others stay float32. Decode rows go through the integer kernel either way."""
     if not kernels.int4_linear_fast():
         pytest.skip(f"the {kernels.isa} build has no vectorised int4 kernel")
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (96, 128), generator=generator).float()
+    codes[:, 0::32], codes[:, 1::32] = 0, 15  # each group spans its min and max, as Q4_1's do
+    # float16 scales and lows on a coarse binary grid: every product and sum exact in float32
+    scale = torch.randint(1, 1024, (96, 4), generator=generator).float() / 2 ** 16
+    low = -torch.randint(0, 2048, (96, 4), generator=generator).float() / 2 ** 12
+    q4_1 = (codes.view(96, 4, 32) * scale[..., None] + low[..., None]).view(96, 128)
     linear = nn.Linear(128, 96)
-    layer = Int4WeightOnlyLinear(linear, torch.float32, kernels, int8_activations=True)
-    assert layer.kernel is kernels.int4_linear_q8
+    for weight, block_bytes in ((q4_1, 320), (torch.randn(96, 128) * 0.05, 384)):
+        linear.weight.data = weight
+        layer = W4A8Linear(linear, torch.float32, kernels)
+        assert layer.kernel is kernels.int4_linear_q8 and layer.panels.shape[2] == block_bytes
+        if block_bytes == 320:  # float16 metadata holds the Q4_1 weights exactly
+            assert torch.equal(layer.dense_weight, weight)
+        _assert_layer_is_linear_of_rounded_x(layer)
+
+
+def _assert_layer_is_linear_of_rounded_x(layer):
     x = torch.randn(3, 128)
     expected = nn.functional.linear(reference.quantize_activations_q8(x), layer.dense_weight,
                                     layer.bias)

@@ -138,8 +138,8 @@ def test_w8a8_close_to_its_int8_weights(kernels):
 def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
     assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "int4"
     assert resolve_quantization("auto", "Q4_1", torch.float32) == "none"  # the exact reference
-    # float32 as the machine's default (no native bf16): the weights stay 4-bit
-    assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "int4"
+    # float32 as the machine's default (no native bf16): 4-bit weights, int8 activations
+    assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "w4a8"
     assert resolve_quantization("auto", "F32", torch.float32, dtype_is_default=True) == "none"
     assert resolve_quantization("auto", "BF16", torch.bfloat16) == "none"
     assert resolve_quantization("auto", None, torch.bfloat16) == "none"

@@ -51,13 +51,15 @@ class ModelCost:
 
 def weight_format(dtype: str, quantization: str) -> WeightFormat:
     """int4: 4-bit codes plus a scale and a zero per group of 32, both in the activation dtype
-    (bf16: 0.5 + 4/32 = 0.625 bytes); int8/w8a8: 1 byte (per-channel scales add < 1%); the LM
+    (bf16: 0.5 + 4/32 = 0.625 bytes); w4a8: float16 scale and low (0.625); int8/w8a8: 1 byte (per-channel scales add < 1%); the LM
     head of every quantized mode is int8; none: the dtype's width."""
     element = DTYPE_BYTES[dtype]
     if quantization == "none":
         return WeightFormat(dtype, quantization, element, element)
-    if quantization in ("int4", "w4a8"):
+    if quantization == "int4":
         layer = 0.5 + 2 * element / INT4_GROUP_SIZE
+    elif quantization == "w4a8":  # float16 scales and lows (a GGUF's Q4_1)
+        layer = 0.5 + 2 * 2 / INT4_GROUP_SIZE
     elif quantization in ("int8", "w8a8"):
         layer = 1.0
     else:

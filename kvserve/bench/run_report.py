@@ -56,7 +56,8 @@ def configuration_line(roof: dict | None) -> str:
     isa_level = (roof or {}).get("cpu", {}).get("isa_level", "?")
     return ("Configurations: kvserve = defaults on this CPU (" + fmt["dtype"] + ", "
             "`--quantization auto` = " + fmt["quantization"] + "; int4 = weights recovered "
-            "exactly from the Q4_1 GGUF with an int8 LM head; fused C++ CPU kernels built for "
+            "exactly from the Q4_1 GGUF with an int8 LM head; w4a8 = the same weights with "
+            "activations rounded to int8 per group of 32 and integer dot products; fused C++ CPU kernels built for "
             + isa_level + ", paged attention); kvserve-w8a8 = `--quantization w8a8` (int8 "
             "weights, int8 activations on batched steps; +4% perplexity); kvserve-bf16 = "
             "`--quantization none`; llama.cpp = the same Q4_1 GGUF, 32 slots, unified KV; "

@@ -36,8 +36,16 @@ logger = logging.getLogger(__name__)
 
 AUTOTUNE_ENV = "KVSERVE_AUTOTUNE"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Kernels that can beat the dense GEMM at prefill sizes too (w4a8's integer dot products: 1.5x
+# the float32 GEMM at 512 rows on a Zen 3) are also timed at these; one that still wins at the
+# last has no row limit (NO_LIMIT).
+PREFILL_BUCKETS = (256, 512, 1024)
+NO_LIMIT = 1 << 30
+# From this many rows a call is compute-bound: a few copies of the weights are enough (streaming
+# 64 MB at 1,024 rows would take seconds per shape).
+COMPUTE_BOUND_ROWS = 256
 STREAM_BYTES = 64 << 20  # more than any L3 we run on (32 MB)
-TABLE_VERSION = 3
+TABLE_VERSION = 4
 _lock = threading.Lock()
 _tables: dict[Path, dict] = {}
 
@@ -128,7 +136,8 @@ def _copies(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
-            dtype: torch.dtype, level: str) -> tuple[Choice, bool]:
+            dtype: torch.dtype, level: str,
+            buckets: tuple[int, ...] = ROW_BUCKETS) -> tuple[Choice, bool]:
     """Time `kernel(x, low_bit_copy, None, N)` against `F.linear(x, dense_copy)` per row bucket;
     stop once the dense GEMM has won twice in a row (the kernel's cost grows faster). Also says
     whether the cores were contended while timing."""
@@ -136,11 +145,12 @@ def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Ten
     low_bits, denses = _copies(low_bit), _copies(dense)
     rows_done, kernel_us, dense_us = [], [], []
     losses, contended = 0, False
-    for rows in ROW_BUCKETS:
+    for rows in buckets:
         x = torch.randn(rows, in_features).to(dtype)
-        ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features),
-                              len(low_bits))
-        theirs = _call_times_us(lambda i: F.linear(x, denses[i]), len(denses))
+        copies = min(len(low_bits), 4) if rows >= COMPUTE_BOUND_ROWS else len(low_bits)
+        ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features), copies)
+        copies = min(len(denses), 4) if rows >= COMPUTE_BOUND_ROWS else len(denses)
+        theirs = _call_times_us(lambda i: F.linear(x, denses[i]), copies)
         contended = contended or _contended(ours) or _contended(theirs)
         kernel_us.append(_typical_us(ours))
         dense_us.append(_typical_us(theirs))
@@ -155,13 +165,14 @@ def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Ten
 
 
 def _max_winning_rows(rows: list[int], kernel_us: list[float], dense_us: list[float]) -> int:
-    """The largest bucket up to which the kernel wins without interruption (0: never)."""
+    """The largest bucket up to which the kernel wins without interruption (0: never);
+    NO_LIMIT when it wins at every prefill-sized bucket too."""
     best = 0
     for count, ours, theirs in zip(rows, kernel_us, dense_us):
         if ours >= theirs:
-            break
+            return best
         best = count
-    return best
+    return NO_LIMIT if best == PREFILL_BUCKETS[-1] else best
 
 
 def _key(kind: str, out_features: int, in_features: int, dtype: torch.dtype, level: str) -> str:
@@ -169,9 +180,10 @@ def _key(kind: str, out_features: int, in_features: int, dtype: torch.dtype, lev
 
 
 def max_rows(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
-             dtype: torch.dtype, level: str, fallback: int) -> int:
+             dtype: torch.dtype, level: str, fallback: int, prefill: bool = False) -> int:
     """Rows up to which `kernel` serves this shape: measured once per machine, then read from
-    the table; `fallback` when autotuning is off."""
+    the table; `fallback` when autotuning is off. `prefill`: also time prefill-sized batches
+    (PREFILL_BUCKETS); winning at every size gives NO_LIMIT."""
     if not enabled():
         return fallback
     key = _key(kind, dense.shape[0], dense.shape[1], dtype, level)
@@ -180,7 +192,8 @@ def max_rows(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Te
         table = _load(path)
         if key not in table:
             start = time.perf_counter()
-            choice, contended = measure(kind, kernel, low_bit, dense, dtype, level)
+            buckets = ROW_BUCKETS + PREFILL_BUCKETS if prefill else ROW_BUCKETS
+            choice, contended = measure(kind, kernel, low_bit, dense, dtype, level, buckets)
             table[key] = asdict(choice)
             if contended:  # used by this process only; the next start measures again
                 logger.warning("autotune %s: another process was busy on these cores while "

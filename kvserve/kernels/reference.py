@@ -174,18 +174,33 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return torch.cat(parts, -1).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The panel layout back to float32 weights [N, K] = (q - 8) * scale + zero."""
-    panels, groups, block_bytes = packed.shape
-    meta_dtype = torch.bfloat16 if block_bytes == INT4_CODE_BYTES + 64 else torch.float32
+def _unpack_int4_parts(packed: torch.Tensor, meta_dtype: torch.dtype):
+    """The panel layout -> codes float [N_padded, G, 32] and the two per-group metadata arrays
+    [N_padded, G, 1] as float32."""
+    panels, groups, _ = packed.shape
     codes = packed[..., :INT4_CODE_BYTES].reshape(panels, groups, 4, INT4_PANEL, 2, 2)
     q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)  # [p, g, chunk, lane, parity, j]
     q = q.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT4_PANEL, groups, INT4_GROUP)
     meta = packed[..., INT4_CODE_BYTES:].contiguous().view(meta_dtype).float()  # [p, g, 32]
-    scale, zero = (part.transpose(1, 2).reshape(panels * INT4_PANEL, groups, 1)
-                   for part in meta.split(INT4_PANEL, -1))
-    weight = (q.float() - 8) * scale + zero
-    return weight.view(panels * INT4_PANEL, -1)[:out_features]
+    first, second = (part.transpose(1, 2).reshape(panels * INT4_PANEL, groups, 1)
+                     for part in meta.split(INT4_PANEL, -1))
+    return q.float(), first, second
+
+
+def unpack_int4(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The panel layout back to float32 weights [N, K] = (q - 8) * scale + zero."""
+    meta_dtype = torch.bfloat16 if packed.shape[2] == INT4_CODE_BYTES + 64 else torch.float32
+    q, scale, zero = _unpack_int4_parts(packed, meta_dtype)
+    weight = (q - 8) * scale + zero
+    return weight.view(q.shape[0], -1)[:out_features]
+
+
+def unpack_int4_q8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The integer-dot kernel's panels (metadata scale and low, float16 in 320-byte blocks or
+    float32 in 384-byte ones) back to float32 weights [N, K] = q * scale + low."""
+    meta_dtype = torch.float16 if packed.shape[2] == INT4_CODE_BYTES + 64 else torch.float32
+    q, scale, low = _unpack_int4_parts(packed, meta_dtype)
+    return (q * scale + low).view(q.shape[0], -1)[:out_features]
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -267,7 +282,10 @@ def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 def int4_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                    out_features: int) -> torch.Tensor:
-    return int4_linear(quantize_activations_q8(x), packed, bias, out_features).to(x.dtype)
+    """Panels from pack_int4(codes, scale, low, float16 or float32): w = q * scale + low."""
+    weight = unpack_int4_q8(packed, out_features)
+    out = F.linear(quantize_activations_q8(x), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 def int8_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

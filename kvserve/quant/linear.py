@@ -18,7 +18,8 @@ beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2
 - `w4a8`: the `int4` weights (same panels), with each decode row's activations rounded to int8
   per group of 32 (llama.cpp's Q8 activations) so the GEMVs and the LM head run on integer
   multiply-adds (kernels/csrc/q8_dot_gemm.cpp): ~2x faster at 1-32 rows on AVX2, lossy in the
-  activations only (perplexity in docs/performance.md). Prefill's dense GEMMs are unchanged.
+  activations only (perplexity in docs/performance.md). Prefill takes it too where the autotuner
+  measures it faster than the dense GEMM (float32 on AVX2).
 - `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
   runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
 
@@ -96,9 +97,7 @@ class Int4WeightOnlyLinear(nn.Module):
     reference ops, no ops, float16): torch's int4 kernel for up to WEIGHT_ONLY_MAX_ROWS rows.
     Larger batches (prefill) take the dense copy either way."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops=None,
-                 int8_activations: bool = False):
-        """`int8_activations` (w4a8): the integer-dot kernel, x rounded to int8 per group."""
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops=None):
         super().__init__()
         rows, cols = linear.weight.shape
         if cols % INT4_GROUP_SIZE:
@@ -116,9 +115,7 @@ class Int4WeightOnlyLinear(nn.Module):
             # scales and zeros as exact as the activation dtype, in half the bytes for bf16
             meta_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
             self.register_buffer("panels", pack_int4(codes, scale_t, zero_t, meta_dtype))
-            kind, self.kernel = (("int4_q8", ops.int4_linear_q8) if int8_activations
-                                 else ("int4", ops.int4_linear))
-            self.max_rows = autotune.max_rows(kind, self.kernel, self.panels,
+            self.max_rows = autotune.max_rows("int4", ops.int4_linear, self.panels,
                                               self.dense_weight, dtype, ops.isa,
                                               INT4_KERNEL_MAX_ROWS)
         else:
@@ -132,7 +129,7 @@ class Int4WeightOnlyLinear(nn.Module):
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.dense_weight, self.bias)
         if self.ops is not None:
-            return self.kernel(x, self.panels, self.bias, self.out_features)
+            return self.ops.int4_linear(x, self.panels, self.bias, self.out_features)
         out = _INT4_MM(x, self.packed, INT4_GROUP_SIZE, self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
 
@@ -200,7 +197,8 @@ class _PanelLinear(nn.Module):
     with it off), the dense GEMM larger ones."""
 
     def __init__(self, kind: str, kernel, panels: torch.Tensor, dense: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype, isa: str, fallback: int):
+                 bias: torch.Tensor | None, dtype: torch.dtype, isa: str, fallback: int,
+                 prefill: bool = False):
         super().__init__()
         self.register_buffer("panels", panels)
         self.register_buffer("dense_weight", dense.to(dtype))
@@ -208,7 +206,7 @@ class _PanelLinear(nn.Module):
         self.out_features = dense.shape[0]
         self.kernel = kernel
         self.max_rows = autotune.max_rows(kind, kernel, panels, self.dense_weight, dtype, isa,
-                                          fallback)
+                                          fallback, prefill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -230,6 +228,33 @@ class Int8GroupwiseLinear(_PanelLinear):
                         else ("int8", ops.int8_linear))
         super().__init__(kind, kernel, pack_int8(codes, scale), dense,
                          _bias(linear, dtype), dtype, ops.isa, max_rows)
+
+
+class W4A8Linear(_PanelLinear):
+    """w4a8: int4 codes with a scale and a low per group (w = q * scale + low), and decode rows of
+    x rounded to int8 per group of 32 so our kernel (kernels/csrc/q8_dot_gemm.cpp) multiplies with
+    integer dot products. Scales and lows are stored in float16 when that holds every one exactly
+    (GGUF's Q4_0/Q4_1 store them in float16): a sixth fewer bytes per step than float32, no loss.
+    Where the autotuner finds the integer kernel faster at prefill sizes too (on AVX2, where the
+    dense GEMM is float32), prefill takes it; otherwise the dense copy of the same weights."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, ops):
+        rows, cols = linear.weight.shape
+        if cols % INT4_GROUP_SIZE:
+            raise ValueError(f"w4a8 needs in_features divisible by {INT4_GROUP_SIZE}, got {cols}")
+        codes, scale, low = quantize_int4_groupwise(linear.weight.data)
+        meta_dtype = torch.float16 if _fits_float16(scale) and _fits_float16(low) \
+            else torch.float32
+        scale, low = scale.to(meta_dtype).float(), low.to(meta_dtype).float()
+        dense = (codes.view(rows, -1, INT4_GROUP_SIZE) * scale[..., None]
+                 + low[..., None]).view(rows, cols)
+        super().__init__("int4_q8", ops.int4_linear_q8, pack_int4(codes, scale, low, meta_dtype),
+                         dense, _bias(linear, dtype), dtype, ops.isa, INT4_KERNEL_MAX_ROWS,
+                         prefill=True)
+
+
+def _fits_float16(values: torch.Tensor) -> bool:
+    return bool((values.to(torch.float16).float() == values).all())
 
 
 class Bf16PanelLinear(_PanelLinear):
@@ -279,16 +304,20 @@ FOUR_BIT_SOURCE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,
                          dtype_is_default: bool = False) -> str:
-    """`auto`: int4 when the checkpoint is already 4-bit (its weights stay 4-bit: the int4 codes
-    are the GGUF's Q4_1 codes) and we run in bfloat16, or in float32 because this CPU has no
-    native bf16 (`dtype_is_default`: AVX2 CPUs, where fp32 dense GEMVs read 8x the bytes).
-    A float32 the user asked for stays the exact reference: no quantization."""
+    """`auto`, for a checkpoint that is already 4-bit (its weights stay 4-bit: the int4 codes
+    are the GGUF's Q4_1 codes): int4 in bfloat16; w4a8 in float32 chosen because this CPU has
+    no native bf16 (`dtype_is_default`: AVX2 CPUs), where float GEMVs were bound by their
+    instructions and the float32 prefill GEMM is slow (activations rounded to int8 per group as
+    llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user asked for stays
+    the exact reference: no quantization."""
     if mode != "auto":
         return mode
     if source_weight_type not in FOUR_BIT_SOURCE_TYPES:
         return "none"
-    if dtype == torch.bfloat16 or (dtype == torch.float32 and dtype_is_default):
+    if dtype == torch.bfloat16:
         return "int4"
+    if dtype == torch.float32 and dtype_is_default:
+        return "w4a8"
     return "none"
 
 
@@ -350,8 +379,10 @@ def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> 
 
 def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops,
                absmax: torch.Tensor | None = None) -> nn.Module:
-    if mode in ("int4", "w4a8"):
-        return Int4WeightOnlyLinear(linear, dtype, ops, int8_activations=mode == "w4a8")
+    if mode == "w4a8" and _has_int4_kernel(ops, dtype):
+        return W4A8Linear(linear, dtype, ops)
+    if mode in ("int4", "w4a8"):  # w4a8 without our vector kernels: int4 with float activations
+        return Int4WeightOnlyLinear(linear, dtype, ops)
     if mode == "int8":
         return Int8WeightOnlyLinear(linear, dtype, absmax=absmax)
     return W8A8Linear(linear, dtype, ops, absmax)

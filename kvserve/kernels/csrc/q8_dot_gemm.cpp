@@ -16,9 +16,11 @@
 // - int4: a 32-byte half of a 64-byte chunk is 8 output rows, one 32-bit lane each, holding the
 //   row's nibbles for k = 8c..8c+7 as two 16-bit words (even k, odd k). `lane & 0x0F0F0F0F` gives
 //   bytes (k0, k4, k1, k5), `(lane >> 4) & 0x0F0F0F0F` gives (k2, k6, k3, k7): x's codes for a
-//   chunk are stored in that order, so each is one broadcast 32-bit value.
-//   y = sum_g scale d sum(q xq) + (zero - 8 scale) d sum(xq), with q in 0..15: per group the int16
-//   sums stay below 8 * 2 * 15 * 127 = 30,480, no saturation.
+//   chunk are stored in that order, so each is one broadcast 32-bit value. The per-group metadata
+//   here is (scale, low), w = q * scale + low, in float16 (320-byte blocks; GGUF's Q4_0/Q4_1
+//   store d and m in float16, so they fit exactly) or float32 (384): float16 saves a sixth of
+//   the bytes a decode step reads. y = sum_g scale d sum(q xq) + low d sum(xq), q in 0..15: per
+//   group the int16 sums stay below 8 * 2 * 15 * 127 = 30,480, no saturation.
 // - int8: chunk c holds k = 4c..4c+3 of 16 rows, one lane each; x's codes in natural order. The
 //   signed x signed product goes through |w| and sign(x, w) (vpmaddubsw wants one operand
 //   unsigned); pairs reach 2 * 127 * 127, so each chunk widens to int32 at once.
@@ -37,7 +39,7 @@
 namespace kvserve {
 namespace {
 
-using at::BFloat16;
+using at::Half;
 
 constexpr int kRowBlock = 8;  // rows of x per pass over a panel (the unpacked codes are shared)
 
@@ -94,7 +96,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t ldx, int64_t c
 }
 
 inline float widen(float v) { return v; }
-inline float widen(BFloat16 v) { return static_cast<float>(v); }
+inline float widen(Half v) { return static_cast<float>(v); }
 
 // ---- portable loops over the same layouts and codes (the scalar build)
 
@@ -108,8 +110,8 @@ float int4_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, 
     for (int k = 0; k < 32; ++k)
       dot += int4_code_at(block, n, k) * codes[stored_position(k, CodeOrder::kInt4Lanes)];
     const float scale = widen(Int4Block<S>::scales(block)[n]);
-    const float zero = widen(Int4Block<S>::zeros(block)[n]);
-    acc += scale * xq.step_at(m, g) * static_cast<float>(dot) + (zero - 8.f * scale) * xq.sum_at(m, g);
+    const float low = widen(Int4Block<S>::zeros(block)[n]);  // the second array holds lows here
+    acc += scale * xq.step_at(m, g) * static_cast<float>(dot) + low * xq.sum_at(m, g);
   }
   return acc;
 }
@@ -135,67 +137,93 @@ inline __m256i broadcast_code_word(const int8_t* codes) {
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVnni = true;
 // acc += sum over each 32-bit lane's 4 byte products, u8 x s8, into int32
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-constexpr bool kVnni = false;
 #endif
 
-// out[m][8 lanes] for R rows over one half (8 output rows) of an int4 panel.
+// One row's group dot products for 8 output rows (int32 lanes): the unpacked int4 codes against
+// the row's 32 int8 codes (stored in the lanes' order). Without VNNI the int16 pair sums stay
+// below 8 * 2 * 15 * 127 = 30,480 (no saturation) and widen once at the end.
+inline __m256i int4_group_dot(const __m256i codes[8], const int8_t* x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) acc = dot_add(acc, codes[i], broadcast_code_word(x + 4 * i));
+  return acc;
+#else
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < 8; i += 2) {
+    acc = _mm256_add_epi16(acc, _mm256_add_epi16(
+        _mm256_maddubs_epi16(codes[i], broadcast_code_word(x + 4 * i)),
+        _mm256_maddubs_epi16(codes[i + 1], broadcast_code_word(x + 4 * i + 4))));
+  }
+  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+}
+
+// The same for signed Q8_0 codes: |w| times x with w's sign (vpmaddubsw wants one operand
+// unsigned); pair sums reach 2 * 127 * 127, so each chunk widens to int32 at once.
+inline __m256i int8_group_dot(const __m256i codes[8], const __m256i magnitudes[8],
+                              const int8_t* x) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int chunk = 0; chunk < 8; ++chunk) {
+    const __m256i signed_x = _mm256_sign_epi8(broadcast_code_word(x + 4 * chunk), codes[chunk]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    acc = dot_add(acc, magnitudes[chunk], signed_x);
+#else
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[chunk], signed_x),
+                                                  _mm256_set1_epi16(1)));
+#endif
+  }
+  return acc;
+}
+
+// out[m][8 lanes] for R rows over one half (8 output rows) of an int4 panel. Per group the 8
+// unpacked code vectors stay in registers while each row's dot product runs over them; rows are
+// the outer loop so a row needs one accumulator, not R of them (with rows inner, GCC kept
+// 8 rows x 8 products live and spilled them to the stack: 4x slower at 8-32 rows).
 template <int R, typename S>
 void int4_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, int half,
                      float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 total[R];
   for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < xq.groups; ++g) {
     const uint8_t* block = panel + g * Int4Block<S>::kBytes;
     if (half == 0) int4_prefetch_block<S>(block + kInt4PrefetchBlocks * Int4Block<S>::kBytes);
-    __m256i acc[R];
-    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
+    __m256i codes[8];  // chunk c: 2c = bytes (k0, k4, k1, k5), 2c + 1 = (k2, k6, k3, k7)
     for (int chunk = 0; chunk < 4; ++chunk) {
       const __m256i words = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(block + chunk * kInt4ChunkBytes + 32 * half));
-      const __m256i low = _mm256_and_si256(words, low4);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(words, 4), low4);
-      for (int m = 0; m < R; ++m) {
-        const int8_t* codes = xq.group_codes(m0 + m, g) + 8 * chunk;
-        const __m256i x_low = broadcast_code_word(codes), x_high = broadcast_code_word(codes + 4);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        acc[m] = dot_add(dot_add(acc[m], low, x_low), high, x_high);
-#else
-        acc[m] = _mm256_add_epi16(acc[m], _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low),
-                                                           _mm256_maddubs_epi16(high, x_high)));
-#endif
-      }
+      codes[2 * chunk] = _mm256_and_si256(words, low4);
+      codes[2 * chunk + 1] = _mm256_and_si256(_mm256_srli_epi16(words, 4), low4);
     }
     const __m256 scale = load8(Int4Block<S>::scales(block) + 8 * half);
-    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale,
-                                           load8(Int4Block<S>::zeros(block) + 8 * half));
+    const __m256 low = load8(Int4Block<S>::zeros(block) + 8 * half);
     for (int m = 0; m < R; ++m) {
-      const __m256i dot = kVnni ? acc[m] : _mm256_madd_epi16(acc[m], ones);
+      const int8_t* x = xq.group_codes(m0 + m, g);
+      const __m256i dot = int4_group_dot(codes, x);
       const __m256 step_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xq.step_at(m0 + m, g)));
       total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), step_scale, total[m]);
-      total[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xq.sum_at(m0 + m, g)), total[m]);
+      total[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(xq.sum_at(m0 + m, g)), total[m]);
     }
   }
   for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * 16 + 8 * half, total[m]);
 }
 
-// out[m][8 lanes] for R rows over one half of an int8 (Q8_0) panel.
+// out[m][8 lanes] for R rows over one half of an int8 (Q8_0) panel. Per group the 8 chunks'
+// codes and magnitudes go to an L1 scratch once; each row then reads them back (loads are cheap,
+// registers are not: 16 on AVX2).
 template <int R>
 void int8_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, int half,
                      float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[R];
   for (int m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  alignas(32) __m256i codes[8], magnitudes[8];
   for (int64_t g = 0; g < xq.groups; ++g) {
     const uint8_t* block = panel + g * kInt8BlockBytes;
     if (half == 0) {
@@ -203,27 +231,16 @@ void int8_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
         _mm_prefetch(reinterpret_cast<const char*>(block + kInt8PrefetchBlocks * kInt8BlockBytes
                                                    + line), _MM_HINT_T0);
     }
-    __m256i acc[R];
-    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
     for (int chunk = 0; chunk < 8; ++chunk) {
-      const __m256i w = _mm256_loadu_si256(
+      codes[chunk] = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half));
-      const __m256i magnitude = _mm256_abs_epi8(w);
-      for (int m = 0; m < R; ++m) {
-        const __m256i x = broadcast_code_word(xq.group_codes(m0 + m, g) + 4 * chunk);
-        const __m256i signed_x = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        acc[m] = dot_add(acc[m], magnitude, signed_x);
-#else
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(
-                                              _mm256_maddubs_epi16(magnitude, signed_x), ones));
-#endif
-      }
+      magnitudes[chunk] = _mm256_abs_epi8(codes[chunk]);
     }
     const __m256 scale = _mm256_loadu_ps(int8_block_scales(block) + 8 * half);
     for (int m = 0; m < R; ++m) {
+      const __m256i dot = int8_group_dot(codes, magnitudes, xq.group_codes(m0 + m, g));
       const __m256 step_scale = _mm256_mul_ps(scale, _mm256_set1_ps(xq.step_at(m0 + m, g)));
-      total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), step_scale, total[m]);
+      total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), step_scale, total[m]);
     }
   }
   for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * 16 + 8 * half, total[m]);
@@ -336,14 +353,14 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
   const int64_t groups = x.size(1) / 32;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (out_features + 15) / 16 && packed.size(1) == groups &&
-                  (packed.size(2) == Int4Block<BFloat16>::kBytes ||
+                  (packed.size(2) == Int4Block<Half>::kBytes ||
                    packed.size(2) == Int4Block<float>::kBytes),
               "int4_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 320 or 384]");
   TORCH_CHECK(!bias || bias->numel() == out_features, "int4_linear_q8: bias must be [N]");
   auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n, float* y) {
     const uint8_t* data = w.data_ptr<uint8_t>();
-    w.size(2) == Int4Block<BFloat16>::kBytes ? int4_q8<BFloat16>(xq, rows, data, n, y)
-                                             : int4_q8<float>(xq, rows, data, n, y);
+    w.size(2) == Int4Block<Half>::kBytes ? int4_q8<Half>(xq, rows, data, n, y)
+                                         : int4_q8<float>(xq, rows, data, n, y);
   };
   return with_float_rows(x, bias, out_features, CodeOrder::kInt4Lanes, run, packed);
 }

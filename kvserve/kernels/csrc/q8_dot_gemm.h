@@ -6,8 +6,10 @@
 namespace kvserve {
 
 // y = x' @ W.T (+ bias) with x' = x rounded per group of 32 along K to int8 steps of its absmax
-// (x' = d * round(x / d), d = absmax / 127) and W int4 in int4_linear's panel layout; float32 or
-// bfloat16 x, y in x's dtype. Lossy in x only: the integer dot products are exact.
+// (x' = d * round(x / d), d = absmax / 127) and W int4 in int4_linear's panel layout, except that
+// the two metadata arrays hold (scale, low), w = q * scale + low, in float16 (320-byte blocks) or
+// float32 (384); float32 or bfloat16 x, y in x's dtype. Lossy in x only: the integer dot
+// products are exact.
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
 
