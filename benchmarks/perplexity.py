@@ -19,8 +19,11 @@ from kvserve.model_source import resolve_model
 from kvserve.models.loader import load_model
 from kvserve.tokenizer import load_tokenizer
 
-MODES = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-         ("bfloat16", "int4"), ("bfloat16", "w8a8")]
+# (dtype, quantization, chunk): chunk = tokens per step, so that decode-sized kernels score the
+# text (w4a8 rounds activations only in few-row steps); None = each window in one prefill.
+MODES = [("float32", "none", None), ("bfloat16", "none", None), ("bfloat16", "int8", None),
+         ("bfloat16", "int4", None), ("bfloat16", "w8a8", None), ("float32", "int4", 16),
+         ("float32", "w4a8", 16)]
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -29,15 +32,19 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--max-windows", type=int, default=None)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated dtype:quantization[:chunk] (default: all)")
     args = parser.parse_args()
+    modes = MODES if not args.modes else [_mode(text) for text in args.modes.split(",")]
     source = resolve_model(args.model)
     tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
     rows = []
-    for dtype, quantization in MODES:
+    for dtype, quantization, chunk in modes:
         start = time.perf_counter()
         model, _ = load_model(source, dtype, attention_backend="paged", quantization=quantization)
-        result = perplexity(model, tokens, args.window, max_windows=args.max_windows)
-        rows.append({"dtype": dtype, "quantization": quantization, **result,
+        result = perplexity(model, tokens, args.window, max_windows=args.max_windows,
+                            chunk=chunk)
+        rows.append({"dtype": dtype, "quantization": quantization, "chunk": chunk, **result,
                      "seconds": time.perf_counter() - start})
         print(json.dumps(rows[-1]), flush=True)
         del model
@@ -53,13 +60,20 @@ def _write(rows: list[dict], model_name: str, num_tokens: int) -> None:
              f"{'.'.join(map(str, __import__('sys').version_info[:3]))}, {num_tokens} tokens), "
              f"{rows[0]['windows']} windows of {rows[0]['window']} tokens, "
              f"{rows[0]['tokens_scored']} predictions. torch {torch.__version__}, CPU kernels on.",
-             "", "| dtype | quantization | perplexity | vs float32 |", "|---|---|---|---|"]
+             "Chunk: tokens per step (decode-sized kernels); - = each window in one prefill step.",
+             "", "| dtype | quantization | chunk | perplexity | vs float32 |",
+             "|---|---|---|---|---|"]
     for row in rows:
         delta = (row["perplexity"] / base - 1) * 100
-        lines.append(f"| {row['dtype']} | {row['quantization']} | {row['perplexity']:.4f} | "
-                     f"{delta:+.2f}% |")
+        lines.append(f"| {row['dtype']} | {row['quantization']} | {row.get('chunk') or '-'} | "
+                     f"{row['perplexity']:.4f} | {delta:+.2f}% |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(stem.with_suffix(".md").read_text())
+
+
+def _mode(text: str) -> tuple[str, str, int | None]:
+    dtype, quantization, *chunk = text.split(":")
+    return dtype, quantization, int(chunk[0]) if chunk else None
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 and prints the top ops, plus the wall time split between model forward, sampling and the rest.
 
 Usage: .venv/bin/python benchmarks/profile_step.py [--batch 1] [--context 256] [--steps 20]
+  --per-op: wall time per projection kind, attention and LM head (torch.profiler does not see
+  the C++ kernels, which are plain bindings); implies --no-profile and --enforce-eager (the
+  decode stack runs the layers in C++, out of the timers' reach)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 from contextlib import nullcontext
 
@@ -27,11 +31,18 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="--no-profile: plain wall times, no profiler overhead")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the decoder layers from Python, op by op (no decode stack)")
+    parser.add_argument("--per-op", action="store_true",
+                        help="time each projection kind, attention and the LM head")
     args = parser.parse_args()
+    if args.per_op:
+        args.profile, args.enforce_eager = False, True
 
     extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
-              cpu_kernels=args.cpu_kernels, engine_core="thread", **extra)
+              cpu_kernels=args.cpu_kernels, engine_core="thread",
+              enforce_eager=args.enforce_eager, **extra)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
@@ -51,6 +62,7 @@ def main() -> None:
         return result
 
     runner.execute = timed_execute
+    op_times = _time_ops(runner.model) if args.per_op else None
     with profile(activities=[ProfilerActivity.CPU]) if args.profile else nullcontext() as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -64,7 +76,38 @@ def main() -> None:
           f"({per_step / args.batch:.2f} ms/token); runner {runner_ms:.2f} ms, "
           f"scheduler+output processing {per_step - runner_ms:.2f} ms"
           + (" (profiled, so slower)" if args.profile else ""))
+    for name, (seconds, calls) in sorted((op_times or {}).items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:16s} {seconds / args.steps * 1000:7.3f} ms/step  "
+              f"{calls / args.steps:5.1f} calls/step  {seconds / max(calls, 1) * 1e6:8.1f} us/call")
     engine.abort_request([f"p{i}" for i in range(args.batch)])
+
+
+def _time_ops(model) -> dict[str, list]:
+    """Wrap the projections (by kind), attention, the whole forward and the LM head with wall
+    timers: name -> [seconds, calls]."""
+    totals = collections.defaultdict(lambda: [0.0, 0])
+
+    def wrap(obj, attribute: str, name: str) -> None:
+        inner = getattr(obj, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            totals[name][0] += time.perf_counter() - start
+            totals[name][1] += 1
+            return result
+
+        setattr(obj, attribute, timed)
+
+    for layer in model.model.stage_layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for module, name in ((attention.qkv_proj, "qkv"), (attention.o_proj, "o"),
+                             (mlp.gate_up_proj, "gate_up"), (mlp.down_proj, "down")):
+            wrap(module, "forward", name)
+    wrap(model.model.stage_layers[0].self_attn.backend, "attend", "attention")
+    wrap(model, "forward", "model.forward")
+    wrap(model, "compute_logits", "lm head")
+    return totals
 
 
 if __name__ == "__main__":

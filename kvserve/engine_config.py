@@ -58,6 +58,9 @@ class EngineConfig:
                           "--no-autotune uses fixed row limits")
     num_threads: int | None = _opt(None, "torch intra-op threads for the engine's kernels "
                                    "(default: one per core)")
+    enforce_eager: bool = _opt(False, "run the decoder layers of decode steps from Python "
+                               "op by op; by default the fused path runs them as one C++ call "
+                               "(the CPU's counterpart of CUDA graphs; same tokens either way)")
     adaptive_threads: bool = _opt(True, "while other processes keep some of our cores busy, "
                                   "run the kernels on the cores left (checked once a second); "
                                   "--no-adaptive-threads keeps the thread count fixed")

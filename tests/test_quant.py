@@ -167,7 +167,8 @@ def test_quantized_model_one_row_equals_batched(mode):
 @pytest.mark.timeout(1500)
 def test_perplexity_bounds_on_smollm2(smollm_source):
     """The stated bounds (benchmarks/results/*-perplexity.md has the full table): int4 and int8
-    within 1% of the unquantized model, w8a8 within 5%, on 4 windows of the held-out text. In
+    within 1% of the unquantized model, w8a8 within 5%, on 4 windows of the held-out text; w4a8
+    within 1% of int4 in decode-sized steps. In
     the machine's default dtype: bfloat16 where the CPU multiplies bf16 natively, float32
     elsewhere (emulated bf16 GEMMs are ~100x slower there: no test could wait for them)."""
     from kvserve.bench.perplexity import held_out_text, perplexity
@@ -185,6 +186,14 @@ def test_perplexity_bounds_on_smollm2(smollm_source):
     assert results["int4"] <= results["none"] * 1.01
     assert results["int8"] <= results["none"] * 1.01
     assert results["w8a8"] <= results["none"] * 1.05
+    # w4a8 rounds activations in decode-sized steps only: 2 windows scored 16 tokens a step,
+    # against int4 scored the same way (+0.13% measured on Zen 3 over 4 windows)
+    chunked = {}
+    for mode in ("int4", "w4a8"):
+        model, _ = load_model(smollm_source, dtype, attention_backend="paged",
+                              quantization=mode)
+        chunked[mode] = perplexity(model, tokens, 512, max_windows=2, chunk=16)["perplexity"]
+    assert chunked["w4a8"] <= chunked["int4"] * 1.01
 
 
 def test_int8_groupwise_recovers_q8_0_exactly_and_packs_round_trip():

@@ -8,6 +8,7 @@ slot_mapping[t] = block_id * block_size + offset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -47,30 +48,28 @@ def build_attention_metadata(
 
     Each sequence's new tokens are the last query_lens[i] of its seq_lens[i] tokens.
     """
+    # Plain Python over the lists, then one tensor per field: the same sums as small torch ops
+    # (cumsum, repeat_interleave, gathers) took ~0.3 ms per decode step at batch 1, ~3% of it.
     num_seqs = len(query_lens)
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
-    first_new_position = seq_lens_t - query_lens_t
-    positions = torch.arange(num_tokens) - query_start_loc[seq_index] + first_new_position[seq_index]
+    query_start_loc = list(accumulate(query_lens, initial=0))
+    positions, slot_mapping = [], []
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        new_positions = range(seq_len - query_len, seq_len)
+        positions.extend(new_positions)
+        slot_mapping.extend(table[p // block_size] * block_size + p % block_size
+                            for p in new_positions)
     width = max(max((len(table) for table in block_tables), default=0), 1)
-    # one tensor from padded lists: a small tensor + copy per sequence cost ~10 us each
     padded = [table + [0] * (width - len(table)) for table in block_tables]
-    table_t = torch.tensor(padded, dtype=torch.int64).view(num_seqs, width)
-    block_ids = table_t[seq_index, positions // block_size]
-    slot_mapping = block_ids * block_size + positions % block_size
+    table_t = torch.tensor(padded, dtype=torch.int32).view(num_seqs, width)
     metadata = AttentionMetadata(
-        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-        seq_lens=seq_lens_t.to(device=device, dtype=torch.int32),
-        slot_mapping=slot_mapping.to(device),
-        block_tables=table_t.to(device=device, dtype=torch.int32),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        block_tables=table_t.to(device),
         block_size=block_size,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
-        query_start_loc_host=query_start_loc.tolist(),
+        query_start_loc_host=query_start_loc,
         seq_lens_host=list(seq_lens),
     )
-    return metadata, positions.to(device)
+    return metadata, torch.tensor(positions, dtype=torch.int64, device=device)

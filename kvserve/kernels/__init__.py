@@ -22,6 +22,9 @@ OP_NAMES = ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_", "pag
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
             "dequantize_int32", "argmax_rows", "int4_linear", "int4_linear_fast", "int8_linear",
             "bf16_linear", "int4_linear_q8", "int8_linear_q8")
+# Compiled-only: the decoder layers as one C++ call (models/decode_stack.py); the torch reference
+# op set has none, and the model then keeps its Python loop.
+COMPILED_ONLY_NAMES = ("DecodeStack", "StackLayer", "StackLinear")
 KERNELS_ENV = "KVSERVE_KERNELS"
 KERNEL_CHOICES = ("compiled", "reference")
 
@@ -52,6 +55,9 @@ def compiled_ops(level: str | None = None) -> SimpleNamespace:
 
 def _op_set(source: ModuleType, level: str) -> SimpleNamespace:
     ops = SimpleNamespace(**{name: getattr(source, name) for name in OP_NAMES})
+    for name in COMPILED_ONLY_NAMES:
+        if hasattr(source, name):
+            setattr(ops, name, getattr(source, name))
     ops.compiled = source is not reference
     ops.isa = level
     return ops

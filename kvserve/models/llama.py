@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.attention.paged import plan_step
 from kvserve.config import ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
@@ -182,6 +183,10 @@ class LlamaModel(nn.Module):
         # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
         self.ops = getattr(backend, "ops", None)
         self.kv_connector = None  # a layer-wise KV connector's hooks (worker side), if bound
+        # The decoder layers as one C++ call for decode steps (models/decode_stack.py), built on
+        # the first step that can use it; `enforce_eager` (--enforce-eager) keeps Python's loop.
+        self.enforce_eager = False
+        self._decode_stack: object | None | bool = None  # False: does not apply to this model
 
     def forward(self, input_ids, positions, metadata,
                 intermediate: IntermediateTensors | None = None):
@@ -207,6 +212,12 @@ class LlamaModel(nn.Module):
         """Same maths as the eager path with ~9 calls per layer: the residual stream is kept
         separately and each "add, then RMSNorm" is one in-place op (as vLLM's fused_add_rms_norm)."""
         ops = self.ops
+        stack = self._stack_for(metadata, intermediate)
+        if stack is not None:
+            plan = metadata.plan
+            return stack.run(self.embed_tokens.forward(input_ids), positions,
+                             self.rotary_emb.cos_sin, metadata.slot_mapping, plan.paged_seq_ids,
+                             plan.query_start_loc, metadata.seq_lens, metadata.block_tables)
         if intermediate is None:
             residual, hidden = self.embed_tokens.forward(input_ids), None
         else:
@@ -234,6 +245,29 @@ class LlamaModel(nn.Module):
             return IntermediateTensors(hidden, residual)
         ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
+
+
+    def _stack_for(self, metadata, intermediate):
+        """The decode stack when this step can take it: built once, on the whole model only, and
+        every sequence of the step on the paged attention kernel (plans the step if needed)."""
+        if self.enforce_eager or self._decode_stack is False or intermediate is not None \
+                or self.kv_connector is not None:
+            return None
+        # the plan PagedBackend.attend would make (the Python path then reuses it)
+        use_flash = self.embed_tokens.weight.dtype == torch.bfloat16 and \
+            self.ops.flash_attention_supported(self.stage_layers[0].self_attn.head_dim)
+        plan = metadata.plan or plan_step(metadata, use_flash)
+        if plan.fresh or plan.gathered or plan.flash_seq_ids.numel():
+            return None
+        if self._decode_stack is None:
+            from kvserve.models.decode_stack import build_decode_stack
+
+            self._decode_stack = build_decode_stack(self) or False
+        return self._decode_stack or None
+
+    def reset_decode_stack(self) -> None:
+        """Forget the stack (new KV tensors, changed layers): the next step builds it again."""
+        self._decode_stack = None
 
 
 def check_sliding_window_support(config: ModelConfig, backend: AttentionBackend) -> None:
@@ -329,6 +363,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"need {len(layers)} KV tensors, got {len(kv_caches)}")
         for layer, cache in zip(layers, kv_caches):
             layer.self_attn.kv_cache = cache
+        self.model.reset_decode_stack()
 
     def bind_kv_connector(self, hooks) -> None:
         """A KV connector's worker side whose per-layer hooks the stage's layers call (its

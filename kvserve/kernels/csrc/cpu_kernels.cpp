@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "decode_stack.h"
+#include "layer_ops.h"
 #include "flash_attention.h"
 #include "bf16_gemm.h"
 #include "int4_gemm.h"
@@ -745,6 +747,32 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
+namespace kvserve::layer_ops {  // the ops above, for C++ callers (layer_ops.h)
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  ::add_rms_norm_(x, residual, weight, eps);
+}
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return ::silu_and_mul(gate_up); }
+void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                     at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim) {
+  ::rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads, num_kv_heads,
+                    head_dim);
+}
+void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
+                      const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
+                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                      int64_t sliding_window) {
+  ::paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
+                     num_heads, num_kv_heads, head_dim, scale, sliding_window);
+}
+
+}  // namespace kvserve::layer_ops
+
 // The GIL is released inside every kernel (they touch no Python objects), so the server's event
 // loop can stream tokens while a step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -786,4 +814,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
+  // module_local: each ISA level is its own module in one process (the tests load several)
+  py::class_<kvserve::StackLinear>(m, "StackLinear", py::module_local())
+      .def(py::init([](std::string kind, at::Tensor panels, at::Tensor dense,
+                       c10::optional<at::Tensor> bias, int64_t out_features, int64_t max_rows) {
+             return kvserve::StackLinear{std::move(kind), std::move(panels), std::move(dense),
+                                         std::move(bias), out_features, max_rows};
+           }),
+           "one projection: kind (int4, int4_q8, bf16, dense), panels, dense copy, bias, N, "
+           "the kernel's row limit");
+  py::class_<kvserve::StackLayer>(m, "StackLayer", py::module_local())
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+                       at::Tensor kv_cache, kvserve::StackLinear qkv, kvserve::StackLinear o,
+                       kvserve::StackLinear gate_up, kvserve::StackLinear down,
+                       int64_t sliding_window) {
+        return kvserve::StackLayer{std::move(input_norm), std::move(post_attention_norm),
+                                   std::move(kv_cache), std::move(qkv), std::move(o),
+                                   std::move(gate_up), std::move(down), sliding_window};
+      }));
+  py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
+      .def(py::init<std::vector<kvserve::StackLayer>, at::Tensor, double, int64_t, int64_t,
+                    int64_t, double>())
+      .def("run", &kvserve::DecodeStack::run,
+           "the stage's decoder layers for a step whose sequences all take the paged kernel",
+           py::call_guard<py::gil_scoped_release>());
 }
