@@ -246,7 +246,6 @@ class LlamaModel(nn.Module):
         ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
-
     def _stack_for(self, metadata, intermediate):
         """The decode stack when this step can take it: built once, on the whole model only, and
         every sequence of the step on the paged attention kernel (plans the step if needed)."""

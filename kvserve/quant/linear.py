@@ -46,7 +46,8 @@ from kvserve.kernels.reference import (
     quantize_int8_groupwise,
 )
 
-QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8")  # plus "auto", see resolve_quantization
+# plus "auto", see resolve_quantization
+QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8")
 INT4_GROUP_SIZE = 32
 # Row counts at which the low-bit kernels stop winning. Our kernels' limits are measured per
 # shape on the machine at start-up (kvserve/kernels/autotune.py); these fixed values apply with
@@ -306,10 +307,10 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
                          dtype_is_default: bool = False) -> str:
     """`auto`, for a checkpoint that is already 4-bit (its weights stay 4-bit: the int4 codes
     are the GGUF's Q4_1 codes): int4 in bfloat16; w4a8 in float32 chosen because this CPU has
-    no native bf16 (`dtype_is_default`: AVX2 CPUs), where float GEMVs were bound by their
-    instructions and the float32 prefill GEMM is slow (activations rounded to int8 per group as
-    llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user asked for stays
-    the exact reference: no quantization."""
+    no native bf16 (`dtype_is_default`: AVX2 CPUs), where the float kernels of decode batches
+    were bound by their FMAs and the float32 prefill GEMM is slow (activations rounded to int8
+    per group as llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user
+    asked for stays the exact reference: no quantization."""
     if mode != "auto":
         return mode
     if source_weight_type not in FOUR_BIT_SOURCE_TYPES:

@@ -4,7 +4,9 @@
 // Both put 16 output rows in a panel and cut K into groups of 32: one block per (panel, group).
 // - int4 (Q4_1-like, w = (q - 8) * scale + zero): 256 bytes of codes, 4 chunks of 64 bytes =
 //   32 little-endian 16-bit words; word e, nibble j of chunk c holds q[e / 2][8c + 2j + e % 2];
-//   then the 16 rows' scales, then their zeros (bf16 or float: 320 or 384 bytes).
+//   then the 16 rows' scales, then their zeros (bf16 or float: 320 or 384 bytes). The integer-dot
+//   kernel (q8_dot_gemm.cpp) keeps lows there instead of zeros (w = q * scale + low), in float16
+//   or float.
 // - int8 (GGUF Q8_0, w = q * scale): 8 chunks of 64 bytes, chunk c holding k = 4c..4c+3 of row n
 //   at bytes 4n..4n+3; then the 16 rows' float32 scales (576 bytes).
 #pragma once
@@ -25,7 +27,8 @@ constexpr int64_t kInt4ChunkBytes = 64;                      // one load: 4 k-pa
 // ahead gain less, 48 or 64 no more).
 constexpr int64_t kInt4PrefetchBlocks = 32;
 
-// One int4 (panel, group) block: codes, then the 16 scales, then the 16 zeros, in S (float or bf16).
+// One int4 (panel, group) block: codes, then the 16 scales, then the 16 zeros (the integer-dot
+// kernel's lows), in S (float, bf16 or, for that kernel, float16).
 template <typename S> struct Int4Block {
   static constexpr int64_t kBytes = kInt4CodeBytes + 2 * kInt4Panel * sizeof(S);
   static const S* scales(const uint8_t* block) {
