@@ -247,22 +247,25 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _stack_for(self, metadata, intermediate):
-        """The decode stack when this step can take it: built once, on the whole model only, and
-        every sequence of the step on the paged attention kernel (plans the step if needed)."""
+        """The decode stack when this step can take it: built once (on the whole model only),
+        and every sequence of the step on the paged attention kernel (plans the step if
+        needed)."""
         if self.enforce_eager or self._decode_stack is False or intermediate is not None \
                 or self.kv_connector is not None:
-            return None
-        # the plan PagedBackend.attend would make (the Python path then reuses it)
-        use_flash = self.embed_tokens.weight.dtype == torch.bfloat16 and \
-            self.ops.flash_attention_supported(self.stage_layers[0].self_attn.head_dim)
-        plan = metadata.plan or plan_step(metadata, use_flash)
-        if plan.fresh or plan.gathered or plan.flash_seq_ids.numel():
             return None
         if self._decode_stack is None:
             from kvserve.models.decode_stack import build_decode_stack
 
             self._decode_stack = build_decode_stack(self) or False
-        return self._decode_stack or None
+            # whether PagedBackend.attend plans flash rows (the Python path reuses our plan)
+            self._stack_plans_flash = self.embed_tokens.weight.dtype == torch.bfloat16 and \
+                self.ops.flash_attention_supported(self.stage_layers[0].self_attn.head_dim)
+        if self._decode_stack is False:
+            return None
+        plan = metadata.plan or plan_step(metadata, self._stack_plans_flash)
+        if plan.fresh or plan.gathered or plan.flash_seq_ids.numel():
+            return None
+        return self._decode_stack
 
     def reset_decode_stack(self) -> None:
         """Forget the stack (new KV tensors, changed layers): the next step builds it again."""
