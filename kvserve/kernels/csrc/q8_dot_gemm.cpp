@@ -1,9 +1,10 @@
 // Integer-dot GEMVs for few rows: activations quantized to int8 per group of 32 (llama.cpp's
 // Q8 activations), dotted with int4 (Q4_1) or int8 (Q8_0) weights by integer multiply-adds.
 //
-// Why: at one row the float kernels (int4_gemm.cpp, int8_gemm.cpp) are bound by their own
-// instructions on AVX2, not by memory: widening each weight to float and one FMA per weight and
-// row held the int4 layers at ~12 GB/s inside a decode step on a Zen 3 (roof ~33 GB/s).
+// Why: on AVX2 the float kernels (int4_gemm.cpp, int8_gemm.cpp) widen each weight to float and
+// spend one FMA per weight and row: from a few rows on (decode batches, prefill) they are bound
+// by those instructions (Zen 3: gate_up at 32 rows 1.2 ms here against 0.49 ms; at one row both
+// run at the memory's pace, ~15 GB/s of a 21 GB/s roof, docs/performance.md).
 // `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed bytes and adds pairs into int16, so the
 // codes are used as they are (a mask, a shift) and one instruction does 32 multiply-adds; with
 // AVX512-VNNI `vpdpbusd` also does the add into int32. The cost is lossy: x is rounded to 127
