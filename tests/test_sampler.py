@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kvserve.errors import InvalidRequestError
+from kvserve.errors import InvalidRequestError, KernelBuildError
+from kvserve.kernels import compiled_ops, isa, reference
 from kvserve.sample.sampler import Sampler, SamplingRow
 from kvserve.sampling_params import SamplingParams
 
@@ -32,22 +33,22 @@ def test_greedy_is_argmax():
     assert Sampler()(logits_for(BASE), [row(temperature=0)]).token_ids == [2]
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy():
-    sampler = Sampler(seed=3)
+def test_top_k_one_and_tiny_top_p_are_greedy(ops):
+    sampler = Sampler(seed=3, ops=ops)
     for _ in range(20):
         assert sampler(logits_for(BASE), [row(temperature=1.5, top_k=1)]).token_ids == [2]
         assert sampler(logits_for(BASE), [row(temperature=1.5, top_p=1e-6)]).token_ids == [2]
 
 
-def test_top_k_restricts_support():
-    sampler = Sampler(seed=0)
+def test_top_k_restricts_support(ops):
+    sampler = Sampler(seed=0, ops=ops)
     drawn = {sampler(logits_for(BASE), [row(temperature=5.0, top_k=3)]).token_ids[0]
              for _ in range(200)}
     assert drawn <= {2, 3, 4} and len(drawn) > 1
 
 
-def test_min_p_removes_unlikely_tokens():
-    sampler = Sampler(seed=0)
+def test_min_p_removes_unlikely_tokens(ops):
+    sampler = Sampler(seed=0, ops=ops)
     drawn = {sampler(logits_for(BASE), [row(temperature=1.0, min_p=0.5)]).token_ids[0]
              for _ in range(200)}
     assert drawn == {2}  # 3 has p(3)/p(2) = e^-2 < 0.5
@@ -160,13 +161,25 @@ def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
     return torch.stack(probs)
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+@pytest.fixture(scope="module", params=["torch", *isa.machine_levels()])
+def ops(request):
+    """The sampler's per-row passes (top-p, the draw) as torch ops, then compiled for each
+    instruction-set level this machine can execute."""
+    if request.param == "torch":
+        return reference
+    try:
+        return compiled_ops(request.param)
+    except KernelBuildError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], ops=None) -> torch.Tensor:
     """The sampler's distributions for rows that all sample: temperature, top-k/top-p, then the
     min-p logits processor."""
-    sampler = Sampler()
+    sampler = Sampler(ops=ops)
     rows = [SamplingRow(p, [], [], None) for p in params]
     sampler._update_processors(rows, None)
-    return sampler._random_probs(logits, list(range(len(rows))), params)
+    return torch.softmax(sampler._random_logits(logits, list(range(len(rows))), params), dim=-1)
 
 
 def assert_same_distribution(new: torch.Tensor, ref: torch.Tensor) -> None:
@@ -216,32 +229,32 @@ SETTINGS = TYPICAL + [
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
 @pytest.mark.parametrize("spread", [3.0, 1.5, 1.0, 0.3])
-def test_filtered_probs_equal_the_sort_in_float64(vocab, spread):
+def test_filtered_probs_equal_the_sort_in_float64(vocab, spread, ops):
     """Each setting alone and all of them in one batch, on peaked to flat rows (flat ones take
     the histogram-sized window or the whole-row fallback): the sort's tokens, bit for bit."""
 
     logits = model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab)
     params = params_for(SETTINGS)
     expected = reference_filtered_probs(logits, params, exact=True)
-    assert_same_distribution(filtered_probs(logits, params), expected)
+    assert_same_distribution(filtered_probs(logits, params, ops), expected)
     for i in range(0, len(SETTINGS), 3 if vocab > 100_000 else 1):
-        single = filtered_probs(logits[i:i + 1], params[i:i + 1])
+        single = filtered_probs(logits[i:i + 1], params[i:i + 1], ops)
         assert_same_distribution(single, expected[i:i + 1])
 
 
 @pytest.mark.parametrize("spread", [3.0, 1.5, 1.0])
-def test_typical_settings_equal_the_former_float32_sort(spread):
+def test_typical_settings_equal_the_former_float32_sort(spread, ops):
     """The usual settings at the usual vocabulary: the former code's tokens and probabilities,
     bit for bit (not a float64 rerun of it)."""
 
     logits = model_like_logits(len(TYPICAL), 49152, spread, seed=int(spread * 100))
     params = params_for(TYPICAL)
-    assert_same_distribution(filtered_probs(logits, params),
+    assert_same_distribution(filtered_probs(logits, params, ops),
                              reference_filtered_probs(logits, params))
 
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
-def test_the_float32_sort_differed_only_in_its_rounding(vocab):
+def test_the_float32_sort_differed_only_in_its_rounding(vocab, ops):
     """Where the former float32 code kept other tokens (top_p near 1, long tails, 262k rows):
     its softmax of the sorted row summed best first and lost the tail's smallest terms (at 262k
     its probabilities added up to 1.0001), so it cut early. The kept sets are nested, and they
@@ -252,7 +265,7 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab):
     differing_rows = 0
     for spread in (3.0, 1.5, 1.0, 0.3):
         logits = model_like_logits(len(SETTINGS), vocab, spread, seed=5)
-        new = filtered_probs(logits, params)
+        new = filtered_probs(logits, params, ops)
         old = reference_filtered_probs(logits, params)
         unfiltered = torch.softmax(logits / torch.tensor([[p.temperature] for p in params]), -1)
         for i in range(len(params)):
@@ -269,16 +282,16 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab):
 
 def test_every_window_path_is_taken(monkeypatch):
     """The first window, the histogram-sized window and the whole row, each against the sort."""
-    from kvserve.sample import sampler
+    from kvserve.kernels import top_p
 
     windows: list[int] = []
-    real = sampler._nucleus_in_window
+    real = top_p._nucleus_in_window
 
     def spy(logits, probs, top_p, window):
         windows.append(window)
         return real(logits, probs, top_p, window)
 
-    monkeypatch.setattr(sampler, "_nucleus_in_window", spy)
+    monkeypatch.setattr(top_p, "_nucleus_in_window", spy)
     vocab = 49152
     for spread, top_p, widest in [(3.0, 0.9, 256), (1.1, 0.9, None), (0.2, 0.95, vocab)]:
         windows.clear()
@@ -296,22 +309,37 @@ def test_every_window_path_is_taken(monkeypatch):
 def test_small_first_windows(monkeypatch, first_window):
     """Windows far smaller than the nucleus: every row widens, some twice, ties and -inf fall on
     window edges, and a window's last token can be its cut (what follows it is then unknown)."""
-    from kvserve.sample import sampler
+    from kvserve.kernels import top_p
 
-    monkeypatch.setattr(sampler, "_FIRST_WINDOW", first_window)
-    gen = torch.Generator().manual_seed(first_window)
-    rows = [model_like_logits(1, 500, spread, seed=first_window)[0] for spread in (3, 1, 0.3)]
+    monkeypatch.setattr(top_p, "_FIRST_WINDOW", first_window)
+    assert_small_rows_equal_the_sort(small_rows(seed=first_window), reference)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_small_rows_in_every_op(seed, ops):
+    """The same rows through each op set: in the compiled one, integer logits tie inside one
+    histogram bucket and -inf tokens share the last."""
+    assert_small_rows_equal_the_sort(small_rows(seed), ops)
+
+
+def small_rows(seed: int) -> torch.Tensor:
+    """500-token rows: peaked to flat, integer logits (big ties), half the tokens -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [model_like_logits(1, 500, spread, seed=seed)[0] for spread in (3, 1, 0.3)]
     rows.append(torch.randint(0, 4, (500,), generator=gen).float())
     rows.append(torch.where(torch.rand(500, generator=gen) < 0.5, float("-inf"), rows[1]))
-    logits = torch.stack(rows)
+    return torch.stack(rows)
+
+
+def assert_small_rows_equal_the_sort(logits: torch.Tensor, ops) -> None:
     for setting in SETTINGS + [(1.0, 3, 0.99, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 0.97, 0.0)]:
-        params = params_for([setting] * len(rows))
-        assert_same_distribution(filtered_probs(logits, params),
+        params = params_for([setting] * len(logits))
+        assert_same_distribution(filtered_probs(logits, params, ops),
                                  reference_filtered_probs(logits, params, True, True))
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
-def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
+def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab, ops):
     """Integer logits tie in big groups, so top-k and top-p cuts fall inside one: as many tokens
     as the sort keeps, with the same probabilities, and of the tied ones the lowest ids (what a
     stable sort keeps; torch's sort, not stable, keeps an arbitrary few)."""
@@ -322,7 +350,7 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
     for k in (0, 1, 2, 3, vocab // 3, vocab - 1, vocab):
         for p in (1.0, 0.6, 0.3, 0.05):
             params = params_for([(1.0, k, p, 0.0)] * 4)
-            new = filtered_probs(logits, params)
+            new = filtered_probs(logits, params, ops)
             assert_same_distribution(new, reference_filtered_probs(logits, params, True, True))
             unstable = reference_filtered_probs(logits, params, exact=True)
             assert torch.equal((new > 0).sum(dim=-1), (unstable > 0).sum(dim=-1))
@@ -330,7 +358,7 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab):
             torch.testing.assert_close(new.sort(dim=-1).values, unstable.sort(dim=-1).values)
 
 
-def test_masked_tokens_and_tiny_vocabularies():
+def test_masked_tokens_and_tiny_vocabularies(ops):
     """-inf logits (min_tokens, logit_bias) inside and at the edge of the first window; a row of
     fewer tokens than the window."""
 
@@ -341,13 +369,13 @@ def test_masked_tokens_and_tiny_vocabularies():
     short = torch.tensor([[0.5, 2.0, -1.0]])
     for setting in SETTINGS:
         params = params_for([setting] * 3)
-        assert_same_distribution(filtered_probs(logits, params),
+        assert_same_distribution(filtered_probs(logits, params, ops),
                                  reference_filtered_probs(logits, params, exact=True))
-        assert_same_distribution(filtered_probs(short, params[:1]),
+        assert_same_distribution(filtered_probs(short, params[:1], ops),
                                  reference_filtered_probs(short, params[:1], exact=True))
 
 
-def test_top_p_one_keeps_every_token_in_any_batch():
+def test_top_p_one_keeps_every_token_in_any_batch(ops):
     """The sort cut a top_p = 1.0 row's tail when another row of the batch filtered and its
     float32 running sum rounded past 1.0; now such a row is left whole, as it was when alone."""
 
@@ -355,7 +383,7 @@ def test_top_p_one_keeps_every_token_in_any_batch():
     params = params_for([(1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.0)])
     # (the former code cut this row's tail where torch's float32 cumsum rounded past 1.0: on
     # AVX-512 machines, not on AVX2 ones, whose reductions round differently)
-    assert torch.equal(filtered_probs(logits, params)[0], torch.softmax(logits[0], dim=-1))
+    assert torch.equal(filtered_probs(logits, params, ops)[0], torch.softmax(logits[0], dim=-1))
 
 
 def reference_tokens(logits: torch.Tensor, rows: list[SamplingRow], seeds: list[int | None],
@@ -377,7 +405,7 @@ def reference_tokens(logits: torch.Tensor, rows: list[SamplingRow], seeds: list[
     return tokens
 
 
-def test_seeded_draws_match_the_former_sampler():
+def test_seeded_draws_match_the_former_sampler(ops):
     """Same seed, same probabilities, same noise: the tokens the sorting sampler drew, in a batch
     that also holds greedy and unseeded rows."""
     logits = model_like_logits(5, 49152, 1.2, seed=11)
@@ -390,9 +418,58 @@ def test_seeded_draws_match_the_former_sampler():
     ]
     rows = [row(seed=seed, **params) for seed, params in specs]
     expected = reference_tokens(logits, rows, [seed for seed, _ in specs], steps=8)
-    sampler = Sampler(seed=0)
+    sampler = Sampler(seed=0, ops=ops)
     for step in expected:
         got = sampler(logits, rows).token_ids
         assert [got[i] for i, t in enumerate(step) if t is not None] == [
             t for t in step if t is not None]
     assert len({tuple(step) for step in expected}) > 1  # the draws do vary
+
+
+# --- the draw: one uniform per unseeded row, through the inverse CDF ----------------------------
+
+def stratified_counts(logits: torch.Tensor, draws: int, ops) -> torch.Tensor:
+    """How often each token is drawn when the uniforms are an even grid over [0, 1): the inverse
+    CDF then draws each token its probability's share of the grid, to within a draw."""
+    uniforms = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    tokens = torch.cat([ops.draw_rows(logits.expand(len(chunk), -1).contiguous(), chunk)
+                        for chunk in uniforms.split(1024)])
+    return torch.bincount(tokens, minlength=logits.shape[-1])
+
+
+@pytest.mark.parametrize("vocab,spread", [(10, 1.0), (1000, 1.0), (8192, 0.3)])
+def test_draws_follow_the_probabilities(vocab, spread, ops):
+    """Peaked to flat rows, some tokens masked: each token's share of an even grid of uniforms is
+    its softmax probability times the grid, within two draws (the masses are float32)."""
+    logits = model_like_logits(1, vocab, spread, seed=vocab)
+    logits[0, ::7] = float("-inf")
+    draws = 10000
+    counts = stratified_counts(logits, draws, ops)
+    expected = torch.softmax(logits[0].double(), dim=-1) * draws
+    assert int(counts.sum()) == draws
+    assert float((counts - expected).abs().max()) <= 2.0
+    assert int(counts[::7].sum()) == 0
+
+
+def test_draws_never_take_a_masked_token(ops):
+    """Uniforms at 0 and at the largest double under 1; one finite token (first, last, middle);
+    a row with none or with a NaN draws token 0."""
+    top = 1.0 - 2.0 ** -53
+    logits = torch.full((6, 300), float("-inf"))
+    logits[0, 0] = logits[1, 299] = logits[2, 150] = 3.0
+    logits[3, 290:] = torch.linspace(-5, 5, 10)  # the best and the rest at the very end
+    logits[5, 7] = float("nan")
+    for uniform in (0.0, 0.5, top):
+        tokens = ops.draw_rows(logits, torch.full((6,), uniform, dtype=torch.float64)).tolist()
+        assert tokens[:3] == [0, 299, 150] and tokens[4:] == [0, 0]
+        assert 290 <= tokens[3] <= 299
+    assert ops.draw_rows(logits[3:4], torch.tensor([top], dtype=torch.float64)).item() == 299
+
+
+def test_unseeded_rows_draw_from_the_sampler_generator(ops):
+    """The same sampler seed gives the same unseeded draws, another seed others."""
+    logits = model_like_logits(4, 49152, 0.5, seed=3)
+    rows = [row(temperature=0.8, top_p=0.95) for _ in range(4)]
+    draws = [Sampler(seed=seed, ops=ops)(logits, rows).token_ids for seed in (5, 5, 6)]
+    assert draws[0] == draws[1] != draws[2]
+

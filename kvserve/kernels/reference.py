@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.top_p import top_p_mask_  # noqa: F401  (csrc/sampling.cpp's reference)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     hidden = x.float()
@@ -143,6 +145,20 @@ def dequantize_int32(acc, token_scale, weight_scale, bias, dtype) -> torch.Tenso
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
+
+
+def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row from the softmax of its logits (csrc/sampling.cpp): the first
+    token whose running float64 sum of e^(logit - best) exceeds uniform x the row's total; a
+    -inf logit is never drawn, a row without a finite best (or with a NaN) draws 0."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    usable = torch.isfinite(peak).squeeze(1) & ~logits.isnan().any(dim=-1)
+    mass = torch.exp(logits.double() - peak.double()).nan_to_num_(nan=0.0)
+    running = mass.cumsum(dim=-1)
+    target = (uniforms * running[:, -1]).unsqueeze(1)
+    drawn = torch.searchsorted(running, target, right=True).squeeze(1)
+    last_positive = (mass > 0).cumsum(dim=-1).argmax(dim=-1)  # the first max: the last step
+    return torch.where(usable, torch.minimum(drawn, last_positive), 0)
 
 
 # ---- int4 weight-only GEMM (csrc/int4_gemm.cpp): its weight layout and the reference maths

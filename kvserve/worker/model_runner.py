@@ -46,8 +46,7 @@ class ModelRunner:
             self._intermediate_count = 1 if model.kernel_ops is None else 2  # eager: no residual
             self._activation_dtype = model.activation_dtype
         ops = model.kernel_ops
-        self.sampler = Sampler(seed, ops.argmax_rows if ops is not None else None,
-                               logits_processors)
+        self.sampler = Sampler(seed, ops, logits_processors)
         self.input_batch = InputBatch(emits_updates=samples)
         self._generators: dict[str, torch.Generator] = {}
 

@@ -22,6 +22,7 @@
 #include "int4_gemm.h"
 #include "int8_gemm.h"
 #include "q8_dot_gemm.h"
+#include "sampling.h"
 #include "vec.h"
 
 namespace {
@@ -707,22 +708,8 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& token_scale
 // ---------------------------------------------------------------- greedy sampling
 
 inline int64_t argmax_row(const float* row, int64_t cols) {
-  bool has_nan = false;
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if KVSERVE_VEC
-  vf peak = vset1(best);
-  for (; i + kLanes <= cols; i += kLanes) {
-    const vf v = vload(row + i);
-    has_nan |= vany_nan(v);
-    peak = vmax(peak, v);
-  }
-  best = vmaxall(peak);
-#endif
-  for (; i < cols; ++i) {
-    has_nan |= std::isnan(row[i]);
-    best = std::max(best, row[i]);
-  }
+  bool has_nan;
+  const float best = max_of_checked(row, cols, has_nan);
   for (int64_t j = 0; j < cols; ++j) {
     if (has_nan ? std::isnan(row[j]) : row[j] == best) return j;
   }
@@ -794,6 +781,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_per_token", &quantize_per_token, "dynamic per-token int8 codes and scales",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "per-row argmax of float32 logits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("top_p_mask_", &kvserve::top_p_mask_,
+        "-inf outside each row's top-p nucleus, in place, without sorting the vocabulary",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("draw_rows", &kvserve::draw_rows, "one inverse-CDF draw per row from the softmax of its logits",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_int32", &dequantize_int32, "int32 GEMM output * scales (+ bias) -> dtype",
         py::call_guard<py::gil_scoped_release>());

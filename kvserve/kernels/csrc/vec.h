@@ -154,6 +154,27 @@ inline float max_of(const float* values, int64_t n) {
   return best;
 }
 
+// The maximum of values[0..n), and whether any is NaN (vmax would drop it): logits rows.
+inline float max_of_checked(const float* values, int64_t n, bool& has_nan) {
+  has_nan = false;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if KVSERVE_VEC
+  vf acc = vset1(best);
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf v = vload(values + i);
+    has_nan |= vany_nan(v);
+    acc = vmax(acc, v);
+  }
+  best = vmaxall(acc);
+#endif
+  for (; i < n; ++i) {
+    has_nan |= std::isnan(values[i]);
+    best = std::max(best, values[i]);
+  }
+  return best;
+}
+
 #if KVSERVE_VEC == 16
 // float bits -> bf16 bits in the low half of each 32-bit lane, round to nearest even; NaN -> 0x7FC0
 // (as c10::BFloat16), for builds without vcvtneps2bf16.
