@@ -134,11 +134,13 @@ def _body(args) -> dict:
         asyncio.run(client.close())
 
 
-def test_s5_is_s2_sampled_and_its_body_carries_temperature_and_top_p():
+def test_s5_is_s2_sampled_on_its_own_prompts_and_its_body_carries_temperature_and_top_p():
+    """Its own seed: on s2's prompts it ran on the prefix cache s2 had just filled."""
     scenarios = _run_script().SCENARIOS
     assert list(scenarios) == ["s1", "s2", "s3", "s4", "s5"]
     assert [a for a in scenarios["s5"] if a not in scenarios["s2"]] == [
-        "--temperature", "0.8", "--top-p", "0.95"]
+        "--temperature", "0.8", "--top-p", "0.95", "--seed", "5"]
+    assert "--seed" not in scenarios["s2"]  # s2 keeps the default seed, 0
     body = _body(_bench_serve_args(scenarios["s5"]))
     assert body["temperature"] == 0.8 and body["top_p"] == 0.95
     assert body["stream"] and body["ignore_eos"] and body["max_tokens"] == 16
@@ -395,6 +397,7 @@ def test_vllm_client_results_become_our_summary_and_lead_the_report():
     assert ours["tpot_s"]["p50"] == pytest.approx(0.0105)  # 10 ms * 1.05
     assert ours["output_throughput"] == 300.0 and ours["completed"] == 6
     assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5"}  # s4: none in vLLM
+    assert vllm_client.SCENARIO_SEEDS.get("s5", vllm_client.SEED) != vllm_client.SEED
     peer = vllm_client.summary(_vllm_result(400.0, 20.0, 150.0))
     records = [{"system": "kvserve", "cold_start_s": 5.0, "scenarios": {"s1": ours},
                 VLLM_CLIENT_KEY: {"s1": ours}},

@@ -16,10 +16,10 @@ from typing import Callable, Sequence
 import torch
 
 from kvserve.kernels import reference
+from kvserve.kernels.top_p import keep_best
 from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sample.builtin_processors import builtin_processors
 from kvserve.sample.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
-from kvserve.kernels.top_p import keep_best
 from kvserve.sampling_params import SamplingParams
 
 
@@ -120,8 +120,8 @@ class Sampler:
     def _random_logits(self, logits: torch.Tensor, random_rows: list[int],
                        params: list[SamplingParams]) -> torch.Tensor:
         """The random rows' logits to draw from: temperature, top-k/top-p, then the
-        argmax-invariant processors. Those index the whole batch, so a batch that also has greedy rows is
-        handed over whole (its greedy rows are chosen already, and untouched by design)."""
+        argmax-invariant processors. Those index the whole batch, so a batch that also has greedy
+        rows is handed over whole (its greedy rows are chosen already, and untouched by design)."""
         everything = len(random_rows) == logits.shape[0]
         filtered = _filtered_logits(logits if everything else logits[random_rows], params,
                                     self.ops.top_p_mask_)

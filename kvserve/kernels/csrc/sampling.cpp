@@ -144,7 +144,8 @@ std::vector<std::pair<float, int64_t>> drop_past(float* row, int64_t vocab, floa
   for (; i + 8 <= vocab; i += 8) {
     const __m256i buckets = bucket_of8(row + i, peak8);
     const __m256 past = _mm256_castsi256_ps(_mm256_cmpgt_epi32(buckets, cut8));
-    _mm256_storeu_ps(row + i, _mm256_blendv_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(kNegInf), past));
+    const __m256 kept = _mm256_loadu_ps(row + i);
+    _mm256_storeu_ps(row + i, _mm256_blendv_ps(kept, _mm256_set1_ps(kNegInf), past));
     int at = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(buckets, cut8)));
     for (; at; at &= at - 1) {
       const int64_t token = i + __builtin_ctz(at);
