@@ -13,7 +13,8 @@ namespace kvserve {
 void top_p_mask_(at::Tensor& logits, const at::Tensor& top_p);
 
 // One draw per row from the softmax of float32 logits [R, V]: the first token whose running
-// float64 sum of e^(logit - best) exceeds uniforms[r] (float64 in [0, 1)) times the row's total.
+// float64 sum of its masses e^(logit - best) (each in float32) exceeds uniforms[r] (float64 in
+// [0, 1)) times the row's total.
 // A token of logit -inf is never drawn; a row without a finite logit, or with a NaN, draws 0.
 at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& uniforms);
 
