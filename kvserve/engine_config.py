@@ -115,6 +115,9 @@ class EngineConfig:
             processors = [name for name in processors.split(",") if name.strip()]
         object.__setattr__(self, "logits_processors",
                            tuple(qualified_name(p) for p in processors))
+        from kvserve.quant import check_quantization_device
+
+        check_quantization_device(self.quantization, self.device)
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         from kvserve.kv_transfer.config import kv_transfer_config

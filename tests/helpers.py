@@ -362,13 +362,17 @@ def _gguf_name(hf_name: str) -> str:
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
         return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)
     return f"blk.{index}.{_TO_GGUF[rest]}"
 
 
 def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
-               raw_override: dict | None = None):
-    """A GGUF file as llama.cpp's converter writes one, from HF-named numpy arrays."""
+               raw_override: dict | None = None, metadata=None):
+    """A GGUF file as llama.cpp's converter writes one, from HF-named numpy arrays. `qtype`:
+    one storage type for every matrix, or a function of the GGUF tensor name (None: float);
+    `metadata(writer)`: more keys (a tokenizer, say)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -381,6 +385,8 @@ def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_vocab_size(config.vocab_size)
+    if metadata is not None:
+        metadata(writer)
     for name, array in tensors.items():
         gguf_name = _gguf_name(name)
         if "q_proj" in name:
@@ -390,8 +396,8 @@ def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
         if raw_override and gguf_name in raw_override:
             data, raw_type = raw_override[gguf_name]
             writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
-        elif qtype is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        elif array.ndim == 2 and (kind := qtype(gguf_name) if callable(qtype) else qtype):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()

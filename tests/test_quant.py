@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvserve.engine_config import EngineConfig
 from kvserve.kernels import get_ops, reference
 from kvserve.models import random_model
 from kvserve.models.paged_loop import PagedLoop
@@ -144,6 +145,21 @@ def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
     assert resolve_quantization("auto", "BF16", torch.bfloat16) == "none"
     assert resolve_quantization("auto", None, torch.bfloat16) == "none"
     assert resolve_quantization("w8a8", None, torch.float32) == "w8a8"
+
+
+def test_four_bit_modes_refuse_other_devices_at_load():
+    """int4 and w4a8 live in CPU-only packings (a GPU run failed inside torch's
+    _convert_weight_to_int4pack_for_cpu): off the CPU `auto` keeps a 4-bit checkpoint
+    dequantized, and asking for them is an error before any weight is loaded."""
+    assert resolve_quantization("auto", "Q4_1", torch.bfloat16, device="cuda") == "none"
+    assert resolve_quantization("auto", "Q4_1", torch.float32, True, device="cuda:0") == "none"
+    assert resolve_quantization("int8", "Q4_1", torch.bfloat16, device="cuda") == "int8"
+    for mode in ("int4", "w4a8"):
+        with pytest.raises(ValueError, match=f"'{mode}' runs on the CPU only"):
+            resolve_quantization(mode, "Q4_1", torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="CPU only"):
+            EngineConfig(quantization=mode, device="cuda")
+    EngineConfig(quantization="int4", device="cpu")
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8", "w8a8"])

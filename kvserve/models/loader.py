@@ -116,7 +116,7 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         if source.format == "gguf" and use_cache else None
     quantization = resolve_quantization(
         quantization, config.source_weight_type, torch_dtype,
-        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels))
+        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device)
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
         model, how = _load_shard(source, config, cached, device, attention_backend,

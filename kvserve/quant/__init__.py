@@ -2,9 +2,10 @@
 
 from kvserve.quant.linear import (
     QUANTIZATION_MODES,
+    check_quantization_device,
     quantize_model,
     resolve_quantization,
     use_bf16_panels,
 )
 
-__all__ = ["QUANTIZATION_MODES", "quantize_model", "resolve_quantization", "use_bf16_panels"]
+__all__ = ["QUANTIZATION_MODES", "check_quantization_device", "quantize_model", "resolve_quantization", "use_bf16_panels"]

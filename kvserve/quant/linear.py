@@ -303,17 +303,33 @@ def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
 FOUR_BIT_SOURCE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
+# Modes whose weights live in torch's CPU-only int4 packing (`_weight_int4pack_mm_for_cpu`) or
+# our C++ kernels: they run on CPU models only.
+CPU_ONLY_MODES = ("int4", "w4a8")
+
+
+def check_quantization_device(mode: str, device: str) -> None:
+    """ValueError for a mode the device cannot run (the 4-bit modes off the CPU)."""
+    if mode in CPU_ONLY_MODES and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {mode!r} runs on the CPU only (its int4 kernels are "
+                         f"CPU kernels), not on {device!r}; use int8, w8a8 or none there")
+
+
 def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,
-                         dtype_is_default: bool = False) -> str:
+                         dtype_is_default: bool = False, device: str = "cpu") -> str:
     """`auto`, for a checkpoint that is already 4-bit (its weights stay 4-bit: the int4 codes
     are the GGUF's Q4_1 codes): int4 in bfloat16; w4a8 in float32 chosen because this CPU has
     no native bf16 (`dtype_is_default`: AVX2 CPUs), where the float kernels of decode batches
     were bound by their FMAs and the float32 prefill GEMM is slow (activations rounded to int8
     per group as llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user
-    asked for stays the exact reference: no quantization."""
+    asked for stays the exact reference: no quantization. Off the CPU (`device` cuda, ...) the
+    4-bit modes do not run: `auto` keeps the dequantized weights and asking for one of them is
+    a ValueError here, at load, rather than a failure inside torch."""
+    check_quantization_device(mode, device)
+    on_cpu = torch.device(device).type == "cpu"
     if mode != "auto":
         return mode
-    if source_weight_type not in FOUR_BIT_SOURCE_TYPES:
+    if source_weight_type not in FOUR_BIT_SOURCE_TYPES or not on_cpu:
         return "none"
     if dtype == torch.bfloat16:
         return "int4"

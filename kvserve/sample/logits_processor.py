@@ -55,9 +55,16 @@ class BatchUpdate:
         return not (self.removed or self.added or self.moved)
 
 
+# Where the sampler holds the logits it hands to processors: it samples on the CPU whatever
+# device the model runs on (one copy of the sampled rows a step), so a processor keeps its
+# tensors here.
+SAMPLING_DEVICE = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class ProcessorInit:
-    """What a processor is built with, once per worker."""
+    """What a processor is built with, once per worker. `device`: where the logits it edits
+    live (SAMPLING_DEVICE), which is not the model's device when the model runs on a GPU."""
 
     vocab_size: int
     max_num_seqs: int

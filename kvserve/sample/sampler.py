@@ -19,7 +19,7 @@ from kvserve.kernels import reference
 from kvserve.kernels.top_p import keep_best
 from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sample.builtin_processors import builtin_processors
-from kvserve.sample.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
+from kvserve.sample.logits_processor import SAMPLING_DEVICE, AddedRow, BatchUpdate, LogitsProcessor
 from kvserve.sampling_params import SamplingParams
 
 
@@ -55,7 +55,7 @@ class Sampler:
         """`rows` in the persistent batch's order, and its changes since the last call
         (`batch_update`, empty when none); without one the rows are a batch of their own."""
         self._update_processors(rows, batch_update)
-        logits = logits.float().cpu()
+        logits = logits.float().to(SAMPLING_DEVICE)
         raw_logprobs = None
         if any(row.params.logprobs is not None for row in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)

@@ -23,7 +23,6 @@ import signal
 import sys
 
 import msgspec
-import torch
 import zmq
 
 from kvserve.engine_config import EngineConfig
@@ -44,7 +43,11 @@ from kvserve.protocol.worker import (
     WorkerFailed,
     WorkerReady,
 )
-from kvserve.sample.logits_processor import ProcessorInit, load_processor_classes
+from kvserve.sample.logits_processor import (
+    SAMPLING_DEVICE,
+    ProcessorInit,
+    load_processor_classes,
+)
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.request_state import CachedRequestState, RunnerInput, ScheduledItem
 
@@ -107,7 +110,7 @@ class Worker:
         if not self.is_output_rank:
             return []
         init = ProcessorInit(self.loaded.config.vocab_size, self.config.max_num_seqs,
-                             torch.device(self.config.device))
+                             SAMPLING_DEVICE)
         return [cls(init) for cls in self.processor_classes]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
