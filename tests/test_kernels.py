@@ -110,6 +110,34 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
         compiled.paged_attention_(qkv.bfloat16(), kv_cache.float(), out.bfloat16(), *args)
 
 
+@pytest.mark.parametrize("dim", [32, 64])  # 64: the register-blocked passes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_of_a_sequence_alone_equals_it_in_a_batch(dtype, dim, compiled):
+    """Alone, a sequence's few (sequence, KV head) tasks are split into parts of their query
+    rows so every thread works (batch-1 decode); the parts give the bits of the whole tasks a
+    batch runs, so a request's tokens do not depend on its company."""
+    query_lens, seq_lens = [1, 4, 1, 1, 1, 1], [33, 10, 7, 9, 12, 20]
+    metadata, _, kv_cache, qkv = _batch(dtype, query_lens, seq_lens, dim=dim)
+    tail = (metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables, HEADS,
+            KV_HEADS, dim, dim**-0.5, 0)
+    starts = metadata.query_start_loc.tolist()
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 4):  # 12 whole tasks in the batch: split at no count here
+            torch.set_num_threads(count)
+            batch = torch.zeros(qkv.shape[0], HEADS * dim, dtype=dtype)
+            compiled.paged_attention_(qkv, kv_cache, batch, torch.arange(6, dtype=torch.int32),
+                                      *tail)
+            for seq in (0, 1):  # a decode row; a 4-token chunk (12 query rows)
+                alone = torch.zeros_like(batch)
+                compiled.paged_attention_(qkv, kv_cache, alone,
+                                          torch.tensor([seq], dtype=torch.int32), *tail)
+                rows = slice(starts[seq], starts[seq + 1])
+                assert torch.equal(alone[rows], batch[rows]), (count, seq)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_only_touches_selected_sequences(compiled):
     metadata, _, kv_cache, qkv = _batch(torch.float32, [1, 1, 1], [5, 6, 7])
     out = torch.full((3, HEADS * DIM), 7.0)

@@ -29,6 +29,36 @@ def test_activation_rounding_is_per_group_absmax_over_127():
     assert ((got - groups).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all()
 
 
+def _rounding_cases(rows: int, cols: int) -> torch.Tensor:
+    """Random groups at several scales, an all-zero group, and groups of absmax 127 (step 1)
+    holding exact ties (+-2.5, 3.5, ...), which round half to even."""
+    generator = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=generator)
+    x *= torch.logspace(-3, 3, rows)[:, None]
+    x[0, :32] = 0
+    ties = torch.arange(32) - 15.5  # -15.5 .. 15.5: every value a tie
+    x[:, 32:64] = ties
+    x[:, 32] = 127.0  # the group's absmax: step 1, so the ties stay ties
+    return x
+
+
+@pytest.mark.parametrize("cols", [64, 576, 1536])
+def test_activation_codes_equal_the_reference_rounding_to_the_bit(cols, kernels):
+    """Identity weights (codes 0/1, scale 1, low 0) make each output x' = step * code itself:
+    the kernels' rounding of x (vectorised per group on AVX2/AVX-512) equals the reference's,
+    ties to even included, in both code orders (int4 lanes, Q8_0's natural order)."""
+    rows = 5
+    x = _rounding_cases(rows, cols)
+    expected = reference.quantize_activations_q8(x)
+    assert torch.equal(expected[:, 33:35], torch.tensor([[-14.0, -14.0]] * rows))  # -14.5, -13.5
+    identity = torch.eye(cols)
+    ones, zeros = torch.ones(cols, cols // 32), torch.zeros(cols, cols // 32)
+    int4 = reference.pack_int4(identity.int(), ones, zeros, torch.float16)
+    int8 = reference.pack_int8(identity.to(torch.int8), ones)
+    assert torch.equal(kernels.int4_linear_q8(x, int4, None, cols), expected)
+    assert torch.equal(kernels.int8_linear_q8(x, int8, None, cols), expected)
+
+
 def _int4_packed(rows, cols, meta_dtype, seed):
     """The integer-dot kernel's panels: codes with (scale, low) per group in meta_dtype."""
     generator = torch.Generator().manual_seed(seed)

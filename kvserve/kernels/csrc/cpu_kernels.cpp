@@ -439,13 +439,16 @@ bool weigh_values_fast(ForEachRow& for_each_row, const float* probs, int64_t row
 // block. Two passes (scores, then the weighted sum of V) so each K and V row is read once per
 // pass; all in float32. Keys before the first query's window, and their blocks' table entries,
 // are never read: scores are indexed from key0, the first key any query here sees.
+// Rows [row_begin, row_end) of the task's n * G (token j, query head g: row j * G + g); each
+// row's arithmetic is the same whichever rows share the call, so a task split into parts gives
+// the same bits as the whole task.
 template <typename T, typename C>
 void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const C* cache,
                      int64_t cache_half, T* out, int64_t out_stride, int64_t seq, int64_t kvh,
-                     std::vector<float>& buf) {
+                     int64_t row_begin, int64_t row_end, std::vector<float>& buf) {
   const int64_t group = a.num_heads / a.num_kv_heads, dim = a.head_dim;
   const int64_t q_begin = a.query_start[seq], n = a.query_start[seq + 1] - q_begin;
-  const int64_t seq_len = a.seq_lens[seq], rows = n * group;
+  const int64_t seq_len = a.seq_lens[seq], rows = row_end - row_begin;
   const int64_t first_pos = seq_len - n;
   const int64_t key0 = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
   const int64_t span = seq_len - key0;  // keys key0..seq_len-1: score columns 0..span-1
@@ -454,17 +457,15 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
   float* acc = queries + rows * dim;
   float* scores = acc + rows * dim;
   float* kv_row = scores + rows * span;
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t g = 0; g < group; ++g) {
-      const T* q = qkv + (q_begin + j) * qkv_stride + (kvh * group + g) * dim;
-      load_row(q, queries + (j * group + g) * dim, dim);
-    }
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* q = qkv + (q_begin + r / group) * qkv_stride + (kvh * group + r % group) * dim;
+    load_row(q, queries + (r - row_begin) * dim, dim);
   }
   const int32_t* table = a.tables + seq * a.table_stride;
   const int64_t slot_stride = a.num_kv_heads * dim;
   const int64_t num_blocks = (seq_len + a.block_size - 1) / a.block_size;
   // Visit every key row from key0 once: fn(row pointer, its score column pos - key0, first
-  // query row that sees it).
+  // query row of the task that sees it).
   auto for_each_row = [&](int64_t half, auto&& fn) {
     for (int64_t b = key0 / a.block_size; b < num_blocks; ++b) {
       const int64_t first = std::max(b * a.block_size, key0);
@@ -480,14 +481,14 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
   if (!score_rows_fast<C>(for_each_row, queries, rows, dim, a.scale, scores, span)) {
     for_each_row(0, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
-      for (int64_t r = r0; r < rows; ++r) {
+      for (int64_t r = std::max<int64_t>(r0 - row_begin, 0); r < rows; ++r) {
         scores[r * span + col] = dot(queries + r * dim, kv_row, dim) * a.scale;
       }
     });
   }
-  // Row r sees score columns [lo, hi): causal, and inside its own window.
+  // Row r (of this call) sees score columns [lo, hi): causal, and inside its own window.
   auto visible = [&](int64_t r) {
-    const int64_t hi = first_pos + r / group + 1 - key0;
+    const int64_t hi = first_pos + (row_begin + r) / group + 1 - key0;
     return std::pair<int64_t, int64_t>(a.window > 0 ? std::max<int64_t>(0, hi - a.window) : 0, hi);
   };
   std::vector<float> inv_sum(rows);
@@ -506,21 +507,33 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
     std::memset(acc, 0, rows * dim * sizeof(float));
     for_each_row(1, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
-      for (int64_t r = r0; r < rows; ++r) axpy(scores[r * span + col], kv_row, acc + r * dim, dim);
+      for (int64_t r = std::max<int64_t>(r0 - row_begin, 0); r < rows; ++r) {
+        axpy(scores[r * span + col], kv_row, acc + r * dim, dim);
+      }
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* result = acc + r * dim;
     for (int64_t d = 0; d < dim; ++d) result[d] *= inv_sum[r];
-    store_row(result, out + (q_begin + r / group) * out_stride + (kvh * group + r % group) * dim,
-              dim);
+    const int64_t row = row_begin + r;
+    store_row(result,
+              out + (q_begin + row / group) * out_stride + (kvh * group + row % group) * dim, dim);
   }
+}
+
+// Parts to split each (sequence, KV head) task's query rows into: with fewer tasks than twice
+// the threads, whole tasks leave threads idle (batch 1, SmolLM2: 3 KV heads on 2 threads ran
+// 2:1 rows; in 2 parts, 5:4). Each part reads its task's K/V rows again, from cache.
+int64_t row_parts(int64_t tasks, int64_t max_rows) {
+  const int64_t wanted = 2 * at::get_num_threads();
+  if (tasks >= wanted) return 1;
+  return std::max<int64_t>(1, std::min(max_rows, (wanted + tasks - 1) / tasks));
 }
 
 template <typename T, typename C>
 void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                           const PagedArgs& a, int64_t num_tasks_seqs) {
-  const int64_t tasks = num_tasks_seqs * a.num_kv_heads;
+  const int64_t seq_tasks = num_tasks_seqs * a.num_kv_heads;
   const T* qkv_ptr = qkv.data_ptr<T>();
   const C* cache = kv_cache.data_ptr<C>();
   T* out_ptr = out.data_ptr<T>();
@@ -529,10 +542,19 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
   if constexpr (std::is_same<T, BFloat16>::value && std::is_same<C, BFloat16>::value) {
     bf16_fast = kvserve::decode_attention_supported(a.head_dim);
   }
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  int64_t max_rows = 0;
+  for (int64_t i = 0; i < num_tasks_seqs; ++i) {
+    const int64_t seq = a.seq_ids[i];
+    max_rows = std::max(max_rows, (a.query_start[seq + 1] - a.query_start[seq]) * group);
+  }
+  // the bf16 dot-product kernel takes whole tasks
+  const int64_t parts = bf16_fast ? 1 : row_parts(seq_tasks, max_rows);
+  at::parallel_for(0, seq_tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     kvserve::DecodeScratch scratch;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t part_task = begin; part_task < end; ++part_task) {
+      const int64_t task = part_task / parts, part = part_task % parts;
       int64_t seq = a.seq_ids[task / a.num_kv_heads];
       if constexpr (std::is_same<T, BFloat16>::value && std::is_same<C, BFloat16>::value) {
         if (bf16_fast) {
@@ -547,8 +569,11 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
           continue;
         }
       }
+      const int64_t rows = (a.query_start[seq + 1] - a.query_start[seq]) * group;
+      const int64_t row_begin = rows * part / parts, row_end = rows * (part + 1) / parts;
+      if (row_begin == row_end) continue;
       attend_seq_head<T, C>(a, qkv_ptr, qkv.stride(0), cache, kv_cache.stride(0), out_ptr,
-                         out.stride(0), seq, task % a.num_kv_heads, buf);
+                            out.stride(0), seq, task % a.num_kv_heads, row_begin, row_end, buf);
     }
   });
 }

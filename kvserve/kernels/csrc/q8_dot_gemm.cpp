@@ -67,6 +67,62 @@ inline int stored_position(int k, CodeOrder order) {
   return (k & ~7) + kInChunk[k & 7];
 }
 
+// One group of 32: its codes into dst (stored order) and its step; returns the codes' sum.
+#if KVSERVE_VEC
+// With AVX2 (every vector build has it), equal to the scalar loop below to the bit: the absmax
+// is a max (exact in any order), the product and step are the scalar's float operations, cvtps
+// rounds to nearest even as nearbyint does in the default rounding mode, and the codes
+// (|code| <= 127) pack without saturating. The scalar loop cost ~4 ns a value: 6 us for down's
+// 1,536 inputs, on one thread while the other waits, ~0.4 ms of a batch-1 decode step.
+int quantize_group(const float* src, int8_t* dst, CodeOrder order, float& step) {
+  __m256 values[4];
+  __m256 absmax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    values[i] = _mm256_loadu_ps(src + 8 * i);
+    absmax = _mm256_max_ps(absmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), values[i]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+  step = _mm_cvtss_f32(half) / 127.f;
+  const __m256 inverse = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
+  __m256i codes[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+    sum = _mm256_add_epi32(sum, codes[i]);
+  }
+  // packs work per 128-bit lane: bytes come out as 4-value runs of codes[0..3], low halves in
+  // the low lane; the permute restores k order
+  const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
+                                           _mm256_packs_epi32(codes[2], codes[3]));
+  __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (order == CodeOrder::kInt4Lanes) {  // each 8-value chunk as (k0, k4, k1, k5, ... k3, k7)
+    const __m128i chunk = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    bytes = _mm256_shuffle_epi8(bytes, _mm256_broadcastsi128_si256(chunk));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  __m128i total = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4E));
+  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xB1));
+  return _mm_cvtsi128_si32(total);
+}
+#else
+int quantize_group(const float* src, int8_t* dst, CodeOrder order, float& step) {
+  float absmax = 0.f;
+  for (int k = 0; k < 32; ++k) absmax = std::max(absmax, std::fabs(src[k]));
+  step = absmax / 127.f;
+  const float inverse = step > 0.f ? 1.f / step : 0.f;
+  int code_sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int code = static_cast<int>(std::nearbyint(src[k] * inverse));
+    dst[stored_position(k, order)] = static_cast<int8_t>(code);
+    code_sum += code;
+  }
+  return code_sum;
+}
+#endif
+
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t ldx, int64_t cols,
                             CodeOrder order) {
   QuantizedRows q;
@@ -77,18 +133,9 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t ldx, int64_t c
   q.sum.resize(rows * q.groups);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < q.groups; ++g) {
-      const float* src = x + m * ldx + g * 32;
-      float absmax = 0.f;
-      for (int k = 0; k < 32; ++k) absmax = std::max(absmax, std::fabs(src[k]));
-      const float step = absmax / 127.f;
-      const float inverse = step > 0.f ? 1.f / step : 0.f;
-      int8_t* dst = q.codes.data() + m * cols + g * 32;
-      int code_sum = 0;
-      for (int k = 0; k < 32; ++k) {
-        const int code = static_cast<int>(std::nearbyint(src[k] * inverse));
-        dst[stored_position(k, order)] = static_cast<int8_t>(code);
-        code_sum += code;
-      }
+      float step;
+      const int code_sum = quantize_group(x + m * ldx + g * 32, q.codes.data() + m * cols + g * 32,
+                                          order, step);
       q.step[m * q.groups + g] = step;
       q.sum[m * q.groups + g] = step * static_cast<float>(code_sum);
     }

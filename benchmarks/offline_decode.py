@@ -1,0 +1,134 @@
+"""Offline single-stream decode, kvserve against llama.cpp's own `llama-bench`, interleaved.
+
+The issue's offline row is `llama-bench -n 128` (tg128) against our batch-1 decode step. On
+these VMs one process's speed drifts by 20% from minute to minute, so the two systems take turns:
+each round runs one llama-bench repetition (`-r 1`) then one kvserve request, for every context
+depth, and the report gives the medians of the rounds and the ratio of the medians.
+
+Depth d means what llama-bench's `-d` means: d tokens already in the context, then 128 tokens
+generated and timed (s1 is a 256-token prompt and 128 outputs: depth 256). kvserve side: one
+offline engine (`LLM`, core on a thread), a request with a d-token prompt (one token at depth 0),
+prefilled untimed, then 128 decode steps timed; ms a token is their mean, like llama-bench's.
+
+Usage: .venv/bin/python benchmarks/offline_decode.py [--rounds 7] [--depths 0,256] [--name N]
+Writes benchmarks/results/<cpu>/<date>-<name>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_BENCH = ROOT / "benchmarks/peers/work/llama.cpp/build/bin/llama-bench"
+NEW_TOKENS = 128
+
+
+def llama_bench_ms(model_path: str, depth: int, threads: int) -> float:
+    """One tg128 repetition at this depth: ms a token (llama-bench's avg_ns / 128)."""
+    command = [str(LLAMA_BENCH), "-m", model_path, "-p", "0", "-n", str(NEW_TOKENS),
+               "-d", str(depth), "-t", str(threads), "-r", "1", "-o", "json"]
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    (test,) = json.loads(result.stdout)
+    return test["avg_ns"] / 1e6 / NEW_TOKENS
+
+
+def kvserve_ms(engine, depth: int, round_index: int) -> float:
+    """A fresh request of `depth` prompt tokens (random ids, no prefix hits between rounds),
+    prefilled untimed, then NEW_TOKENS decode steps: mean ms a step."""
+    from kvserve import SamplingParams
+
+    rng = random.Random(1000 * depth + round_index)
+    prompt = [rng.randrange(100, 40000) for _ in range(max(depth, 1))]
+    request_id = f"d{depth}-r{round_index}"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS + 1, ignore_eos=True)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    generated = 0
+    while generated == 0:  # prefill (and its first token), untimed
+        generated = sum(len(o.outputs[0].token_ids) for o in engine.step()
+                        if o.request_id == request_id)
+    start = time.perf_counter()
+    for _ in range(NEW_TOKENS):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    engine.abort_request([request_id])
+    return elapsed * 1000 / NEW_TOKENS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--depths", default="0,256")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="offline-decode")
+    args = parser.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+
+    from kvserve import LLM
+    from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
+
+    llm = LLM(engine_core="thread")
+    engine = llm.llm_engine
+    model_path = str(engine.source.path)  # llama-bench reads the same GGUF
+    kvserve_ms(engine, depths[0], -1)  # warm-up
+    rounds: dict[str, dict[int, list[float]]] = {"kvserve": {}, "llama.cpp": {}}
+    for round_index in range(args.rounds):
+        for depth in depths:
+            rounds["llama.cpp"].setdefault(depth, []).append(
+                llama_bench_ms(model_path, depth, args.threads))
+            rounds["kvserve"].setdefault(depth, []).append(kvserve_ms(engine, depth, round_index))
+            print(f"round {round_index} depth {depth}: llama.cpp "
+                  f"{rounds['llama.cpp'][depth][-1]:.2f} ms, kvserve "
+                  f"{rounds['kvserve'][depth][-1]:.2f} ms", flush=True)
+    header = machine_header()
+    report = {"name": args.name, "date": datetime.date.today().isoformat(), "machine": header,
+              "cpu": cpu_label(header), "model": model_path, "new_tokens": NEW_TOKENS,
+              "threads": args.threads, "rounds": rounds, "summary": _summary(rounds, depths)}
+    out = ROOT / "benchmarks/results" / cpu_slug(header) / f"{report['date']}-{args.name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(_markdown(report, depths))
+    print(out.with_suffix(".md").read_text())
+
+
+def _summary(rounds: dict, depths: list[int]) -> dict:
+    summary = {}
+    for depth in depths:
+        ours = statistics.median(rounds["kvserve"][depth])
+        theirs = statistics.median(rounds["llama.cpp"][depth])
+        # adjacent runs share the VM's mood of the moment: their ratio is the steadier figure
+        paired = statistics.median(a / b for a, b in zip(rounds["kvserve"][depth],
+                                                         rounds["llama.cpp"][depth]))
+        summary[depth] = {"kvserve_ms": ours, "llama_cpp_ms": theirs, "ratio": ours / theirs,
+                          "median_round_ratio": paired}
+    return summary
+
+
+def _markdown(report: dict, depths: list[int]) -> str:
+    lines = [f"# {report['name']} ({report['date']})", "",
+             f"CPU: {report['cpu']}. Model: {report['model']}. {report['threads']} threads, "
+             f"{len(report['rounds']['kvserve'][depths[0]])} interleaved rounds; tg{NEW_TOKENS} "
+             f"at each depth: `llama-bench -p 0 -n {NEW_TOKENS} -d D -r 1` against kvserve's "
+             "offline engine (benchmarks/offline_decode.py).", "",
+             "| depth | kvserve ms/token (median) | llama.cpp ms/token (median) | ratio | "
+             "median of the rounds' ratios | kvserve rounds | llama.cpp rounds |",
+             "|---|---|---|---|---|---|---|"]
+    for depth in depths:
+        row = report["summary"][depth]
+        ours = ", ".join(f"{v:.2f}" for v in report["rounds"]["kvserve"][depth])
+        theirs = ", ".join(f"{v:.2f}" for v in report["rounds"]["llama.cpp"][depth])
+        lines.append(f"| {depth} | {row['kvserve_ms']:.2f} | {row['llama_cpp_ms']:.2f} | "
+                     f"{row['ratio']:.2f}x | {row['median_round_ratio']:.2f}x | {ours} | "
+                     f"{theirs} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
