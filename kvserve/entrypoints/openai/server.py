@@ -160,6 +160,10 @@ def _graceful_server_class():
 
 # uvicorn's own deadline, after ours: the handlers need a moment to send their error bodies
 _SHUTDOWN_MARGIN_SECONDS = 2.0
+# After the engine dies the server answers 503 this long before it stops listening, so a health
+# probe sees it unhealthy rather than only gone (seen: a probe in flight across the death got no
+# answer at all when the exit began within one poll).
+_DEAD_ENGINE_DRAIN_SECONDS = 1.0
 
 
 def run_server(engine_config, server_config: ServerConfig) -> int:
@@ -191,6 +195,7 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
                 # its streams have their errors already; exit so an orchestrator restarts us
                 logger.error("engine core died: %s; exiting", engine.fatal_error)
                 exit_code = 1
+                await asyncio.sleep(_DEAD_ENGINE_DRAIN_SECONDS)
                 server.should_exit = True
             await asyncio.sleep(0.2)
         await asyncio.sleep(server_config.shutdown_timeout)
