@@ -11,7 +11,8 @@ from typing import Any
 
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+QK_NORM_ARCHITECTURES = ("qwen3",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class ModelConfig:
     # keys at positions k with p - k < window, as HF's `sliding_window` mask. Empty when no layer
     # has one. Read per family as HF transformers does (`_hf_sliding_windows`).
     sliding_windows: tuple[int | None, ...] = ()
+    # RMSNorm over each query and key head before RoPE (Qwen3; Gemma 3), weights of head_dim.
+    qk_norm: bool = False
 
     def __post_init__(self):
         windows = tuple(None if w is None else int(w) for w in self.sliding_windows)
@@ -94,6 +97,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             sliding_windows=_hf_sliding_windows(hf),
+            qk_norm=model_type in QK_NORM_ARCHITECTURES,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -137,7 +141,7 @@ class ModelConfig:
         layer_types = ["full_attention" if w is None else "sliding_attention"
                        for w in self.sliding_windows]
         fields: dict[str, Any] = {"sliding_window": window, "layer_types": layer_types}
-        if self.architecture == "qwen2":
+        if self.architecture in ("qwen2", "qwen3"):
             fields["use_sliding_window"] = True
             fields["max_window_layers"] = layer_types.index("sliding_attention")
         return fields
@@ -147,6 +151,7 @@ _HF_CLASS_NAMES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -155,7 +160,8 @@ def _hf_sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     Llama has none; Mistral windows every layer with `sliding_window` (absent: MistralConfig's
     default 4096; null: none) and ignores `layer_types`; Qwen2 drops `sliding_window` unless
     `use_sliding_window`, and its layers are `layer_types` or else those from index
-    `max_window_layers` on; other families follow `layer_types` where the config has one."""
+    `max_window_layers` on (Qwen3 likewise); other families follow `layer_types` where the
+    config has one."""
     model_type = hf.get("model_type", "")
     layers = hf["num_hidden_layers"]
     if model_type == "llama":
@@ -163,7 +169,7 @@ def _hf_sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     if model_type == "mistral":
         window = hf.get("sliding_window", 4096)
         return (window,) * layers if window is not None else ()
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28)

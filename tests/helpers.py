@@ -351,6 +351,8 @@ _TO_GGUF = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -389,9 +391,10 @@ def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
         metadata(writer)
     for name, array in tensors.items():
         gguf_name = _gguf_name(name)
-        if "q_proj" in name:
+        permuted = arch in ("llama", "mistral")  # llama.cpp's converter permutes these only
+        if permuted and "q_proj" in name:
             array = llama_cpp_permute(array, config.num_attention_heads)
-        elif "k_proj" in name:
+        elif permuted and "k_proj" in name:
             array = llama_cpp_permute(array, config.num_key_value_heads)
         if raw_override and gguf_name in raw_override:
             data, raw_type = raw_override[gguf_name]

@@ -120,6 +120,13 @@ def test_replicated_kv_heads_match_one_process(pool):
     _check(pool, REPLICATED_KV[pool.world_size], "paged", "none", "shm")
 
 
+def test_qk_norm_shards_match_one_process(pool):
+    """Qwen3's QK-norm: its weights (one head's width) are replicated and each rank normalises
+    its own heads, so the shards still equal one process."""
+    _check(pool, dict(CONFIGS[pool.world_size], architecture="qwen3", qk_norm=True), "paged",
+           "none", "shm")
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 

@@ -5,7 +5,7 @@ Zen 3); the stack runs the same ops in the same order from C++, so its outputs a
 the bit (tests/test_decode_stack.py).
 
 It applies to a model on the fused path with the compiled kernels, whole (one pipeline stage, no
-tensor parallelism, no layer-wise KV connector), whose projections our kernels or a dense GEMM
+tensor parallelism, no layer-wise KV connector, no QK-norm), whose projections our kernels or a dense GEMM
 serve, and to steps whose every sequence takes the paged attention kernel (decodes and short
 chunks; the others take the Python path). `--enforce-eager` (vLLM's name) turns it off.
 """
@@ -29,6 +29,8 @@ def build_decode_stack(inner: nn.Module):
     for layer in inner.stage_layers:
         attention, mlp = layer.self_attn, layer.mlp
         if attention.kv_cache is None or attention.tp is not None or mlp.tp is not None:
+            return None
+        if attention.q_norm is not None:  # QK-norm is not among the stack's ops
             return None
         projections = [_stack_linear(ops, module) for module in
                        (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) over one flattened ragged batch.
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over one flattened ragged batch.
 
 `forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H]`: no padding, no notion of
 requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
@@ -84,6 +84,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # QK-norm (Qwen3): each query and key head RMS-normalised before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
@@ -93,6 +96,8 @@ class LlamaAttention(nn.Module):
         query = query.view(-1, self.num_heads, self.head_dim)
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, key, rotary)
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
@@ -109,6 +114,8 @@ class LlamaAttention(nn.Module):
         # projections called through .forward: nn.Module.__call__ costs ~1 us of hook checks,
         # ~120 times per step (the fused path never uses hooks)
         qkv = self.qkv_proj.forward(hidden)
+        if self.q_norm is not None:
+            self._norm_heads_in_place(qkv)
         ops = self.backend.ops
         ops.rope_and_cache_(qkv, positions, cos_sin, self.kv_cache, metadata.slot_mapping,
                             self.num_heads, self.num_kv_heads, self.head_dim)
@@ -119,6 +126,17 @@ class LlamaAttention(nn.Module):
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
         return out
+
+
+    def _norm_heads_in_place(self, qkv: torch.Tensor) -> None:
+        """QK-norm on the fused QKV rows, before the fused RoPE + cache write: the query and
+        key heads replaced by their normalised values (the same ops as the eager path)."""
+        tokens = qkv.shape[0]
+        query = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
+        key = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads,
+                                                                  self.head_dim)
+        query.copy_(self.q_norm(query))
+        key.copy_(self.k_norm(key))
 
 
 class LlamaMLP(nn.Module):
@@ -447,6 +465,8 @@ def hf_parameter_names(config: ModelConfig) -> list[str]:
     ]
     if config.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_hidden_layers):
         names += [f"model.layers.{i}.{suffix}" for suffix in per_layer]
     return names
