@@ -429,3 +429,19 @@ def wait_engine_idle(engine, timeout=5.0) -> int:
         core.housekeeping()
         time.sleep(0.02)
     return core.kv_manager.pool.num_used_blocks
+
+
+def assert_engine_chunked_and_cached_match(directory, prompts, expected, new_tokens) -> None:
+    """Through the engine (core on a thread, float32): the prompts chunked by a 32-token
+    budget, then served again from the prefix cache (chunks over cached blocks), give the
+    expected greedy tokens both times, and the second pass hits the cache."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=str(directory), dtype="float32", max_num_batched_tokens=32,
+              enable_prefix_caching=True, block_size=16, engine_core="thread")
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    for _ in range(2):
+        results = llm.generate(requests, params, use_tqdm=False)
+        assert [r.outputs[0].token_ids for r in results] == expected
+    assert llm.llm_engine.engine_core.kv_manager.stats.hits > 0

@@ -13,6 +13,7 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import write_tokenizer_files
+from tests.helpers import assert_engine_chunked_and_cached_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,13 +117,5 @@ def test_qk_norm_matters(qwen3):
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(qwen3):
     """Through the engine (fused path, compiled kernels where the machine has them): prompts
     chunked by a 32-token budget, then again from the prefix cache, give HF's tokens."""
-    from kvserve import LLM, SamplingParams
-
-    llm = LLM(model=str(qwen3["dir"]), dtype="float32", max_num_batched_tokens=32,
-              enable_prefix_caching=True, block_size=16, engine_core="thread")
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [{"prompt_token_ids": prompt} for prompt in qwen3["prompts"]]
-    for _ in range(2):
-        results = llm.generate(requests, params, use_tqdm=False)
-        assert [r.outputs[0].token_ids for r in results] == qwen3["tokens"]
-    assert llm.llm_engine.engine_core.kv_manager.stats.hits > 0
+    assert_engine_chunked_and_cached_match(qwen3["dir"], qwen3["prompts"], qwen3["tokens"],
+                                           NEW_TOKENS)

@@ -19,7 +19,7 @@ from kvserve.models import load_model, random_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config, write_tiny_model_dir, write_tokenizer_files
 from kvserve.weights.gguf_file import config_from_metadata
-from tests.helpers import bounded
+from tests.helpers import assert_engine_chunked_and_cached_match, bounded
 
 transformers = pytest.importorskip("transformers")
 
@@ -252,17 +252,9 @@ def test_the_window_changes_the_tokens(family, request, tmp_path):
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(family, request):
     """Through the engine: prompts chunked by a 32-token budget, then served again from the
     prefix cache (chunks over cached blocks), give HF's tokens both times."""
-    from kvserve import LLM, SamplingParams
-
     case = request.getfixturevalue(family)
-    llm = LLM(model=str(case["dir"]), dtype="float32", max_num_batched_tokens=32,
-              enable_prefix_caching=True, block_size=16, engine_core="thread")
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [{"prompt_token_ids": prompt} for prompt in case["prompts"]]
-    for _ in range(2):
-        results = llm.generate(requests, params, use_tqdm=False)
-        assert [r.outputs[0].token_ids for r in results] == case["expected"]
-    assert llm.llm_engine.engine_core.kv_manager.stats.hits > 0
+    assert_engine_chunked_and_cached_match(case["dir"], case["prompts"], case["expected"],
+                                           NEW_TOKENS)
 
 
 @pytest.mark.slow
