@@ -20,6 +20,7 @@ from kvserve.errors import (
     UnsupportedArchitectureError,
     UnsupportedQuantizationError,
 )
+from kvserve.weights.gguf_reader import GGUFFile
 
 # GGUF arrays we never need as Python lists when reading the model config.
 _BULKY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -50,32 +51,21 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def open_gguf(path: Path):
-    """Open a GGUF file, turning parse failures into CorruptModelFileError."""
-    from gguf import GGUFReader
-
+def open_gguf(path: Path) -> GGUFFile:
+    """Open a GGUF file (gguf_reader.py), turning parse failures into CorruptModelFileError."""
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ...
+        return GGUFFile(path)
+    except Exception as exc:  # ValueError, struct.error, UnicodeDecodeError, ...
         raise CorruptModelFileError(
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
             "Re-download or re-convert it."
         ) from exc
 
 
-def read_metadata(reader, include_bulky: bool = False) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile, include_bulky: bool = False) -> dict[str, Any]:
     """All key/value metadata as Python values (tokenizer arrays only when asked)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if not include_bulky and key in _BULKY_KEYS:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as exc:
-            raise CorruptModelFileError(f"GGUF metadata key {key!r} is unreadable: {exc}") from exc
-    return meta
+    return {key: value for key, value in reader.metadata.items()
+            if include_bulky or key not in _BULKY_KEYS}
 
 
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
