@@ -5,9 +5,9 @@ Zen 3); the stack runs the same ops in the same order from C++, so its outputs a
 the bit (tests/test_decode_stack.py).
 
 It applies to a model on the fused path with the compiled kernels, whole (one pipeline stage, no
-tensor parallelism, no layer-wise KV connector, no QK-norm), whose projections our kernels or a dense GEMM
-serve, and to steps whose every sequence takes the paged attention kernel (decodes and short
-chunks; the others take the Python path). `--enforce-eager` (vLLM's name) turns it off.
+tensor parallelism, no layer-wise KV connector, no QK-norm), whose projections our kernels or a
+dense GEMM serve, and to steps whose every sequence takes the paged attention kernel (decodes
+and short chunks; the others take the Python path). `--enforce-eager` (vLLM's name) turns it off.
 """
 
 from __future__ import annotations

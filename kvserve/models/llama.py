@@ -127,7 +127,6 @@ class LlamaAttention(nn.Module):
             self.tp.communicator.all_reduce_(out)
         return out
 
-
     def _norm_heads_in_place(self, qkv: torch.Tensor) -> None:
         """QK-norm on the fused QKV rows, before the fused RoPE + cache write: the query and
         key heads replaced by their normalised values (the same ops as the eager path)."""

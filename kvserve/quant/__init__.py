@@ -8,4 +8,5 @@ from kvserve.quant.linear import (
     use_bf16_panels,
 )
 
-__all__ = ["QUANTIZATION_MODES", "check_quantization_device", "quantize_model", "resolve_quantization", "use_bf16_panels"]
+__all__ = ["QUANTIZATION_MODES", "check_quantization_device", "quantize_model",
+           "resolve_quantization", "use_bf16_panels"]
