@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -113,8 +114,6 @@ def short_names() -> list[str]:
 def _resolve_assembled(key: str) -> ModelSource:
     """The model's file in the cache directory, joined from its part packages on first use
     (into a temporary name, renamed when whole and checked, so a crash leaves no half file)."""
-    import os
-
     from kvserve.paths import cache_dir
 
     package, filename, requirement = ASSEMBLED_MODELS[key]
