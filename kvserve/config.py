@@ -11,8 +11,14 @@ from typing import Any
 
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-QK_NORM_ARCHITECTURES = ("qwen3",)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+# Gemma: norms scale by (1 + weight) in float32, around attention and MLP both (before and after),
+# a GeGLU MLP, the embedding scaled by sqrt(hidden), attention scaled by query_pre_attn_scalar.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# HF model_type -> our architecture name (the GGUF one) where they differ
+_HF_ARCHITECTURE_NAMES = {"gemma3_text": "gemma3"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,22 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     # RMSNorm over each query and key head before RoPE (Qwen3; Gemma 3), weights of head_dim.
     qk_norm: bool = False
+    # Gemma: each norm scales by (norm_weight_offset + weight), computed in float32 (HF's
+    # Gemma RMSNorm; 0: Llama's weight * dtype(normalised)).
+    norm_weight_offset: float = 0.0
+    # Gemma 2/3: norms after attention and after the MLP too (HF's post_attention_layernorm
+    # then normalises the attention output; pre_feedforward_layernorm the MLP's input).
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # the MLP's gate activation: one of ACTIVATIONS
+    embedding_multiplier: float | None = None  # Gemma: sqrt(hidden); None: 1
+    attention_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5; None: head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits likewise
+    # Gemma 3: the RoPE base of sliding-window layers (rope_theta and rope_scaling are then the
+    # full-attention layers'); None: every layer uses rope_theta.
+    local_rope_theta: float | None = None
+    # Per decoder layer, whether it applies RoPE (SmolLM3 skips every fourth); empty: all do.
+    rope_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
         windows = tuple(None if w is None else int(w) for w in self.sliding_windows)
@@ -55,12 +77,35 @@ class ModelConfig:
             raise ValueError(f"{len(windows)} sliding windows for {self.num_hidden_layers} layers")
         if all(w is None for w in windows):
             windows = ()
+        rope_layers = tuple(bool(r) for r in self.rope_layers)
+        if rope_layers and len(rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
+        if all(rope_layers):
+            rope_layers = ()
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedArchitectureError(
+                f"activation {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
         # normalised (JSON caches hand back lists): frozen, so through object.__setattr__
         object.__setattr__(self, "sliding_windows", windows)
+        object.__setattr__(self, "rope_layers", rope_layers)
 
     def sliding_window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window, None for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def layer_rope(self, layer: int) -> str:
+        """Which RoPE table layer `layer` uses: "global" (rope_theta, rope_scaling), "local"
+        (local_rope_theta, unscaled: Gemma 3's sliding layers) or "none" (no rotation)."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return "none"
+        if self.local_rope_theta is not None and self.sliding_window(layer):
+            return "local"
+        return "global"
+
+    @property
+    def scale(self) -> float:
+        """The attention score scale."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -73,7 +118,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from an HF `config.json` dict."""
-        model_type = hf.get("model_type", "")
+        model_type = hf_architecture_name(hf.get("model_type", ""))
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
@@ -91,19 +136,24 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=_hf_rope_theta(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             rope_scaling=_hf_rope_scaling(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             sliding_windows=_hf_sliding_windows(hf),
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            rope_layers=tuple(hf.get("no_rope_layers") or ()) if model_type == "smollm3" else (),
+            local_rope_theta=_hf_local_rope_theta(hf),
+            **(gemma_options(model_type, hidden, hf) if model_type in GEMMA_ARCHITECTURES
+               else {}),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF `config.json` fields that describe this model (used by tests and exports)."""
         hf: dict[str, Any] = {
-            "model_type": self.architecture,
+            "model_type": _HF_MODEL_TYPES.get(self.architecture, self.architecture),
             "architectures": [_HF_CLASS_NAMES.get(self.architecture, "LlamaForCausalLM")],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -117,12 +167,24 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
+            "hidden_activation": self.hidden_act,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
+        if self.architecture in GEMMA_ARCHITECTURES:
+            hf["query_pre_attn_scalar"] = self.scale**-2
+            hf["attn_logit_softcapping"] = self.attn_logit_softcapping
+            hf["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.local_rope_theta is not None:
+            hf["rope_parameters"] = {
+                "full_attention": dict(self.rope_scaling or {"rope_type": "default"},
+                                       rope_theta=self.rope_theta),
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}}
+        if self.rope_layers:
+            hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
         hf.update(self._hf_window_fields())
         return hf
 
@@ -152,7 +214,33 @@ _HF_CLASS_NAMES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+def hf_architecture_name(model_type: str | None) -> str | None:
+    """Our architecture name for an HF model_type (the GGUF name where they differ)."""
+    return _HF_ARCHITECTURE_NAMES.get(model_type, model_type)
+
+
+_HF_MODEL_TYPES = {ours: hf for hf, ours in _HF_ARCHITECTURE_NAMES.items()}
+# families whose HF config class defaults tie_word_embeddings to true
+_TIED_BY_DEFAULT = ("gemma2", "gemma3", "smollm3")
+
+
+def gemma_options(architecture: str, hidden_size: int, hf: dict[str, Any] | None = None,
+                  ) -> dict[str, Any]:
+    """The ModelConfig fields every Gemma shares, and the HF config's scale and caps."""
+    hf = hf or {}
+    scalar = hf.get("query_pre_attn_scalar")
+    return {
+        "norm_weight_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_multiplier": hidden_size**0.5,
+        "attention_scale": None if scalar is None else float(scalar) ** -0.5,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }
 
 
 def _hf_sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
@@ -176,9 +264,17 @@ def _hf_sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
             else "full_attention" for i in range(layers)]
     else:
         window, layer_types = hf.get("sliding_window"), hf.get("layer_types")
+        if not layer_types and model_type in _GEMMA_WINDOW_PATTERNS and window is not None:
+            every = hf.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERNS[model_type]
+            layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                           for i in range(layers)]
         if not layer_types:
             return ()
     return _windows_of_layer_types(layer_types, window, layers)
+
+
+# Gemma configs from before `layer_types`: every n-th layer is global (HF's and llama.cpp's n)
+_GEMMA_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 
 
 def _windows_of_layer_types(layer_types: list[str], window: int | None,
@@ -196,15 +292,33 @@ def _windows_of_layer_types(layer_types: list[str], window: int | None,
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
+def _hf_rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    """The (global layers') RoPE parameters: Gemma 3 keeps one set per layer type."""
+    params = hf.get("rope_parameters") or {}
+    return params.get("full_attention") or params if isinstance(params, dict) else {}
+
+
 def _hf_rope_theta(hf: dict[str, Any]) -> float:
     if "rope_theta" in hf:
         return float(hf["rope_theta"])
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+    return float(_hf_rope_params(hf).get("rope_theta", 10000.0))
+
+
+def _hf_local_rope_theta(hf: dict[str, Any]) -> float | None:
+    """Gemma 3's sliding layers' RoPE base (`rope_parameters.sliding_attention`, or the older
+    `rope_local_base_freq`); those layers must be unscaled, as in every Gemma 3 release."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if local is None:
+        theta = hf.get("rope_local_base_freq")
+        return None if theta is None else float(theta)
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedArchitectureError(
+            f"RoPE scaling {local['rope_type']!r} on sliding-window layers is not supported")
+    return float(local.get("rope_theta", 10000.0))
 
 
 def _hf_rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling") or _hf_rope_params(hf)
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type")

@@ -431,13 +431,14 @@ def wait_engine_idle(engine, timeout=5.0) -> int:
     return core.kv_manager.pool.num_used_blocks
 
 
-def assert_engine_chunked_and_cached_match(directory, prompts, expected, new_tokens) -> None:
-    """Through the engine (core on a thread, float32): the prompts chunked by a 32-token
+def assert_engine_chunked_and_cached_match(directory, prompts, expected, new_tokens,
+                                           chunk_tokens: int = 32) -> None:
+    """Through the engine (core on a thread, float32): the prompts chunked by a `chunk_tokens`
     budget, then served again from the prefix cache (chunks over cached blocks), give the
     expected greedy tokens both times, and the second pass hits the cache."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(model=str(directory), dtype="float32", max_num_batched_tokens=32,
+    llm = LLM(model=str(directory), dtype="float32", max_num_batched_tokens=chunk_tokens,
               enable_prefix_caching=True, block_size=16, engine_core="thread")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     requests = [{"prompt_token_ids": prompt} for prompt in prompts]

@@ -11,16 +11,27 @@ import torch.nn.functional as F
 from kvserve.kernels.top_p import top_p_mask_  # noqa: F401  (csrc/sampling.cpp's reference)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """HF's LlamaRMSNorm; with a weight_offset (Gemma) HF's GemmaRMSNorm, scaling by
+    (weight_offset + weight) in float32 before the one rounding to x's dtype."""
     hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_offset:
+        return (hidden * (weight_offset + weight.float())).to(x.dtype)
     return weight * hidden.to(x.dtype)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> None:
+                  eps: float, weight_offset: float = 0.0) -> None:
     residual.add_(x)
-    x.copy_(rms_norm(residual, weight, eps))
+    x.copy_(rms_norm(residual, weight, eps, weight_offset))
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh GELU (HF's gelu_pytorch_tanh), Gemma's MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

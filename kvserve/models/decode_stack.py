@@ -5,7 +5,8 @@ Zen 3); the stack runs the same ops in the same order from C++, so its outputs a
 the bit (tests/test_decode_stack.py).
 
 It applies to a model on the fused path with the compiled kernels, whole (one pipeline stage, no
-tensor parallelism, no layer-wise KV connector, no QK-norm), whose projections our kernels or a
+tensor parallelism, no layer-wise KV connector) of plain Llama layers (no QK-norm, no Gemma
+norms or GeGLU, one RoPE table), whose projections our kernels or a
 dense GEMM serve, and to steps whose every sequence takes the paged attention kernel (decodes
 and short chunks; the others take the Python path). `--enforce-eager` (vLLM's name) turns it off.
 """
@@ -30,7 +31,7 @@ def build_decode_stack(inner: nn.Module):
         attention, mlp = layer.self_attn, layer.mlp
         if attention.kv_cache is None or attention.tp is not None or mlp.tp is not None:
             return None
-        if attention.q_norm is not None:  # QK-norm is not among the stack's ops
+        if not _stack_runs_layer(layer):
             return None
         projections = [_stack_linear(ops, module) for module in
                        (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -42,6 +43,15 @@ def build_decode_stack(inner: nn.Module):
     first = inner.stage_layers[0].self_attn
     return ops.DecodeStack(layers, inner.norm.weight, inner.norm.eps, first.num_heads,
                            first.num_kv_heads, first.head_dim, first.scale)
+
+
+def _stack_runs_layer(layer: nn.Module) -> bool:
+    """Whether the stack's ops are the layer's: SwiGLU between one pre-attention and one pre-MLP
+    Llama RMSNorm, attention on the global RoPE table, no QK-norm."""
+    attention = layer.self_attn
+    return (attention.q_norm is None and attention.rope_kind == "global"
+            and not layer.sandwich_norms and layer.mlp.hidden_act == "silu"
+            and not layer.input_layernorm.weight_offset)
 
 
 def _stack_linear(ops, module: nn.Module):

@@ -15,23 +15,35 @@ from kvserve.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """HF's LlamaRMSNorm, or with `weight_offset` (Gemma: 1) its GemmaRMSNorm, which keeps
+    the checkpoint's weight w and scales by (1 + w) in float32."""
+
+    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size) - weight_offset)
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden.dtype
         hidden = hidden.float()
         variance = hidden.pow(2).mean(-1, keepdim=True)
         hidden = hidden * torch.rsqrt(variance + self.eps)
+        if self.weight_offset:
+            return (hidden * (self.weight_offset + self.weight.float())).to(input_dtype)
         return self.weight * hidden.to(input_dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, with Llama 3 / linear scaling applied."""
+def rope_inverse_frequencies(config: ModelConfig, kind: str = "global") -> torch.Tensor:
+    """Per-pair rotation frequencies of one of the config's RoPE tables (`layer_rope`):
+    "global" with Llama 3 / linear scaling applied, "local" (Gemma 3's sliding layers) at
+    local_rope_theta unscaled, "none" all zero (cos 1, sin 0: the identity rotation)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if kind == "none":
+        return torch.zeros(dim // 2)
+    if kind == "local":
+        return 1.0 / (config.local_rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type")
@@ -66,19 +78,28 @@ class RotaryEmbedding(nn.Module):
     frequencies, as llama.cpp does for Llama 3 long-context scaling.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kind: str = "global"):
         super().__init__()
         self.config = config
+        self.kind = kind  # which of the config's tables (rope_inverse_frequencies)
         self.max_positions = config.max_position_embeddings
-        self.register_buffer("freq_factors", torch.ones(config.head_dim // 2))
+        if kind == "global":  # a GGUF's rope_freqs scale the (Llama 3) global table only
+            self.register_buffer("freq_factors", torch.ones(config.head_dim // 2))
+        else:
+            self.freq_factors = None
         self.reset_tables()
 
     @torch.no_grad()
-    def reset_tables(self) -> None:
-        """(Re)compute the cos/sin table from the config and freq_factors, in float32."""
+    def reset_tables(self, device: torch.device | None = None) -> None:
+        """(Re)compute the cos/sin table from the config and freq_factors, in float32, on
+        freq_factors' device (the global table), else `device` (else the default)."""
         factors = self.freq_factors
-        inv_freq = rope_inverse_frequencies(self.config).to(factors.device) / factors.float()
-        positions = torch.arange(self.max_positions, dtype=torch.float32, device=factors.device)
+        if factors is not None:
+            device = factors.device
+        inv_freq = rope_inverse_frequencies(self.config, self.kind).to(device)
+        if factors is not None:
+            inv_freq = inv_freq / factors.float()
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         self.register_buffer("cos_sin", table, persistent=False)

@@ -1,4 +1,8 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over one flattened ragged batch.
+"""The decoder families on one set of layers (Llama 2/3, SmolLM 2/3, Mistral, Qwen2, Qwen3,
+Gemma 2/3) over one flattened ragged batch. A family is a set of ModelConfig options, read from
+its HF config or GGUF metadata (kvserve/config.py, kvserve/weights/gguf_file.py): QK-norm, Gemma's
+(1 + w) norms around both attention and MLP, GeGLU, a scaled embedding, a per-layer RoPE table
+(Gemma 3's local and global bases, SmolLM3's RoPE-less layers), logit soft-capping.
 
 `forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H]`: no padding, no notion of
 requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -40,6 +45,7 @@ from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
 from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
 from kvserve.errors import UnsupportedArchitectureError
+from kvserve.kernels.reference import gelu_tanh_and_mul
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
@@ -76,17 +82,21 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.tp = active(parallel)
         self.sliding_window = config.sliding_window(layer_index) or 0  # 0: full attention
+        self.rope_kind = config.layer_rope(layer_index)  # which RoPE table (LlamaModel.rotaries)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.scale
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        # QK-norm (Qwen3): each query and key head RMS-normalised before RoPE
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # QK-norm (Qwen3, Gemma 3): each query and key head RMS-normalised before RoPE
+        offset = config.norm_weight_offset
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm \
+            else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset) if config.qk_norm \
+            else None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
 
@@ -138,34 +148,54 @@ class LlamaAttention(nn.Module):
         key.copy_(self.k_norm(key))
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh GELU (Gemma's GeGLU)."""
+
     def __init__(self, config: ModelConfig, parallel: ParallelContext | None = None):
         super().__init__()
         self.tp = active(parallel)
         self.intermediate_size = config.intermediate_size
+        self.hidden_act = config.hidden_act
+        self.act = _ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
         return out
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual blocks. With `sandwich_norms` (Gemma) post_attention_layernorm
+    normalises attention's output, and pre_/post_feedforward_layernorm wrap the MLP."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  parallel: ParallelContext | None = None, layer_index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.input_layernorm = norm()
         self.self_attn = LlamaAttention(config, backend, parallel, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = LlamaMLP(config, parallel)
 
     def forward(self, rotary, hidden, metadata):
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(rotary, self.input_layernorm(hidden), metadata)
+        if not self.sandwich_norms:
+            hidden = hidden + attended
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp_out)
 
 
 class LlamaModel(nn.Module):
@@ -173,6 +203,7 @@ class LlamaModel(nn.Module):
                  parallel: ParallelContext | None = None):
         super().__init__()
         check_sliding_window_support(config, backend)
+        check_softcap_support(config, backend)
         pp_rank, pp_size = stage_of(parallel)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         counts = (parallel.layer_partition if parallel is not None and parallel.layer_partition
@@ -188,15 +219,19 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                        parallel)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.embedding_multiplier = config.embedding_multiplier
+        self.rotary_emb = RotaryEmbedding(config)  # the global table: every layer's but these
+        kinds = {config.layer_rope(i) for i in range(self.start_layer, self.end_layer)}
+        self.local_rotary_emb = RotaryEmbedding(config, "local") if "local" in kinds else None
+        self.no_rotary_emb = RotaryEmbedding(config, "none") if "none" in kinds else None
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, parallel, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.stage_layers = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage \
-            else PPMissingLayer()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset) \
+            if self.is_last_stage else PPMissingLayer()
         # the fused layer ops of a `paged` backend (shared by every layer), else None: eager path
         self.ops = getattr(backend, "ops", None)
         self.kv_connector = None  # a layer-wise KV connector's hooks (worker side), if bound
@@ -211,18 +246,41 @@ class LlamaModel(nn.Module):
         `intermediate`: the previous stage's (every stage but the first)."""
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, metadata, intermediate)
-        hidden = self.embed_tokens(input_ids) if intermediate is None else intermediate.hidden
-        rotary = self.rotary_emb(positions, hidden.dtype)
+        hidden = self.embed(input_ids) if intermediate is None else intermediate.hidden
+        rotaries = {kind: table(positions, hidden.dtype) for kind, table in self.rotaries.items()}
         hooks = self.kv_connector
         for i, layer in enumerate(self.stage_layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
-            hidden = layer(rotary, hidden, metadata)
+            hidden = layer(rotaries[layer.self_attn.rope_kind], hidden, metadata)
             if hooks is not None:
                 hooks.save_kv_layer(i, layer.self_attn.kv_cache, metadata)
         if not self.is_last_stage:
             return IntermediateTensors(hidden)
         return self.norm(hidden)
+
+    @property
+    def rotaries(self) -> dict[str, RotaryEmbedding]:
+        """The RoPE tables this stage's layers use, by kind (`ModelConfig.layer_rope`)."""
+        tables = {"global": self.rotary_emb}
+        if self.local_rotary_emb is not None:
+            tables["local"] = self.local_rotary_emb
+        if self.no_rotary_emb is not None:
+            tables["none"] = self.no_rotary_emb
+        return tables
+
+    def reset_rotary_tables(self) -> None:
+        """Recompute every RoPE table in float32 (after loading, casting or moving)."""
+        device = self.rotary_emb.freq_factors.device
+        for table in self.rotaries.values():
+            table.float().reset_tables(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, times Gemma's sqrt(hidden) in their dtype (as HF rounds it)."""
+        hidden = self.embed_tokens.forward(input_ids)
+        if self.embedding_multiplier is None:
+            return hidden
+        return hidden * torch.tensor(self.embedding_multiplier).to(hidden.dtype)
 
     def _forward_fused(self, input_ids, positions, metadata,
                        intermediate: IntermediateTensors | None = None):
@@ -232,35 +290,57 @@ class LlamaModel(nn.Module):
         stack = self._stack_for(metadata, intermediate)
         if stack is not None:
             plan = metadata.plan
-            return stack.run(self.embed_tokens.forward(input_ids), positions,
+            return stack.run(self.embed(input_ids), positions,
                              self.rotary_emb.cos_sin, metadata.slot_mapping, plan.paged_seq_ids,
                              plan.query_start_loc, metadata.seq_lens, metadata.block_tables)
         if intermediate is None:
-            residual, hidden = self.embed_tokens.forward(input_ids), None
+            residual, hidden = self.embed(input_ids), None
         else:
             residual, hidden = intermediate.residual, intermediate.hidden
-        cos_sin = self.rotary_emb.cos_sin
+        tables = {kind: table.cos_sin for kind, table in self.rotaries.items()}
         hooks = self.kv_connector
         for i, layer in enumerate(self.stage_layers):
             if hooks is not None:
                 hooks.wait_for_layer_load(i)
             norm = layer.input_layernorm
             if hidden is None:
-                hidden = ops.rms_norm(residual, norm.weight, norm.eps)
+                hidden = ops.rms_norm(residual, norm.weight, norm.eps, norm.weight_offset)
             else:
-                ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-            hidden = layer.self_attn.forward_fused(hidden, positions, cos_sin, metadata)
+                ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps, norm.weight_offset)
+            attention = layer.self_attn
+            hidden = attention.forward_fused(hidden, positions, tables[attention.rope_kind],
+                                             metadata)
             if hooks is not None:
-                hooks.save_kv_layer(i, layer.self_attn.kv_cache, metadata)
-            norm = layer.post_attention_layernorm
-            ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps)
-            mlp = layer.mlp
-            hidden = mlp.down_proj.forward(ops.silu_and_mul(mlp.gate_up_proj.forward(hidden)))
-            if mlp.tp is not None:
-                mlp.tp.communicator.all_reduce_(hidden)
+                hooks.save_kv_layer(i, attention.kv_cache, metadata)
+            hidden = self._mlp_fused(layer, hidden, residual)
         if not self.is_last_stage:
             return IntermediateTensors(hidden, residual)
-        ops.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
+        norm = self.norm
+        ops.add_rms_norm_(hidden, residual, norm.weight, norm.eps, norm.weight_offset)
+        return hidden
+
+    def _mlp_fused(self, layer: LlamaDecoderLayer, attended: torch.Tensor,
+                   residual: torch.Tensor) -> torch.Tensor:
+        """residual += (normed) attention output, then the MLP on the normed residual: its
+        output (normed, with sandwich norms) is the next add's."""
+        ops = self.ops
+        if layer.sandwich_norms:
+            norm = layer.post_attention_layernorm
+            attended = ops.rms_norm(attended, norm.weight, norm.eps, norm.weight_offset)
+            norm = layer.pre_feedforward_layernorm
+        else:
+            norm = layer.post_attention_layernorm
+        ops.add_rms_norm_(attended, residual, norm.weight, norm.eps, norm.weight_offset)
+        mlp = layer.mlp
+        gate_up = mlp.gate_up_proj.forward(attended)
+        activated = ops.silu_and_mul(gate_up) if mlp.hidden_act == "silu" \
+            else gelu_tanh_and_mul(gate_up)
+        hidden = mlp.down_proj.forward(activated)
+        if mlp.tp is not None:
+            mlp.tp.communicator.all_reduce_(hidden)
+        if layer.sandwich_norms:
+            norm = layer.post_feedforward_layernorm
+            hidden = ops.rms_norm(hidden, norm.weight, norm.eps, norm.weight_offset)
         return hidden
 
     def _stack_for(self, metadata, intermediate):
@@ -300,6 +380,15 @@ def check_sliding_window_support(config: ModelConfig, backend: AttentionBackend)
             f"{config.sliding_window(windowed[0])}), which the attention backend "
             f"{getattr(backend, 'name', type(backend).__name__)!r} cannot apply; use the "
             "'paged', 'torch_ref' or 'sdpa_batched' backend")
+
+
+def check_softcap_support(config: ModelConfig, backend: AttentionBackend) -> None:
+    """Refuse, at load, attention logit soft-capping (Gemma 2) on a backend without it."""
+    cap = config.attn_logit_softcapping
+    if cap and not getattr(backend, "supports_softcap", False):
+        raise UnsupportedArchitectureError(
+            f"this {config.architecture} model soft-caps attention scores ({cap}), which the "
+            f"attention backend {getattr(backend, 'name', type(backend).__name__)!r} cannot do")
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
@@ -372,7 +461,11 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, weight)
         if self.parallel is not None:
             logits = gather_vocab(logits, self.parallel)[:, : self.config.vocab_size]
-        return logits.float()
+        logits = logits.float()
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma 2, as HF: divide, tanh, multiply
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give the stage's layer i the tensor kv_caches[i] of shape
@@ -466,6 +559,8 @@ def hf_parameter_names(config: ModelConfig) -> list[str]:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if config.sandwich_norms:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     for i in range(config.num_hidden_layers):
         names += [f"model.layers.{i}.{suffix}" for suffix in per_layer]
     return names

@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvserve.attention import get_attention_backend
-from kvserve.config import ModelConfig
+from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvserve.distributed.communication import world_barrier
 from kvserve.distributed.parallel_state import (
     ParallelContext,
@@ -36,8 +36,8 @@ from kvserve.weights.sharded import iter_sharded_safetensors, shard_tensors
 
 logger = logging.getLogger(__name__)
 
-_MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                  "qwen3": LlamaForCausalLM}
+# every supported family runs on the shared layers of models/llama.py, set by its config
+_MODEL_CLASSES = {architecture: LlamaForCausalLM for architecture in SUPPORTED_ARCHITECTURES}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -76,7 +76,7 @@ def _finish(model, dtype: torch.dtype, quantization: str = "none", weights_ready
     model.activation_dtype = dtype
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    model.model.rotary_emb.float().reset_tables()
+    model.model.reset_rotary_tables()
     return model.eval().requires_grad_(False)
 
 

@@ -20,7 +20,7 @@ from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 4  # 4: configs hold sliding windows
+CACHE_FORMAT_VERSION = 5  # 4: configs hold sliding windows; 5: Gemma fields, norms less 1
 
 
 def artifact_path(gguf_path: Path, suffix: str) -> Path:

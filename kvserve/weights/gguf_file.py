@@ -14,7 +14,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.config import (
+    GEMMA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    gemma_options,
+)
 from kvserve.errors import (
     CorruptModelFileError,
     UnsupportedArchitectureError,
@@ -42,6 +47,27 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the MLP's input norm, as in Llama, but
+# HF names it pre_feedforward_layernorm there (post_attention_layernorm normalises attention's
+# output instead).
+_GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+})
+# Architectures whose llama.cpp converter permutes Q/K rows for its interleaved RoPE.
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "smollm3")
+# llama.cpp's built-in layer patterns where the file has no sliding_window_pattern key: each
+# n-th layer is global (its LLM_ARCH hparams).
+_DEFAULT_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6}
+# SmolLM3 applies no RoPE on each 4th layer (llama.cpp's n_no_rope_layer_step, HF's interval)
+_NO_ROPE_EVERY = {"smollm3": 4}
+# Gemma 3's sliding layers' RoPE base: llama.cpp's rope_freq_base_train_swa for the family
+_LOCAL_ROPE_THETA = {"gemma3": 10000.0}
+# The 27B Gemmas scale queries by hidden / heads, not head_dim (llama.cpp's LLM_TYPE_27B, by
+# layer count; HF configs say so in query_pre_attn_scalar)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -89,9 +115,10 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    vocab = meta.get(f"{arch}.vocab_size")
+    vocab = meta.get(f"{arch}.vocab_size", meta.get("kvserve.embedding_rows"))
     if vocab is None:
         raise CorruptModelFileError(f"GGUF file lacks {arch}.vocab_size")
+    layers = int(need("block_count"))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -109,9 +136,23 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_scaling=_rope_scaling(meta, arch),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        sliding_windows=_sliding_windows(meta, arch, int(need("block_count"))),
+        sliding_windows=_sliding_windows(meta, arch, layers),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rope_layers=tuple((i + 1) % _NO_ROPE_EVERY[arch] != 0 for i in range(layers))
+        if arch in _NO_ROPE_EVERY else (),
+        local_rope_theta=_LOCAL_ROPE_THETA.get(arch),
+        **(_gemma_gguf_options(meta, arch, hidden, heads, layers)
+           if arch in GEMMA_ARCHITECTURES else {}),
     )
+
+
+def _gemma_gguf_options(meta: dict[str, Any], arch: str, hidden: int, heads: int,
+                        layers: int) -> dict[str, Any]:
+    hf_like = {"attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+               "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
+    if _GEMMA_27B_LAYERS.get(arch) == layers:
+        hf_like["query_pre_attn_scalar"] = hidden // heads
+    return dict(gemma_options(arch, hidden, hf_like), hidden_act="gelu_pytorch_tanh")
 
 
 def _sliding_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
@@ -121,7 +162,8 @@ def _sliding_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int 
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     if window <= 0:
         return ()
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern",
+                       _DEFAULT_WINDOW_PATTERNS.get(arch))
     if pattern is None:
         return (window,) * layers
     if isinstance(pattern, (list, tuple)):
@@ -145,32 +187,41 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 def load_gguf_config(path: Path) -> ModelConfig:
     reader = open_gguf(path)
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    config = config_from_metadata(read_metadata(reader), set(types))
+    meta = read_metadata(reader)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None:  # Gemma 3's files have no <arch>.vocab_size: the table's rows
+        meta["kvserve.embedding_rows"] = int(embedding.shape[-1])
+    config = config_from_metadata(meta, set(types))
     return dataclasses.replace(config, source_weight_type=types.get("blk.0.attn_q.weight"))
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """llama.cpp name -> HF name, or None for tensors we do not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _LAYER_NAMES
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
 def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, float32 array in HF layout) for every tensor the model uses."""
+    """Yield (HF name, float32 array in HF layout) for every tensor the model uses. Gemma's
+    converter stores each norm as 1 + weight (llama.cpp multiplies by it directly); HF's
+    weight is that minus 1, as its GGUF loader computes it."""
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         if name is None:
             continue
         array = dequantize_tensor(tensor)
-        if config.architecture in ("llama", "mistral"):
+        if config.architecture in _PERMUTED_QK_ARCHITECTURES:
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 array = unpermute_rope_rows(array, config.num_attention_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 array = unpermute_rope_rows(array, config.num_key_value_heads)
+        if config.norm_weight_offset and name.endswith("norm.weight"):
+            array = array - np.float32(config.norm_weight_offset)
         yield name, array
 
 

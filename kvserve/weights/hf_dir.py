@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig, hf_architecture_name
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
 
@@ -19,10 +19,10 @@ def load_hf_config(directory: Path) -> ModelConfig:
     except (OSError, json.JSONDecodeError) as exc:
         raise CorruptModelFileError(f"Cannot read {config_path}: {exc}") from exc
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if hf_architecture_name(model_type) not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{config_path} declares model_type {model_type!r}; kvserve implements "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Gemma 3 as its text model, gemma3_text)."
         )
     try:
         return ModelConfig.from_hf_dict(raw)

