@@ -446,3 +446,57 @@ def assert_engine_chunked_and_cached_match(directory, prompts, expected, new_tok
         results = llm.generate(requests, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in results] == expected
     assert llm.llm_engine.engine_core.kv_manager.stats.hits > 0
+
+
+# ---- llama.cpp's converter --------------------------------------------------------------------
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # the peers' llama.cpp (benchmarks/peers/)
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def llama_cpp_converter_tree():
+    """The `convert_hf_to_gguf.py` of llama.cpp's tree (with its `conversion` package and
+    `gguf-py`), from the llama-cpp-python source distribution on PyPI: extracted once into
+    kvserve's cache directory (the peers' download is reused when present)."""
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    from kvserve.paths import cache_dir
+
+    tree = cache_dir() / f"llama-cpp-convert-{LLAMA_CPP_SDIST.split('==')[1]}"
+    if (tree / "convert_hf_to_gguf.py").is_file():
+        return tree
+    sdists = Path(__file__).parent.parent / "benchmarks" / "peers" / "work" / "sdist"
+    name = f"llama_cpp_python-{LLAMA_CPP_SDIST.split('==')[1]}.tar.gz"
+    if not (sdists / name).is_file():
+        sdists = cache_dir() / "sdist"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--no-binary", ":all:", LLAMA_CPP_SDIST, "-d", str(sdists)],
+                       check=True, timeout=600)
+    partial = tree.with_suffix(".partial")
+    with tarfile.open(sdists / name) as archive:
+        prefix = f"{name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        members = []
+        for member in archive.getmembers():
+            rest = member.name.removeprefix(prefix)
+            if member.name.startswith(prefix) and rest.startswith(_CONVERTER_PARTS):
+                member.name = rest
+                members.append(member)
+        archive.extractall(partial, members=members, filter="data")
+    partial.rename(tree)
+    return tree
+
+
+def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
+    """`outfile`: the HF directory as llama.cpp's own converter writes it."""
+    import subprocess
+    import sys
+
+    tree = llama_cpp_converter_tree()
+    env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
+    done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir),
+                           "--outfile", str(outfile), "--outtype", outtype],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return outfile

@@ -10,6 +10,8 @@ the prompts cross them, and Gemma 3's query scale differs from head_dim's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,26 +20,33 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import write_tokenizer_files
-from tests.helpers import assert_engine_chunked_and_cached_match
+from tests.helpers import assert_engine_chunked_and_cached_match, convert_hf_to_gguf
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, NEW_TOKENS, MAX_LEN, WINDOW = 512, 12, 256, 24
+# the SmolLM2 tokenizer's vocabulary: llama.cpp's converter accepts its pre-tokenizer by hash
+VOCAB, NEW_TOKENS, MAX_LEN, WINDOW = 49152, 12, 256, 24
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
              initializer_range=0.5, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
 FAMILIES = {
-    # local and global layers with their own RoPE bases, QK-norm, a query scale of 1/sqrt(24)
+    # local and global layers (every 6th global, as llama.cpp assumes) with their own RoPE
+    # bases, QK-norm
     "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SHAPE, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=32,
+        rope_parameters=GEMMA3_ROPE),
+    # a query scale of 1/sqrt(24), not head_dim's (HF directories only: GGUF files have none)
+    "gemma3-scaled": lambda: transformers.Gemma3TextConfig(
         **SHAPE, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                     "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+                     "sliding_attention"], rope_parameters=GEMMA3_ROPE),
     # RoPE skipped on every fourth layer
     "smollm3": lambda: transformers.SmolLM3Config(**SHAPE, num_hidden_layers=4,
                                                   tie_word_embeddings=False),
 }
+CONVERTIBLE = ("gemma3", "smollm3")
 
 
 def _randomise_norms(hf_model) -> None:
@@ -75,10 +84,12 @@ def family(request, tmp_path_factory, tokenizer):
 
 
 def test_gemma3_config_options():
-    config = ModelConfig.from_hf_dict(FAMILIES["gemma3"]().to_dict())
+    config = ModelConfig.from_hf_dict(FAMILIES["gemma3-scaled"]().to_dict())
     assert config.architecture == "gemma3" and config.qk_norm and config.sandwich_norms
     assert config.norm_weight_offset == 1.0 and config.hidden_act == "gelu_pytorch_tanh"
     assert config.embedding_multiplier == pytest.approx(8.0) and config.tie_word_embeddings
+    assert ModelConfig.from_hf_dict(FAMILIES["gemma3"]().to_dict()).sliding_windows == (
+        (WINDOW,) * 5 + (None,))
     assert config.scale == pytest.approx(24**-0.5)
     assert config.sliding_windows == (WINDOW, WINDOW, None, WINDOW)
     assert [config.layer_rope(i) for i in range(4)] == ["local", "local", "global", "local"]
@@ -110,6 +121,29 @@ def test_greedy_tokens_match_hf_batched_and_alone(family, backend):
     assert PagedLoop(model, len(prompts), MAX_LEN).greedy(prompts, NEW_TOKENS) == expected
     for prompt, tokens in zip(prompts, expected):
         assert PagedLoop(model, 1, MAX_LEN).greedy([prompt], NEW_TOKENS) == [tokens]
+
+
+@pytest.mark.slow
+def test_converted_gguf_loads_as_the_hf_directory(family, tmp_path, monkeypatch):
+    """The checkpoint through llama.cpp's own convert_hf_to_gguf.py (Gemma's norms stored as
+    1 + w, SmolLM3's Q/K rows permuted, windows and RoPE bases as llama.cpp's metadata): the
+    same config and HF's logits."""
+    if family["name"] not in CONVERTIBLE:
+        pytest.skip("llama.cpp's GGUF metadata cannot say this config")
+    path = convert_hf_to_gguf(family["dir"], tmp_path / f"{family['name']}.gguf")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model, config = load_model(resolve_model(path), "float32", attention_backend="paged")
+    from_hf = ModelConfig.from_hf_dict(family["hf_config"].to_dict())
+    # float32 in GGUF; the file's tokenizer names an EOS; GGUF's scale is head_dim's, explicit
+    assert config.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)
+    assert config.scale == pytest.approx(from_hf.scale)
+    assert dataclasses.replace(config, rms_norm_eps=from_hf.rms_norm_eps, eos_token_id=None,
+                               attention_scale=from_hf.attention_scale) == from_hf
+    prompts = family["prompts"]
+    got = PagedLoop(model, len(prompts), MAX_LEN).step(prompts, [len(p) for p in prompts],
+                                                      list(range(len(prompts))))
+    for ours, theirs in zip(got, family["logits"]):
+        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

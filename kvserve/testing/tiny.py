@@ -51,9 +51,11 @@ def write_tiny_model_dir(directory: Path, tokenizer, seed: int = 0, **overrides)
 
 def write_tokenizer_files(directory: Path, tokenizer) -> None:
     """A kvserve tokenizer's files, so an HF directory (ours or one HF transformers saved) can
-    serve through the whole engine."""
+    serve through the whole engine. The class is named so HF's AutoTokenizer (which llama.cpp's
+    converter uses) reads tokenizer.json as it is, not as the model family's own class."""
     (directory / "tokenizer.json").write_text(tokenizer.backend.to_str())
     (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": tokenizer.chat_template,
         "bos_token": tokenizer.special_tokens.get("bos_token"),
         "eos_token": tokenizer.special_tokens.get("eos_token"),
