@@ -20,7 +20,7 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import write_tokenizer_files
-from tests.helpers import assert_engine_chunked_and_cached_match, convert_hf_to_gguf
+from tests.helpers import assert_engine_chunked_and_cached_match, convert_hf_to_gguf, long_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,11 +42,31 @@ FAMILIES = {
         **SHAPE, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention",
                      "sliding_attention"], rope_parameters=GEMMA3_ROPE),
+    # attention and final logits soft-capped (small caps, so they bind on random weights),
+    # windows on alternate layers
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SHAPE, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=32,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     # RoPE skipped on every fourth layer
     "smollm3": lambda: transformers.SmolLM3Config(**SHAPE, num_hidden_layers=4,
                                                   tie_word_embeddings=False),
 }
-CONVERTIBLE = ("gemma3", "smollm3")
+CONVERTIBLE = ("gemma2", "gemma3", "smollm3")
+
+
+def _write_sentencepiece_model(path) -> None:
+    """A small SentencePiece model trained on real text (the weights tests feed token ids, so
+    only the converter reads it; it pads the vocabulary to the model's)."""
+    import io
+
+    import sentencepiece
+
+    lines = [line for line in long_text().splitlines() if line.strip()]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                             vocab_size=600, byte_fallback=True,
+                                             minloglevel=2)
+    path.write_bytes(model.getvalue())
 
 
 def _randomise_norms(hf_model) -> None:
@@ -69,6 +89,8 @@ def family(request, tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory)
     write_tokenizer_files(directory, tokenizer)
+    if request.param == "gemma2":  # llama.cpp's Gemma 2 converter reads only SentencePiece
+        _write_sentencepiece_model(directory / "tokenizer.model")
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
     logits, tokens = [], []
@@ -96,6 +118,20 @@ def test_gemma3_config_options():
     assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
     again = ModelConfig.from_hf_dict(config.to_hf_dict())
     assert again == config
+
+
+def test_soft_caps_matter(family):
+    """Gemma 2's parity means something: without its caps the logits move far off HF's."""
+    if family["name"] != "gemma2":
+        pytest.skip("no soft-capping")
+    model, config = load_model(resolve_model(family["dir"]), "float32",
+                               attention_backend="torch_ref")
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (5.0, 3.0)
+    for layer in model.model.layers:
+        layer.self_attn.softcap = 0.0
+    prompt = family["prompts"][0]
+    logits = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    assert (logits - family["logits"][0]).abs().max() > 0.1
 
 
 def test_smollm3_config_skips_rope_on_every_fourth_layer():

@@ -39,6 +39,46 @@ def test_norms_and_activation(dtype, compiled):
     _close(compiled.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norms_scale_by_one_plus_weight_in_float(dtype, compiled):
+    """weight_offset 1 (Gemma): (1 + w) applied in float32 before the one rounding, as HF's
+    GemmaRMSNorm (within rounding: the sum of squares is ordered differently), and never
+    Llama's arithmetic."""
+    torch.manual_seed(2)
+    x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    weight = torch.rand(96, dtype=dtype) - 0.5
+    got = compiled.rms_norm(x, weight, 1e-6, 1.0)
+    expected = reference.rms_norm(x, weight, 1e-6, 1.0)
+    _close(got, expected, dtype)
+    assert (got.float() - reference.rms_norm(x, weight, 1e-6).float()).abs().max() > 0.1
+    x2, res2 = x.clone(), residual.clone()
+    compiled.add_rms_norm_(x, residual, weight, 1e-6, 1.0)
+    reference.add_rms_norm_(x2, res2, weight, 1e-6, 1.0)
+    assert torch.equal(residual, res2)
+    _close(x, x2, dtype)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 256])  # 256: Gemma 3's heads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_soft_capped_scores(dtype, dim, compiled):
+    """Gemma 2's cap (small here, so it binds) in the paged kernel, windowed and not, equals
+    the reference's HF-eager arithmetic; and differs from uncapped attention."""
+    query_lens, seq_lens = [1, 4, 6, 1], [7, 10, 6, 33]
+    metadata, _, kv_cache, qkv = _batch(dtype, query_lens, seq_lens, dim=dim)
+    qkv, kv_cache = qkv * 4, kv_cache * 4  # large scores: the cap matters
+    seq_ids = torch.arange(len(query_lens), dtype=torch.int32)
+    for window in (0, 5):
+        args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens,
+                metadata.block_tables, HEADS, KV_HEADS, dim, dim**-0.5, window)
+        out, expected, uncapped = (torch.zeros(qkv.shape[0], HEADS * dim, dtype=dtype)
+                                   for _ in range(3))
+        compiled.paged_attention_(qkv, kv_cache, out, *args, 2.0)
+        reference.paged_attention_(qkv, kv_cache, expected, *args, 2.0)
+        reference.paged_attention_(qkv, kv_cache, uncapped, *args)
+        _close(out / 4, expected / 4, dtype)  # values 4x the other tests': tolerances too
+        assert (out.float() - uncapped.float()).abs().max() > 0.1
+
+
 def _batch(dtype, query_lens, seq_lens, block_size=4, dim=DIM):
     torch.manual_seed(1)
     blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]

@@ -4,7 +4,8 @@ every new query token to its sequence's cached K/V (causally).
 `torch_ref` is the plain, clearly correct reference: it gathers each sequence's blocks and calls
 SDPA. Fast backends must match it (tests/test_model_paged.py). A layer with a sliding window
 passes it on each call; a backend that can honour windows says so with
-`supports_sliding_window` (models with windowed layers refuse to load on any other).
+`supports_sliding_window` (models with windowed layers refuse to load on any other), and one
+that soft-caps scores (Gemma 2's `softcap`) with `supports_softcap`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,  # > 0: keys with query position - key position < it
+        softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
@@ -39,15 +41,17 @@ class TorchReferenceBackend:
 
     name = "torch_ref"
     supports_sliding_window = True
+    supports_softcap = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0,
+                softcap=0.0):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         for i in range(metadata.num_seqs):
             start, end = starts[i], starts[i + 1]
             output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
-                                                     scale, sliding_window)
+                                                     scale, sliding_window, softcap)
         return output
 
 
@@ -59,8 +63,10 @@ class BatchedSDPABackend:
 
     name = "sdpa_batched"
     supports_sliding_window = True
+    supports_softcap = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0,
+                softcap=0.0):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
@@ -68,22 +74,24 @@ class BatchedSDPABackend:
         for i in range(metadata.num_seqs):
             (decode_rows if starts[i + 1] - starts[i] == 1 else other_rows).append(i)
         if decode_rows:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output, sliding_window)
+            self._decode(query, kv_cache, metadata, decode_rows, scale, output, sliding_window,
+                         softcap)
         for i in other_rows:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_host[i]
             if seq_len == end - start:  # nothing cached before: attention over its own K/V
                 attended = attend_fresh(query[start:end].transpose(0, 1),
                                         key[start:end].transpose(0, 1),
-                                        value[start:end].transpose(0, 1), scale, sliding_window)
+                                        value[start:end].transpose(0, 1), scale, sliding_window,
+                                        softcap)
                 output[start:end] = attended.transpose(0, 1)
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
-                                                         i, scale, sliding_window)
+                                                         i, scale, sliding_window, softcap)
         return output
 
     @staticmethod
-    def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window):
+    def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window, softcap):
         """All one-token queries at once as two batched matmuls. Query heads are grouped under
         their KV head ([B, KVH, G, D] x [B, KVH, D, L]) so K/V are never repeated for GQA;
         softmax runs in float32. (CPU SDPA took ~4 ms per layer here: its flash kernel is slow
@@ -105,6 +113,8 @@ class BatchedSDPABackend:
         keys = kv_cache[0].index_select(0, flat_tables).view(
             batch, -1, num_kv_heads, head_dim).to(query.dtype)
         scores = torch.matmul(queries, keys.transpose(1, 2).transpose(-1, -2)).float() * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         lengths = metadata.seq_lens[rows_t].unsqueeze(1)
         positions = torch.arange(scores.shape[-1], device=query.device).unsqueeze(0)
         if first_keys is not None:  # the gathered keys start at each row's first window block
@@ -138,9 +148,9 @@ def _window_blocks(metadata, rows, rows_t, sliding_window):
     return tables, first_t * block_size
 
 
-def _attend_one_gathered(query, kv_cache, metadata, i, scale, sliding_window):
+def _attend_one_gathered(query, kv_cache, metadata, i, scale, sliding_window, softcap=0.0):
     return attend_gathered(query, kv_cache, metadata.block_tables[i], metadata.seq_lens_host[i],
-                           scale, sliding_window)
+                           scale, sliding_window, softcap)
 
 
 def _paged_backend(use_cpu_kernels: bool):

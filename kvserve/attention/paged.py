@@ -65,18 +65,21 @@ def plan_step(metadata: AttentionMetadata, use_flash: bool = False) -> StepPlan:
 class PagedBackend:
     name = "paged"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, ops):
         self.ops = ops
 
     def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-               sliding_window: int = 0) -> torch.Tensor:
+               sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D].
-        sliding_window > 0: each query sees the keys less than that many positions back."""
+        sliding_window > 0: each query sees the keys less than that many positions back.
+        softcap > 0 (Gemma 2): scores soft-capped, by the paged kernel (the flash kernel has no
+        capping: such models never plan it)."""
         plan = metadata.plan  # the first layer of a step plans it; the rest reuse it
         if plan is None:  # the torch reference ops report no flash kernel
-            plan = plan_step(metadata, qkv.dtype == torch.bfloat16
+            plan = plan_step(metadata, qkv.dtype == torch.bfloat16 and not softcap
                              and self.ops.flash_attention_supported(head_dim))
         out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
         for kernel, seq_ids in ((self.ops.paged_attention_, plan.paged_seq_ids),
@@ -84,7 +87,7 @@ class PagedBackend:
             if seq_ids.numel():
                 kernel(qkv, kv_cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens,
                        metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
-                       sliding_window)
+                       sliding_window, softcap)
         starts = metadata.query_start_loc_host
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
@@ -92,13 +95,13 @@ class PagedBackend:
             if kv_cache.dtype != qkv.dtype:  # attend over the K/V as stored, as every other path
                 key, value = (key.to(kv_cache.dtype).to(qkv.dtype),
                               value.to(kv_cache.dtype).to(qkv.dtype))
-            attended = attend_fresh(query, key, value, scale, sliding_window)
+            attended = attend_fresh(query, key, value, scale, sliding_window, softcap)
             out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
         if plan.gathered:
             ids = torch.tensor(plan.gathered, dtype=torch.int32)
             gathered_attention_(qkv, kv_cache, out, ids, plan.query_start_loc, metadata.seq_lens,
                                 metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
-                                sliding_window)
+                                sliding_window, softcap)
         return out
 
 

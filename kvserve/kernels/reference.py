@@ -79,11 +79,30 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     return visible
 
 
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's score soft-capping, as HF's eager path computes it: scores
+    scaled, then cap * tanh(scores / cap), masked, softmax in float32. query [H, n, D], key and
+    value [KVH, L, D], mask bool [n, L] -> [H, n, D]."""
+    group = query.shape[0] // key.shape[0]
+    key, value = key.repeat_interleave(group, 0), value.repeat_interleave(group, 0)
+    scores = torch.matmul(query, key.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
 def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                 sliding_window: int) -> torch.Tensor:
+                 sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     """A prompt with nothing cached before it over its own K/V: query [H, n, D], key and value
-    [KVH, n, D] -> [H, n, D]. Plain causal SDPA unless a window cuts the prompt (then banded)."""
+    [KVH, n, D] -> [H, n, D]. Plain causal SDPA unless a window cuts the prompt (then banded);
+    softcap > 0: soft-capped scores (`softcapped_attention`)."""
     length = query.shape[1]
+    if softcap > 0:
+        positions = torch.arange(length, device=query.device)
+        mask = attention_mask(positions, positions, sliding_window)
+        return softcapped_attention(query, key, value, mask, scale, softcap)
     if 0 < sliding_window < length:
         positions = torch.arange(length, device=query.device)
         mask = attention_mask(positions, positions, sliding_window)
@@ -96,7 +115,8 @@ def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
 
 
 def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_len: int, scale: float, sliding_window: int) -> torch.Tensor:
+                    seq_len: int, scale: float, sliding_window: int,
+                    softcap: float = 0.0) -> torch.Tensor:
     """One sequence's new queries [n, H, D] (the last n of its seq_len tokens) against its cached
     K/V, gathered from its blocks; causal, within the window if any. Blocks wholly before the
     first query's window are never read (their table entries may be stale). The reference
@@ -111,6 +131,9 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
     key_positions = torch.arange(first_key, seq_len, device=query.device)
     mask = attention_mask(query_positions, key_positions, sliding_window)
+    if softcap > 0:
+        return softcapped_attention(query.transpose(0, 1), keys.transpose(0, 1),
+                                    values.transpose(0, 1), mask, scale, softcap).transpose(0, 1)
     attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
         query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, scale=scale, enable_gqa=True)[0]
@@ -119,13 +142,13 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
                      num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                     sliding_window: int) -> None:
-    """sliding_window <= 0: full causal attention."""
+                     sliding_window: int, softcap: float = 0.0) -> None:
+    """sliding_window <= 0: full causal attention; softcap > 0: Gemma 2's score capping."""
     for seq in seq_ids.tolist():
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         query = qkv[start:end, : num_heads * head_dim].reshape(end - start, num_heads, head_dim)
         attended = attend_gathered(query, kv_cache, block_tables[seq], int(seq_lens[seq]), scale,
-                                   sliding_window)
+                                   sliding_window, softcap)
         out[start:end] = attended.reshape(end - start, -1)
 
 

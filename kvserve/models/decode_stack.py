@@ -49,7 +49,7 @@ def _stack_runs_layer(layer: nn.Module) -> bool:
     """Whether the stack's ops are the layer's: SwiGLU between one pre-attention and one pre-MLP
     Llama RMSNorm, attention on the global RoPE table, no QK-norm."""
     attention = layer.self_attn
-    return (attention.q_norm is None and attention.rope_kind == "global"
+    return (attention.q_norm is None and attention.rope_kind == "global" and not attention.softcap
             and not layer.sandwich_norms and layer.mlp.hidden_act == "silu"
             and not layer.input_layernorm.weight_offset)
 

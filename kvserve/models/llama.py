@@ -88,6 +88,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.scale
+        self.softcap = config.attn_logit_softcapping or 0.0  # Gemma 2's score capping
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
@@ -112,7 +113,7 @@ class LlamaAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call model.bind_kv_cache(...) first")
         attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale,
-                                        self.sliding_window)
+                                        self.sliding_window, self.softcap)
         out = self.o_proj(attended.reshape(-1, self.q_size))
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
@@ -131,7 +132,7 @@ class LlamaAttention(nn.Module):
                             self.num_heads, self.num_kv_heads, self.head_dim)
         attended = self.backend.attend(qkv, self.kv_cache, metadata, self.num_heads,
                                        self.num_kv_heads, self.head_dim, self.scale,
-                                       self.sliding_window)
+                                       self.sliding_window, self.softcap)
         out = self.o_proj.forward(attended)
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)

@@ -314,6 +314,7 @@ struct PagedArgs {
   int64_t table_stride, block_size, num_heads, num_kv_heads, head_dim;
   float scale;
   int64_t window;  // > 0: a query at p sees keys k with p - k < window; else every k <= p
+  float softcap;   // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2), else as they are
 };
 
 #if KVSERVE_VEC
@@ -507,6 +508,13 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
     const int64_t hi = first_pos + (row_begin + r) / group + 1 - key0;
     return std::pair<int64_t, int64_t>(a.window > 0 ? std::max<int64_t>(0, hi - a.window) : 0, hi);
   };
+  if (a.softcap > 0.f) {  // after the scale, before the softmax, as HF's eager path
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto [lo, hi] = visible(r);
+      float* s = scores + r * span;
+      for (int64_t c = lo; c < hi; ++c) s[c] = std::tanh(s[c] / a.softcap) * a.softcap;
+    }
+  }
   std::vector<float> inv_sum(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const auto [lo, hi] = visible(r);
@@ -556,7 +564,7 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
   // bf16 on AVX512-BF16: the dot-product-instruction version (decode_attention.cpp)
   bool bf16_fast = false;
   if constexpr (std::is_same<T, BFloat16>::value && std::is_same<C, BFloat16>::value) {
-    bf16_fast = kvserve::decode_attention_supported(a.head_dim);
+    bf16_fast = kvserve::decode_attention_supported(a.head_dim) && a.softcap == 0.f;
   }
   const int64_t group = a.num_heads / a.num_kv_heads;
   int64_t max_rows = 0;
@@ -597,11 +605,12 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
 // Attention for the sequences in seq_ids, whose K/V (this step's included) are already in the
 // cache. qkv [T, (H + 2 KVH) * D] holds the rotated queries; out [T, H * D] gets their rows.
 // sliding_window > 0: a query at position p sees keys k with p - k < sliding_window only.
+// softcap > 0 (Gemma 2): each scaled score becomes softcap * tanh(score / softcap).
 void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window) {
+                      int64_t sliding_window, double softcap) {
   TORCH_CHECK(seq_ids.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kLong,
@@ -611,7 +620,7 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
   PagedArgs args{seq_ids.data_ptr<int32_t>(), query_start_loc.data_ptr<int64_t>(),
                  seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
                  block_tables.size(1), kv_cache.size(2), num_heads, num_kv_heads, head_dim,
-                 static_cast<float>(scale), sliding_window};
+                 static_cast<float>(scale), sliding_window, static_cast<float>(softcap)};
   check_cache_dtype(qkv, kv_cache, "paged_attention_");
   TORCH_CHECK(out.scalar_type() == qkv.scalar_type(), "paged_attention_: out must be in qkv's dtype");
   if (qkv.scalar_type() == at::kBFloat16) {
@@ -796,7 +805,7 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                       int64_t sliding_window) {
   ::paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
-                     num_heads, num_kv_heads, head_dim, scale, sliding_window);
+                     num_heads, num_kv_heads, head_dim, scale, sliding_window, 0.0);
 }
 
 }  // namespace kvserve::layer_ops
@@ -814,9 +823,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place",
+        py::arg("qkv"), py::arg("kv_cache"), py::arg("out"), py::arg("seq_ids"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap") = 0.0,
         py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention_", &kvserve::flash_attention_,
         "tiled causal attention over paged bf16 K/V (sequences with many new tokens), in place",
+        py::arg("qkv"), py::arg("kv_cache"), py::arg("out"), py::arg("seq_ids"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap") = 0.0,
         py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention_supported", &kvserve::flash_attention_supported,
         "whether flash_attention_ runs for this head_dim on this build");

@@ -241,9 +241,10 @@ void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window) {
+                      int64_t sliding_window, double softcap) {
   TORCH_CHECK(flash_attention_supported(head_dim),
               "flash_attention_: needs AVX512-BF16 and head_dim 64 or 128");
+  TORCH_CHECK(softcap == 0.0, "flash_attention_: no score soft-capping (the paged kernel has it)");
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
               "flash_attention_: bfloat16 qkv, cache and out expected");

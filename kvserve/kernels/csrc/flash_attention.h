@@ -15,6 +15,6 @@ void flash_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window);
+                      int64_t sliding_window, double softcap = 0.0);
 
 }  // namespace kvserve
