@@ -186,3 +186,26 @@ def test_converted_gguf_loads_as_the_hf_directory(family, tmp_path, monkeypatch)
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(family):
     assert_engine_chunked_and_cached_match(family["dir"], family["prompts"], family["tokens"],
                                            NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_gemmas_run_the_hybrid_kv_layout(family):
+    """Through the engine, the windowed and full layers in KV cache groups of one size (one
+    KV tensor per index within a group, shared), prompts chunked, then again from the prefix
+    cache: HF's tokens."""
+    from kvserve import LLM, SamplingParams
+
+    if not family["name"].startswith("gemma"):
+        pytest.skip("no windows")
+    llm = LLM(model=str(family["dir"]), dtype="float32", block_size=8, num_kv_blocks=256,
+              max_num_batched_tokens=32, enable_prefix_caching=True, engine_core="thread")
+    core = llm.llm_engine.engine_core
+    groups = core.kv_manager.groups
+    windowed = [g for g in groups if getattr(g.spec, "sliding_window", None)]
+    assert len(groups) > 1 and windowed and len(core.runner.kv_caches) == len(groups[0].layers)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": prompt} for prompt in family["prompts"]]
+    for _ in range(2):
+        results = llm.generate(requests, params, use_tqdm=False)
+        assert [r.outputs[0].token_ids for r in results] == family["tokens"]
+    assert core.kv_manager.stats.hits > 0

@@ -11,6 +11,8 @@ from kvserve.core.kv_cache.spec import (
     KVCacheGroup,
     SlidingWindowSpec,
     kv_cache_groups,
+    layer_placement,
+    layers_per_block,
 )
 from tests.helpers import admit, make_request
 
@@ -49,9 +51,23 @@ def test_groups_from_model_windows():
     assert kv_cache_groups((None, None), 2, BLOCK)[0].spec == FullAttentionSpec(BLOCK)
     assert kv_cache_groups((64, 64), 2, BLOCK) == \
         (KVCacheGroup(SlidingWindowSpec(BLOCK, 64), (0, 1)),)
-    # mixed: one full group until the workers hold a table per group (the kernels still mask)
-    assert kv_cache_groups((None, 64, 64), 3, BLOCK) == \
-        (KVCacheGroup(FullAttentionSpec(BLOCK), (0, 1, 2)),)
+    # mixed: the hybrid layout, groups of one size (the smaller kind's count), full first
+    full, window = FullAttentionSpec(BLOCK), SlidingWindowSpec(BLOCK, 64)
+    assert kv_cache_groups((None, 64, 64), 3, BLOCK) == (
+        KVCacheGroup(full, (0,)), KVCacheGroup(window, (1,)), KVCacheGroup(window, (2,)))
+    gemma3 = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    groups = kv_cache_groups(gemma3, 18, BLOCK)
+    assert [g.layers for g in groups] == [(5, 11, 17), (0, 1, 2), (3, 4, 6), (7, 8, 9),
+                                          (10, 12, 13), (14, 15, 16)]
+    assert layer_placement(groups, 18)[0] == [1, 1, 1, 2, 2, 0, 2, 3, 3, 3, 4, 0, 4, 4, 5, 5, 5,
+                                              0]
+    assert layer_placement(groups, 18)[1][:6] == [0, 1, 2, 0, 1, 0]
+    assert layers_per_block(groups, 18) == 3
+    # counts that do not split into equal groups (2 full, 3 windowed), or the layout off:
+    # one full group (the kernels still mask each window)
+    for windows, hybrid in (((None, 64, 64, None, 64), True), ((None, 64, 64), False)):
+        assert kv_cache_groups(windows, len(windows), BLOCK, hybrid) == \
+            (KVCacheGroup(full, tuple(range(len(windows)))),)
 
 
 def test_null_block_is_kept_aside_only_with_a_window_group():
@@ -184,3 +200,27 @@ def test_only_group_zero_is_published_as_events():
     events = kv.pool.take_events()
     assert len(events) == 1 and len(events[0].block_hashes) == 2
     assert len(kv.pool.cached_by_group[1]) == 2
+
+
+def test_gemma3_kv_per_request_at_8k_is_a_fifth_of_a_full_cache():
+    """Gemma 3 270M's layout (15 layers windowed at 512, 3 full; block 16): an 8,192-token
+    request holds exactly 512 blocks in the full group and, once decoding, 33 or 32 in each
+    windowed one (positions p-511..p straddle 33 blocks but at a boundary), each block 3 layers'
+    slots: ~1/6 + 5/6 x 512/8192 of the 18-layer full cache it would otherwise hold."""
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    groups = kv_cache_groups(windows, 18, 16)
+    kv = KVCacheManager(4096, 16, groups=groups)
+    request = make_request("a", list(range(8192)), max_tokens=64)
+    admit(kv, request)
+    kv.release_unneeded(request)
+    per_group = [len([b for b in table if b != NULL]) for table in kv.group_block_ids("a")]
+    # the prompt's last query (8191) reads 7680..8191: blocks 480..511
+    assert per_group == [512] + [32] * 5
+    for step in range(40):
+        _decode(kv, request, step)
+        held = [len([b for b in table if b != NULL]) for table in kv.group_block_ids("a")]
+        assert held[0] == -(-request.num_tokens // 16) and all(h in (32, 33) for h in held[1:])
+    layer_slots = kv.num_held_blocks("a") * layers_per_block(groups, 18)
+    full_cache_slots = -(-request.num_tokens // 16) * 18
+    expected = 1 / 6 + 5 / 6 * 512 / request.num_tokens
+    assert abs(layer_slots / full_cache_slots - expected) < 0.01

@@ -7,9 +7,13 @@ import torch
 from kvserve.config import ModelConfig
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       num_layers: int | None = None) -> int:
+    """One pool block's bytes: K and V of block_size tokens in `num_layers` layers (default
+    all; the hybrid layout's blocks span one group's layers)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.kv_size * element
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * config.kv_size * element
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,

@@ -7,7 +7,7 @@ slot_mapping[t] = block_id * block_size + offset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -27,6 +27,13 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Per-step choices a backend computes on the first layer and reuses (see attention/paged.py)
     plan: object | None = None
+    # The hybrid KV layout: KV cache groups 1..'s metadata (their own tables and slots; this
+    # one is group 0's). Empty with one group.
+    group_metadata: list["AttentionMetadata"] = field(default_factory=list)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of KV cache group `group` (a layer's `kv_group`)."""
+        return self.group_metadata[group - 1] if group else self
 
     @property
     def num_seqs(self) -> int:

@@ -16,7 +16,14 @@ from typing import Iterable
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.kv_cache.spec import KVCacheGroup, SlidingWindowSpec, kv_cache_groups
+from kvserve.core.kv_cache.spec import (
+    KVCacheGroup,
+    SlidingWindowSpec,
+    kv_cache_groups,
+    layer_placement,
+    layers_per_block,
+    pool_token_capacity,
+)
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.core.step_encoder import StepEncoder, connector_step
@@ -61,11 +68,16 @@ class EngineCore:
             autotune.set_enabled(False)
         self.executor = executor or make_executor(config)
         self.model_config = self.executor.model_config
-        self.num_kv_blocks = self._num_kv_blocks()
+        groups = self._kv_cache_groups()
+        self.num_kv_blocks = self._num_kv_blocks(
+            layers_per_block(groups, self.model_config.num_hidden_layers))
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
-                                         config.enable_prefix_caching, self._kv_cache_groups())
-        self.max_model_len = self._max_model_len(self.kv_manager.pool.num_usable_blocks)
-        kv_ready = self.executor.initialize_kv_cache(self.num_kv_blocks, config.block_size)
+                                         config.enable_prefix_caching, groups)
+        self.max_model_len = self._max_model_len(self.kv_manager.pool.num_usable_blocks, groups)
+        kv_ready = self.executor.initialize_kv_cache(
+            self.num_kv_blocks, config.block_size,
+            layer_placement(groups, self.model_config.num_hidden_layers) if len(groups) > 1
+            else None)
         self.kv_events = make_kv_event_source(config.kv_events_config, self.kv_manager)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -89,8 +101,10 @@ class EngineCore:
 
     def _kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         model = self.model_config
+        # the hybrid layout (a block table per group) where every stage holds every layer
         groups = kv_cache_groups(model.sliding_windows, model.num_hidden_layers,
-                                 self.config.block_size)
+                                 self.config.block_size,
+                                 hybrid=self.config.pipeline_parallel_size == 1)
         windowed = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
         if windowed and (self.config.kv_role or self.config.kv_transfer_config):
             raise ValueError(
@@ -122,9 +136,10 @@ class EngineCore:
         return self.executor.runner
 
     # ---- sizing --------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, layers: int) -> int:
+        """Blocks in the pool, each spanning `layers` layers' slots."""
         dtype = self.executor.kv_dtype
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, dtype, layers)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         else:
@@ -136,12 +151,14 @@ class EngineCore:
                     self.config.block_size, tokens, num_blocks * per_block / 2**20, dtype)
         return num_blocks
 
-    def _max_model_len(self, num_blocks: int) -> int:
+    def _max_model_len(self, num_blocks: int, groups: tuple[KVCacheGroup, ...]) -> int:
         context = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len or context
         if wanted > context:
             raise ValueError(f"max_model_len {wanted} exceeds the model's context {context}")
-        capacity = num_blocks * self.config.block_size
+        chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill \
+            else wanted
+        capacity = pool_token_capacity(num_blocks, groups, chunk)
         if wanted > capacity:
             logger.warning("max_model_len lowered from %d to %d: the KV pool holds no more",
                            wanted, capacity)

@@ -53,8 +53,10 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_position: int  # num_computed_tokens when scheduled
-    block_ids: list[int]
+    block_ids: list[int]  # its table in KV cache group 0
     sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
+    # the hybrid layout: its tables in groups 1.. (empty with one group)
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -343,10 +345,10 @@ class Scheduler(SchedulerInterface):
 
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
+        first, *others = self.kv.group_block_ids(request.request_id)
         output.scheduled.append(ScheduledRequest(
-            request=request, num_new_tokens=num_new, start_position=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens))
+            request=request, num_new_tokens=num_new, start_position=start, block_ids=first,
+            sample=start + num_new == request.num_tokens, group_block_ids=others))
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,

@@ -15,7 +15,8 @@ class StepEncoder:
     workers already hold: a request's prompt and parameters, and its block ids so far."""
 
     def __init__(self) -> None:
-        self._sent_blocks: dict[str, list[int]] = {}  # request id -> block ids workers hold
+        # request id -> the block ids workers hold, per KV cache group
+        self._sent_blocks: dict[str, list[list[int]]] = {}
 
     def encode(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
         new_requests, scheduled = [], []
@@ -26,9 +27,11 @@ class StepEncoder:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params))
                 sent = self._sent_blocks[request.request_id] = []
-            blocks, reset = _block_delta(sent, item.block_ids)
+            (blocks, *others), reset = _tables_delta(sent, [item.block_ids,
+                                                            *item.group_block_ids])
             scheduled.append(ScheduledData(request.request_id, item.token_ids,
-                                           item.start_position, blocks, item.sample, reset))
+                                           item.start_position, blocks, item.sample, reset,
+                                           others))
         for request_id in scheduler_output.finished_ids:
             self._sent_blocks.pop(request_id, None)
         return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
@@ -38,12 +41,27 @@ class StepEncoder:
         """One scheduled request again, on its own (after its batch raised): its prompt and
         whole block table, so the step is right whatever the failed one left applied."""
         request = item.request
-        self._sent_blocks[request.request_id] = list(item.block_ids)
+        tables = [list(item.block_ids), *map(list, item.group_block_ids)]
+        self._sent_blocks[request.request_id] = [list(table) for table in tables]
         return ExecuteStep(
             [NewRequestData(request.request_id, request.prompt_token_ids,
                             request.sampling_params)],
             [ScheduledData(request.request_id, item.token_ids, item.start_position,
-                           list(item.block_ids), item.sample, reset_blocks=True)], [])
+                           tables[0], item.sample, reset_blocks=True,
+                           new_group_block_ids=tables[1:])], [])
+
+
+def _tables_delta(sent: list[list[int]], current: list[list[int]],
+                  ) -> tuple[list[list[int]], bool]:
+    """`_block_delta` over every group's table: all whole if any group's must be."""
+    if len(sent) == len(current):
+        probe = [list(table) for table in sent]
+        deltas = [_block_delta(held, table) for held, table in zip(probe, current)]
+        if not any(reset for _, reset in deltas):
+            sent[:] = probe
+            return [added for added, _ in deltas], False
+    sent[:] = [list(table) for table in current]
+    return [list(table) for table in current], True
 
 
 def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:

@@ -35,8 +35,11 @@ class Executor(ABC):
     max_concurrent_batches: int = 1
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int,
+                            placement: tuple[list[int], list[int]] | None = None,
+                            ) -> list[KVCacheReady]:
         """Allocate `num_blocks` blocks of KV on every worker; called once, before execute.
+        `placement`: the hybrid layout's (group, tensor) of each layer (None: one group).
         Every rank's answer, rank order (with what its KV connector tells the core)."""
 
     @abstractmethod

@@ -112,8 +112,10 @@ class MultiprocExecutor(PipelinedExecutor):
         self.workers.append(start_module_process("kvserve.worker.worker", args, self.config))
 
     # ---- the executor interface ------------------------------------------------------------
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
-        self._broadcast(InitKVCache(num_blocks, block_size))
+    def initialize_kv_cache(self, num_blocks: int, block_size: int,
+                            placement: tuple[list[int], list[int]] | None = None,
+                            ) -> list[KVCacheReady]:
+        self._broadcast(InitKVCache(num_blocks, block_size, *(placement or ([], []))))
         return self._gather(KVCacheReady, STARTUP_TIMEOUT_SECONDS)
 
     def submit(self, step: ExecuteStep) -> None:

@@ -171,8 +171,10 @@ class RayExecutor(PipelinedExecutor):
         return list(self._held.pids)
 
     # ---- the executor interface ------------------------------------------------------------
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
-        data = self.encoder.encode(InitKVCache(num_blocks, block_size))
+    def initialize_kv_cache(self, num_blocks: int, block_size: int,
+                            placement: tuple[list[int], list[int]] | None = None,
+                            ) -> list[KVCacheReady]:
+        data = self.encoder.encode(InitKVCache(num_blocks, block_size, *(placement or ([], []))))
         replies = self._gather([actor.init_kv_cache.remote(data)
                                 for actor in self._held.actors], STARTUP_TIMEOUT_SECONDS)
         return [msgspec.msgpack.decode(reply, type=KVCacheReady) for reply in replies]

@@ -28,8 +28,10 @@ class UniExecutor(Executor):
         self.quantization = loaded.quantization
         self._kv_reports: list[KVConnectorOutput] = []
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCacheReady]:
-        return [self.worker.init_kv_cache(InitKVCache(num_blocks, block_size))]
+    def initialize_kv_cache(self, num_blocks: int, block_size: int,
+                            placement: tuple[list[int], list[int]] | None = None,
+                            ) -> list[KVCacheReady]:
+        return [self.worker.init_kv_cache(InitKVCache(num_blocks, block_size, *(placement or ([], []))))]
 
     def execute(self, step: ExecuteStep) -> ModelRunnerOutput:
         try:

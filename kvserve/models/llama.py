@@ -100,8 +100,10 @@ class LlamaAttention(nn.Module):
             else None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0  # its KV cache group (the hybrid layout): whose block tables it reads
 
     def forward(self, rotary, hidden, metadata: AttentionMetadata) -> torch.Tensor:
+        metadata = metadata.for_group(self.kv_group)
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(-1, self.num_heads, self.head_dim)
@@ -122,6 +124,7 @@ class LlamaAttention(nn.Module):
     def forward_fused(self, hidden, positions, cos_sin, metadata) -> torch.Tensor:
         """The `paged` path: RoPE and the cache write in one op on the fused QKV output, then
         attention over the blocks in place."""
+        metadata = metadata.for_group(self.kv_group)
         # projections called through .forward: nn.Module.__call__ costs ~1 us of hook checks,
         # ~120 times per step (the fused path never uses hooks)
         qkv = self.qkv_proj.forward(hidden)
@@ -349,7 +352,7 @@ class LlamaModel(nn.Module):
         and every sequence of the step on the paged attention kernel (plans the step if
         needed)."""
         if self.enforce_eager or self._decode_stack is False or intermediate is not None \
-                or self.kv_connector is not None:
+                or self.kv_connector is not None or metadata.group_metadata:
             return None
         if self._decode_stack is None:
             from kvserve.models.decode_stack import build_decode_stack
@@ -468,14 +471,18 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor],
+                      kv_groups: list[int] | None = None) -> None:
         """Give the stage's layer i the tensor kv_caches[i] of shape
-        [2, blocks, block_size, kv_heads, dim]."""
+        [2, blocks, block_size, kv_heads, dim], and (the hybrid layout) the KV cache group
+        kv_groups[i] whose block tables it reads (default: group 0)."""
         layers = self.model.stage_layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"need {len(layers)} KV tensors, got {len(kv_caches)}")
-        for layer, cache in zip(layers, kv_caches):
+        groups = kv_groups or [0] * len(layers)
+        for layer, cache, group in zip(layers, kv_caches, groups):
             layer.self_attn.kv_cache = cache
+            layer.self_attn.kv_group = group
         self.model.reset_decode_stack()
 
     def bind_kv_connector(self, hooks) -> None:

@@ -80,11 +80,18 @@ class ScheduledData(msgspec.Struct, **_WIRE):
     new_block_ids: list[int]
     sample: bool
     reset_blocks: bool = False  # new_block_ids is the whole table (after a preemption)
+    # the hybrid KV layout (several KV cache groups): groups 1.. likewise (new_block_ids is
+    # group 0's; reset_blocks covers every group)
+    new_group_block_ids: list[list[int]] = []
 
 
 class InitKVCache(msgspec.Struct, tag=True, **_WIRE):
     num_blocks: int
     block_size: int
+    # the hybrid layout (kv_cache/spec.py `layer_placement`): per layer, its KV cache group and
+    # its KV tensor; empty: one group, a tensor per layer
+    layer_groups: list[int] = []
+    layer_tensors: list[int] = []
 
 
 class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):

@@ -28,19 +28,27 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: str = "cpu",
                  seed: int = 0, kv_dtype: torch.dtype | None = None,
                  parallel: ParallelContext | None = None, samples: bool = True,
-                 logits_processors: Sequence[LogitsProcessor] = ()):
+                 logits_processors: Sequence[LogitsProcessor] = (),
+                 placement: tuple[list[int], list[int]] = ([], [])):
         """`samples`: False on ranks whose samples nobody reads (tensor ranks other than the
         output rank: they join the logits gather, then stop). `logits_processors`: custom
-        ones, for the sampler."""
+        ones, for the sampler. `placement`: the hybrid KV layout's group and tensor of each
+        layer (kv_cache/spec.py `layer_placement`; empty: one group, a tensor per layer)."""
         self.model = model
         self.samples = samples
         self.config = model.config
         self.block_size = block_size
         self.device = torch.device(device)
         kv_dtype = kv_dtype or next(model.parameters()).dtype
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype, device,
-                                            getattr(model, "num_stage_layers", None))
-        model.bind_kv_cache(self.kv_caches)
+        layer_groups, layer_tensors = placement
+        if layer_groups:  # hybrid: one tensor per index within a group, shared by the groups
+            self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype,
+                                                device, max(layer_tensors) + 1)
+            model.bind_kv_cache([self.kv_caches[t] for t in layer_tensors], layer_groups)
+        else:
+            self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype,
+                                                device, getattr(model, "num_stage_layers", None))
+            model.bind_kv_cache(self.kv_caches)
         self.stage = parallel if parallel is not None and parallel.pp_size > 1 else None
         if self.stage is not None:
             self._intermediate_count = 1 if model.kernel_ops is None else 2  # eager: no residual
@@ -57,11 +65,15 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput.empty()
+        query_lens = [s.num_new_tokens for s in scheduled]
+        seq_lens = [s.start_position + s.num_new_tokens for s in scheduled]
         metadata, positions = build_attention_metadata(
-            [s.num_new_tokens for s in scheduled],
-            [s.start_position + s.num_new_tokens for s in scheduled],
-            [s.block_ids for s in scheduled],
-            self.block_size, self.device)
+            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, self.device)
+        if scheduled[0].request.group_block_ids:  # hybrid: each group's tables and slots
+            metadata.group_metadata = [
+                build_attention_metadata(query_lens, seq_lens, [s.tables[g] for s in scheduled],
+                                         self.block_size, self.device)[0]
+                for g in range(1, len(scheduled[0].tables))]
         input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long,
                                  device=self.device)
         if self.stage is None:

@@ -18,7 +18,8 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # KV cache group 0's table
+    group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (hybrid layout)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
@@ -41,6 +42,11 @@ class ScheduledItem:
     @property
     def block_ids(self) -> list[int]:
         return self.request.block_ids
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Its block table in every KV cache group."""
+        return [self.request.block_ids, *self.request.group_block_ids]
 
 
 @dataclass

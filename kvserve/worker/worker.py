@@ -94,7 +94,8 @@ class Worker:
                                   self.config.device, self.config.seed,
                                   kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
                                   samples=self.is_output_rank,
-                                  logits_processors=self._logits_processors())
+                                  logits_processors=self._logits_processors(),
+                                  placement=(message.layer_groups, message.layer_tensors))
         connector = self.kv_connector
         if connector is None:
             return KVCacheReady(self.rank)
@@ -172,8 +173,11 @@ class Worker:
         request = self.requests[item.request_id]
         if item.reset_blocks:
             request.block_ids = list(item.new_block_ids)
+            request.group_block_ids = [list(table) for table in item.new_group_block_ids]
         else:
             request.block_ids.extend(item.new_block_ids)
+            for table, added in zip(request.group_block_ids, item.new_group_block_ids):
+                table.extend(added)
         return ScheduledItem(request, item.token_ids, item.start_position, item.sample)
 
     def shutdown(self) -> None:

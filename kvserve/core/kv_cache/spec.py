@@ -6,11 +6,15 @@ token; a sliding window keeps only the last `sliding_window - 1` keys before the
 kernels never read earlier ones). Layers with the same spec form a `KVCacheGroup`; each group has
 its own block table per request, and every group allocates from the one block pool.
 
-The engine builds the groups from the model's per-layer windows (`kv_cache_groups`). Until the
-workers hold one block table per group (the hybrid layout, where a block id addresses the same
-slot in one layer of every group), a model that mixes full and windowed layers runs as one
-full-attention group: its windowed layers still attend only within their window (the kernels
-mask), they just keep all their KV, as vLLM does with its hybrid manager disabled.
+The engine builds the groups from the model's per-layer windows (`kv_cache_groups`). A model
+that mixes full and windowed layers (Gemma 3: 5 windowed to 1 full) gets the hybrid layout, as
+vLLM's hybrid allocator: the layers of each kind are cut into groups of one size G, every group
+has its own block table per request, and the workers keep G KV tensors, tensor j shared by the
+j-th layer of every group, so one block id from the pool addresses G layers' slots in whichever
+group holds it (`layer_placement`). A windowed group then holds ~window / block_size blocks per
+request, whatever its length. Where the kinds' layer counts do not divide into equal groups,
+or with pipeline stages, the model runs as one full-attention group: its windowed layers still
+attend only within their window (the kernels mask), they just keep all their KV.
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ class KVCacheGroup:
 
 
 def kv_cache_groups(sliding_windows: tuple[int | None, ...], num_layers: int,
-                    block_size: int) -> tuple[KVCacheGroup, ...]:
+                    block_size: int, hybrid: bool = True) -> tuple[KVCacheGroup, ...]:
     """The KV cache groups for a model's per-layer windows (`ModelConfig.sliding_windows`; empty
-    or all None: no windows)."""
+    or all None: no windows). `hybrid` False: a mix of kinds runs as one full group."""
     windows = tuple(sliding_windows) or (None,) * num_layers
     layers = tuple(range(num_layers))
     kinds = set(windows)
@@ -79,7 +83,51 @@ def kv_cache_groups(sliding_windows: tuple[int | None, ...], num_layers: int,
     if len(kinds) == 1:
         (window,) = kinds
         return (KVCacheGroup(SlidingWindowSpec(block_size, window), layers),)
-    logger.info("KV cache: layers mix full attention and windows %s; all keep full KV (one "
-                "group) until the workers hold one block table per group",
-                sorted(w for w in kinds if w is not None))
-    return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+    by_kind = {kind: [i for i in layers if windows[i] == kind]
+               for kind in sorted(kinds, key=lambda w: (w is not None, w or 0))}
+    size = min(len(members) for members in by_kind.values())
+    if not hybrid or any(len(members) % size for members in by_kind.values()):
+        logger.info("KV cache: layers mix full attention and windows %s; all keep full KV (one "
+                    "group): %s", sorted(w for w in kinds if w is not None),
+                    "hybrid layout off" if not hybrid else "kinds do not split into equal groups")
+        return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+    groups = []
+    for kind, members in by_kind.items():
+        spec = FullAttentionSpec(block_size) if kind is None else \
+            SlidingWindowSpec(block_size, kind)
+        groups += [KVCacheGroup(spec, tuple(members[i:i + size]))
+                   for i in range(0, len(members), size)]
+    return tuple(groups)
+
+
+def layer_placement(groups: tuple[KVCacheGroup, ...], num_layers: int,
+                    ) -> tuple[list[int], list[int]]:
+    """Per layer, its group and its KV tensor (its index within the group: the workers keep
+    one tensor per index, shared by the groups). One group: every layer its own tensor."""
+    group_of, tensor_of = [0] * num_layers, list(range(num_layers))
+    if len(groups) > 1:
+        for g, group in enumerate(groups):
+            for j, layer in enumerate(group.layers):
+                group_of[layer], tensor_of[layer] = g, j
+    return group_of, tensor_of
+
+
+def layers_per_block(groups: tuple[KVCacheGroup, ...], num_layers: int) -> int:
+    """How many layers' slots one pool block spans: the group size in the hybrid layout, every
+    layer with one group."""
+    return len(groups[0].layers) if len(groups) > 1 else num_layers
+
+
+def pool_token_capacity(num_blocks: int, groups: tuple[KVCacheGroup, ...],
+                        chunk_tokens: int) -> int:
+    """The longest sequence `num_blocks` blocks hold alone, computed in chunks of up to
+    `chunk_tokens`: each window group holds at most a window's blocks plus a chunk's (every
+    new token's KV is written before the window slides past it), the full groups share the
+    rest."""
+    block_size = groups[0].spec.block_size
+    window_blocks = sum(-(-(group.spec.sliding_window - 1 + chunk_tokens) // block_size) + 1
+                        for group in groups if isinstance(group.spec, SlidingWindowSpec))
+    full_groups = sum(1 for group in groups if isinstance(group.spec, FullAttentionSpec))
+    if not full_groups:
+        return 2**31 - 1  # only windows: any length fits once the window's blocks do
+    return max(0, num_blocks - window_blocks) // full_groups * block_size
