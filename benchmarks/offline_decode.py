@@ -11,6 +11,7 @@ offline engine (`LLM`, core on a thread), a request with a d-token prompt (one t
 prefilled untimed, then 128 decode steps timed; ms a token is their mean, like llama-bench's.
 
 Usage: .venv/bin/python benchmarks/offline_decode.py [--rounds 7] [--depths 0,256] [--name N]
+       [--model gemma3-270m]
 Writes benchmarks/results/<cpu>/<date>-<name>.json and .md.
 """
 
@@ -68,13 +69,15 @@ def main() -> None:
     parser.add_argument("--depths", default="0,256")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="offline-decode")
+    parser.add_argument("--model", default=None, help="a short name or path (default: the "
+                        "bundled SmolLM2); llama-bench reads the same GGUF")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
 
     from kvserve import LLM
     from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
 
-    llm = LLM(engine_core="thread")
+    llm = LLM(engine_core="thread", **({"model": args.model} if args.model else {}))
     engine = llm.llm_engine
     model_path = str(engine.source.path)  # llama-bench reads the same GGUF
     kvserve_ms(engine, depths[0], -1)  # warm-up

@@ -32,27 +32,38 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--max-windows", type=int, default=None)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--name", default="perplexity", help="the result files' name")
     parser.add_argument("--modes", default=None,
                         help="comma-separated dtype:quantization[:chunk] (default: all)")
     args = parser.parse_args()
     modes = MODES if not args.modes else [_mode(text) for text in args.modes.split(",")]
     source = resolve_model(args.model)
-    tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
+    tokenizer = load_tokenizer(source)
+    tokens = tokenizer.encode(held_out_text(), add_special_tokens=False)
+    # a window starts with BOS where the tokenizer adds one (Gemma; SmolLM2's adds none)
+    with_special = tokenizer.encode("a")
+    bos = with_special[0] if len(with_special) > len(tokenizer.encode(
+        "a", add_special_tokens=False)) else None
     rows = []
     for dtype, quantization, chunk in modes:
         start = time.perf_counter()
         model, _ = load_model(source, dtype, attention_backend="paged", quantization=quantization)
         result = perplexity(model, tokens, args.window, max_windows=args.max_windows,
-                            chunk=chunk)
+                            chunk=chunk, bos_token_id=bos)
         rows.append({"dtype": dtype, "quantization": quantization, "chunk": chunk, **result,
                      "seconds": time.perf_counter() - start})
         print(json.dumps(rows[-1]), flush=True)
         del model
-    _write(rows, source.name, len(tokens))
+    _write(rows, source.name, len(tokens), args.name)
 
 
-def _write(rows: list[dict], model_name: str, num_tokens: int) -> None:
-    stem = RESULTS / f"{datetime.date.today().isoformat()}-perplexity"
+def _write(rows: list[dict], model_name: str, num_tokens: int, name: str) -> None:
+    from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
+
+    header = machine_header()
+    directory = RESULTS / cpu_slug(header)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / f"{datetime.date.today().isoformat()}-{name}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     base = rows[0]["perplexity"]
     lines = [f"# Perplexity by precision and quantization ({model_name})", "",
@@ -60,6 +71,7 @@ def _write(rows: list[dict], model_name: str, num_tokens: int) -> None:
              f"{'.'.join(map(str, __import__('sys').version_info[:3]))}, {num_tokens} tokens), "
              f"{rows[0]['windows']} windows of {rows[0]['window']} tokens, "
              f"{rows[0]['tokens_scored']} predictions. torch {torch.__version__}, CPU kernels on.",
+             f"CPU: {cpu_label(header)}.",
              "Chunk: tokens per step (decode-sized kernels); - = each window in one prefill step.",
              "", "| dtype | quantization | chunk | perplexity | vs float32 |",
              "|---|---|---|---|---|"]

@@ -21,6 +21,9 @@ from kvserve import LLM, SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="> 0: sample with top_p 0.9 (the sampler's own cost shows)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
@@ -40,11 +43,14 @@ def main() -> None:
         args.profile, args.enforce_eager = False, True
 
     extra = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if args.model:
+        extra["model"] = args.model
     llm = LLM(dtype=args.dtype, attention_backend=args.attention_backend,
               cpu_kernels=args.cpu_kernels, engine_core="thread",
               enforce_eager=args.enforce_eager, **extra)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 10, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature else 1.0,
+                            max_tokens=args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
         prompt = [(i * 31 + j) % 40000 + 100 for j in range(args.context)]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
@@ -63,6 +69,8 @@ def main() -> None:
 
     runner.execute = timed_execute
     op_times = _time_ops(runner.model) if args.per_op else None
+    if op_times is not None:
+        _time_sampler(runner, op_times)
     with profile(activities=[ProfilerActivity.CPU]) if args.profile else nullcontext() as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -108,6 +116,24 @@ def _time_ops(model) -> dict[str, list]:
     wrap(model, "forward", "model.forward")
     wrap(model, "compute_logits", "lm head")
     return totals
+
+
+def _time_sampler(runner, totals) -> None:
+    """Wall time of the sampler (temperature, top-p, the draw or argmax) per step."""
+    sampler = runner.sampler
+
+    class TimedSampler:
+        def __call__(self, *args, **kwargs):
+            start = time.perf_counter()
+            result = sampler(*args, **kwargs)
+            totals["sampler"][0] += time.perf_counter() - start
+            totals["sampler"][1] += 1
+            return result
+
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    runner.sampler = TimedSampler()
 
 
 if __name__ == "__main__":

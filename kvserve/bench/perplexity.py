@@ -42,12 +42,16 @@ def held_out_text() -> str:
 @torch.inference_mode()
 def perplexity(model, tokens: list[int], window: int = 512, windows_per_batch: int = 4,
                max_windows: int | None = None, kv_dtype: torch.dtype | None = None,
-               chunk: int | None = None) -> dict:
+               chunk: int | None = None, bos_token_id: int | None = None) -> dict:
     """exp(mean negative log-likelihood) over every predicted position of every window.
-    `chunk`: tokens per step of one window (decode-sized steps); None: whole windows, batched."""
+    `chunk`: tokens per step of one window (decode-sized steps); None: whole windows, batched.
+    `bos_token_id`: each window starts with it (models trained to see one, such as Gemma,
+    score far worse without); it is input only, never a target."""
     from kvserve.models.paged_loop import PagedLoop
 
     windows = [tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)]
+    if bos_token_id is not None:
+        windows = [[bos_token_id] + w[:-1] for w in windows]
     windows = windows[:max_windows] if max_windows else windows
     per_batch = 1 if chunk else windows_per_batch
     loop = PagedLoop(model, per_batch, window, kv_dtype=kv_dtype)
