@@ -11,7 +11,8 @@ from typing import Any
 
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3",
+                           "phi3")
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
 # Gemma: norms scale by (1 + weight) in float32, around attention and MLP both (before and after),
 # a GeGLU MLP, the embedding scaled by sqrt(hidden), attention scaled by query_pre_attn_scalar.
@@ -19,6 +20,15 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # HF model_type -> our architecture name (the GGUF one) where they differ
 _HF_ARCHITECTURE_NAMES = {"gemma3_text": "gemma3"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# checkpoints that store Q/K/V and gate/up fused, under our own fused names (Phi-3, Phi-4-mini)
+FUSED_CHECKPOINT_ARCHITECTURES = ("phi3",)
+# families whose HF config windows every layer with `sliding_window` (its default when absent)
+_EVERY_LAYER_WINDOW_DEFAULTS = {"mistral": 4096, "phi3": None}
+# RoPE scalings whose tables depend on the pretraining context (HF's original_max_position_
+# embeddings, which it moves into the RoPE parameters)
+_ORIGINAL_CONTEXT_SCALINGS = ("llama3", "yarn", "longrope")
+# config classes with a top-level original_max_position_embeddings field, and its default
+_ORIGINAL_CONTEXT_DEFAULTS = {"phi3": 4096}
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,12 @@ class ModelConfig:
     local_rope_theta: float | None = None
     # Per decoder layer, whether it applies RoPE (SmolLM3 skips every fourth); empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    # Phi-4-mini: RoPE rotates only the first `rotary_dim` = int(head_dim * factor) dims of each
+    # query and key head (rotate-half within them); the rest pass through (HF's and vLLM's name).
+    partial_rotary_factor: float = 1.0
+    # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
+    # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
+    max_model_len: int | None = field(default=None, compare=False)
 
     def __post_init__(self):
         windows = tuple(None if w is None else int(w) for w in self.sliding_windows)
@@ -82,6 +98,11 @@ class ModelConfig:
             raise ValueError(f"{len(rope_layers)} RoPE flags for {self.num_hidden_layers} layers")
         if all(rope_layers):
             rope_layers = ()
+        rotary = self.rotary_dim
+        if rotary <= 0 or rotary > self.head_dim or rotary % 2:
+            raise UnsupportedArchitectureError(
+                f"partial_rotary_factor {self.partial_rotary_factor} gives {rotary} rotary dims "
+                f"of {self.head_dim}: they must be even, between 2 and head_dim")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedArchitectureError(
                 f"activation {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
@@ -101,6 +122,11 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.sliding_window(layer):
             return "local"
         return "global"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates, as HF computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def scale(self) -> float:
@@ -146,6 +172,7 @@ class ModelConfig:
             hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
             rope_layers=tuple(hf.get("no_rope_layers") or ()) if model_type == "smollm3" else (),
             local_rope_theta=_hf_local_rope_theta(hf),
+            partial_rotary_factor=_hf_partial_rotary_factor(hf),
             **(gemma_options(model_type, hidden, hf) if model_type in GEMMA_ARCHITECTURES
                else {}),
         )
@@ -174,6 +201,9 @@ class ModelConfig:
         }
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
+            if "original_max_position_embeddings" in self.rope_scaling:  # where HF looks first
+                hf["original_max_position_embeddings"] = \
+                    self.rope_scaling["original_max_position_embeddings"]
         if self.architecture in GEMMA_ARCHITECTURES:
             hf["query_pre_attn_scalar"] = self.scale**-2
             hf["attn_logit_softcapping"] = self.attn_logit_softcapping
@@ -183,6 +213,8 @@ class ModelConfig:
                 "full_attention": dict(self.rope_scaling or {"rope_type": "default"},
                                        rope_theta=self.rope_theta),
                 "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta}}
+        if self.partial_rotary_factor != 1.0:
+            hf["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_layers:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
         hf.update(self._hf_window_fields())
@@ -194,9 +226,9 @@ class ModelConfig:
         if len(sizes) > 1:
             raise ValueError(f"HF configs hold one sliding window size, not {sorted(sizes)}")
         window = sizes.pop() if sizes else None
-        if self.architecture == "mistral":
+        if self.architecture in _EVERY_LAYER_WINDOW_DEFAULTS:
             if window is not None and None in self.sliding_windows:
-                raise ValueError("HF Mistral windows every layer or none")
+                raise ValueError(f"HF {self.architecture} windows every layer or none")
             return {"sliding_window": window}
         if window is None:
             return {}
@@ -217,6 +249,7 @@ _HF_CLASS_NAMES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 def hf_architecture_name(model_type: str | None) -> str | None:
     """Our architecture name for an HF model_type (the GGUF name where they differ)."""
@@ -245,17 +278,17 @@ def gemma_options(architecture: str, hidden_size: int, hf: dict[str, Any] | None
 
 def _hf_sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's window as HF transformers builds it for the family (transformers 5.x):
-    Llama has none; Mistral windows every layer with `sliding_window` (absent: MistralConfig's
-    default 4096; null: none) and ignores `layer_types`; Qwen2 drops `sliding_window` unless
-    `use_sliding_window`, and its layers are `layer_types` or else those from index
-    `max_window_layers` on (Qwen3 likewise); other families follow `layer_types` where the
-    config has one."""
+    Llama has none; Mistral and Phi-3 window every layer with `sliding_window` (absent:
+    MistralConfig's default 4096, Phi3Config's none; null: none) and ignore `layer_types`;
+    Qwen2 drops `sliding_window` unless `use_sliding_window`, and its layers are `layer_types`
+    or else those from index `max_window_layers` on (Qwen3 likewise); other families follow
+    `layer_types` where the config has one."""
     model_type = hf.get("model_type", "")
     layers = hf["num_hidden_layers"]
     if model_type == "llama":
         return ()
-    if model_type == "mistral":
-        window = hf.get("sliding_window", 4096)
+    if model_type in _EVERY_LAYER_WINDOW_DEFAULTS:
+        window = hf.get("sliding_window", _EVERY_LAYER_WINDOW_DEFAULTS[model_type])
         return (window,) * layers if window is not None else ()
     if model_type in ("qwen2", "qwen3"):
         window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
@@ -318,10 +351,29 @@ def _hf_local_rope_theta(hf: dict[str, Any]) -> float | None:
 
 
 def _hf_rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The global RoPE scaling as HF's config classes standardise it: `type` read as
+    `rope_type`, Phi-3's old names "su" and "yarn" as "longrope" (Phi3Config's own mapping),
+    and original_max_position_embeddings in the dict (a top-level one wins, as in HF)."""
     scaling = hf.get("rope_scaling") or _hf_rope_params(hf)
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
-    return dict(scaling, rope_type=kind)
+    if hf.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"
+    scaling = dict(scaling, rope_type=kind)
+    if kind in _ORIGINAL_CONTEXT_SCALINGS:
+        original = hf.get("original_max_position_embeddings",
+                          _ORIGINAL_CONTEXT_DEFAULTS.get(hf.get("model_type")))
+        original = original or scaling.get("original_max_position_embeddings") or hf.get(
+            "max_position_embeddings", 2048)
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _hf_partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """The RoPE parameters' partial_rotary_factor, else the config's top-level one (HF's
+    order), else 1."""
+    factor = _hf_rope_params(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor")
+    return float(factor) if factor else 1.0

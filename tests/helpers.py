@@ -500,3 +500,93 @@ def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return outfile
+
+
+# ---- tiny checkpoints saved by HF transformers ------------------------------------------------
+def randomise_norms(hf_model) -> None:
+    """Every norm weight drawn at random (HF initialises Gemma's to zero and the others' to one,
+    which would hide a norm applied without its weight, or with the wrong offset)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if "gemma" in hf_model.config.model_type \
+                    else param.uniform_(0.5, 1.5)
+
+
+def write_sentencepiece_model(path) -> None:
+    """A small SentencePiece model trained on real text (the weights tests feed token ids, so
+    only llama.cpp's converter reads it, for families whose converter reads nothing else; it
+    pads the vocabulary to the model's)."""
+    import io
+
+    import sentencepiece
+
+    lines = [line for line in long_text().splitlines() if line.strip()]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                             vocab_size=600, byte_fallback=True,
+                                             minloglevel=2)
+    path.write_bytes(model.getvalue())
+
+
+def save_hf_checkpoint(hf_config, directory, tokenizer, sentencepiece: bool = False):
+    """A tiny random checkpoint made by HF's own model class for `hf_config` (seed 0, norms
+    random), saved with the tokenizer's files (and a SentencePiece model where llama.cpp's
+    converter needs one); returns HF's model (eager attention, eval mode)."""
+    import torch
+    import transformers
+
+    from kvserve.testing.tiny import write_tokenizer_files
+
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation="eager").eval()
+    randomise_norms(hf_model)
+    hf_model.save_pretrained(directory)
+    write_tokenizer_files(directory, tokenizer)
+    if sentencepiece:
+        write_sentencepiece_model(directory / "tokenizer.model")
+    return hf_model
+
+
+def hf_reference(hf_model, prompts: list[list[int]], new_tokens: int):
+    """HF's last-position logits for each prompt (one forward each) and its greedy tokens."""
+    import torch
+
+    logits, tokens = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            logits.append(hf_model(ids).logits[0, -1])
+            out = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+            tokens.append(out[0, len(prompt):].tolist())
+    return logits, tokens
+
+
+def assert_greedy_batched_and_alone(model, prompts: list[list[int]], expected: list[list[int]],
+                                    new_tokens: int, max_len: int) -> None:
+    """The model's greedy tokens for the prompts, all in one batch and each alone, are
+    `expected` (HF's)."""
+    from kvserve.models.paged_loop import PagedLoop
+
+    assert PagedLoop(model, len(prompts), max_len).greedy(prompts, new_tokens) == expected
+    for prompt, tokens in zip(prompts, expected):
+        assert PagedLoop(model, 1, max_len).greedy([prompt], new_tokens) == [tokens]
+
+
+def edited_checkpoint(directory, destination, edit: Callable[[dict], None]):
+    """`directory`'s checkpoint with its config.json changed by `edit` (the weights and
+    tokenizer files linked, not copied)."""
+    import json
+
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in directory.iterdir():
+        if path.name != "config.json":
+            (destination / path.name).symlink_to(path)
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination

@@ -1,12 +1,13 @@
-"""The families that run on the shared layers as config options (Gemma 3, Gemma 2, SmolLM3), each
-on a tiny random checkpoint made by HF transformers' own config and model classes, against HF's
-forward pass in float32: logits within 1e-4 on every attention path, greedy tokens equal to HF's
-`generate` batched and alone, the same weights from a GGUF as llama.cpp names and stores them,
-and through the engine with chunked prefill and prefix hits.
+"""The families that run on the shared layers as config options (Gemma 3, Gemma 2, SmolLM3,
+Phi-3 / Phi-4-mini), each on a tiny random checkpoint made by HF transformers' own config and
+model classes, against HF's forward pass in float32: logits within 1e-4 on every attention path,
+greedy tokens equal to HF's `generate` batched and alone, the same weights from a GGUF as
+llama.cpp names and stores them, and through the engine with chunked prefill and prefix hits.
 
 Every norm weight is drawn at random (HF initialises Gemma's to zero and Llama's to one, which
 would hide a norm applied without its weight, or with the wrong offset), windows are short so
-the prompts cross them, and Gemma 3's query scale differs from head_dim's."""
+the prompts cross them, and Gemma 3's query scale differs from head_dim's. RoPE scalings
+(LongRoPE, Llama 3, YaRN) are tests/test_families_rope.py's."""
 
 from __future__ import annotations
 
@@ -19,8 +20,14 @@ from kvserve.config import ModelConfig
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
-from kvserve.testing.tiny import write_tokenizer_files
-from tests.helpers import assert_engine_chunked_and_cached_match, convert_hf_to_gguf, long_text
+from tests.helpers import (
+    assert_engine_chunked_and_cached_match,
+    assert_greedy_batched_and_alone,
+    convert_hf_to_gguf,
+    edited_checkpoint,
+    hf_reference,
+    save_hf_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,31 +57,16 @@ FAMILIES = {
     # RoPE skipped on every fourth layer
     "smollm3": lambda: transformers.SmolLM3Config(**SHAPE, num_hidden_layers=4,
                                                   tie_word_embeddings=False),
+    # Phi-4-mini's partial rotary (24 of 32 dims), Phi-3's fused checkpoint projections and its
+    # window on every layer (head_dim is hidden / heads: Phi-3 and llama.cpp know no other);
+    # LongRoPE is tests/test_families_rope.py's
+    "phi3": lambda: transformers.Phi3Config(
+        **dict(SHAPE, num_attention_heads=2, num_key_value_heads=1), num_hidden_layers=3,
+        sliding_window=WINDOW,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.75}),
 }
-CONVERTIBLE = ("gemma2", "gemma3", "smollm3")
-
-
-def _write_sentencepiece_model(path) -> None:
-    """A small SentencePiece model trained on real text (the weights tests feed token ids, so
-    only the converter reads it; it pads the vocabulary to the model's)."""
-    import io
-
-    import sentencepiece
-
-    lines = [line for line in long_text().splitlines() if line.strip()]
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
-                                             vocab_size=600, byte_fallback=True,
-                                             minloglevel=2)
-    path.write_bytes(model.getvalue())
-
-
-def _randomise_norms(hf_model) -> None:
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(-0.5, 0.5) if "gemma" in hf_model.config.model_type \
-                    else param.uniform_(0.5, 1.5)
+CONVERTIBLE = ("gemma2", "gemma3", "smollm3", "phi3")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -82,25 +74,13 @@ def family(request, tmp_path_factory, tokenizer):
     """One family's tiny checkpoint (saved by HF), its prompts (two longer than the window) and
     HF's last-position logits and greedy tokens for each."""
     config = FAMILIES[request.param]()
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager").eval()
-    _randomise_norms(hf_model)
     directory = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(directory)
-    write_tokenizer_files(directory, tokenizer)
-    if request.param == "gemma2":  # llama.cpp's Gemma 2 converter reads only SentencePiece
-        _write_sentencepiece_model(directory / "tokenizer.model")
+    # llama.cpp's Gemma 2 and Phi-3 converters read only SentencePiece
+    hf_model = save_hf_checkpoint(config, directory, tokenizer,
+                                  sentencepiece=request.param in ("gemma2", "phi3"))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
-    logits, tokens = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            logits.append(hf_model(ids).logits[0, -1])
-            out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-            tokens.append(out[0, len(prompt):].tolist())
+    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
     return {"name": request.param, "dir": directory, "hf_config": config, "prompts": prompts,
             "logits": logits, "tokens": tokens}
 
@@ -134,6 +114,51 @@ def test_soft_caps_matter(family):
     assert (logits - family["logits"][0]).abs().max() > 0.1
 
 
+def test_phi3_config_options():
+    config = ModelConfig.from_hf_dict(FAMILIES["phi3"]().to_dict())
+    assert config.architecture == "phi3" and not config.tie_word_embeddings
+    assert (config.head_dim, config.rotary_dim, config.partial_rotary_factor) == (32, 24, 0.75)
+    assert config.sliding_windows == (WINDOW,) * 3 and config.rope_scaling is None
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+def test_phi3_checkpoint_loads_fused_projections_as_they_are(family):
+    """Phi-3 stores qkv_proj and gate_up_proj fused, in our parameters' order: they load whole
+    (HF's rows, but for partial rotary each Q/K head's dims in our order) and export back
+    equal."""
+    if family["name"] != "phi3":
+        pytest.skip("Phi-3 only")
+    from safetensors.torch import load_file
+
+    model, config = load_model(resolve_model(family["dir"]), "float32")
+    checkpoint = load_file(str(family["dir"] / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in checkpoint
+    ours = dict(model.named_parameters())
+    gate_up = "model.layers.1.mlp.gate_up_proj.weight"
+    assert torch.equal(ours[gate_up], checkpoint[gate_up])
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    value_rows = slice(config.q_size + config.kv_size, None)
+    assert torch.equal(ours[qkv][value_rows], checkpoint[qkv][value_rows])
+    assert not torch.equal(ours[qkv], checkpoint[qkv])  # Q/K heads reordered
+    exported = model.hf_state_dict()
+    assert exported.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_partial_rotary_matters(family, tmp_path):
+    """Phi-3's parity means something: rotating whole heads moves the logits far off HF's."""
+    if family["name"] != "phi3":
+        pytest.skip("Phi-3 only")
+    whole = edited_checkpoint(family["dir"], tmp_path / "whole",
+                              lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0))
+    model, config = load_model(resolve_model(whole), "float32", attention_backend="torch_ref")
+    assert config.rotary_dim == config.head_dim
+    prompt = family["prompts"][0]
+    logits = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    assert (logits - family["logits"][0]).abs().max() > 0.1
+
+
 def test_smollm3_config_skips_rope_on_every_fourth_layer():
     config = ModelConfig.from_hf_dict(FAMILIES["smollm3"]().to_dict())
     assert [config.layer_rope(i) for i in range(4)] == ["global"] * 3 + ["none"]
@@ -153,10 +178,8 @@ def test_logits_match_hf(family, backend):
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
 def test_greedy_tokens_match_hf_batched_and_alone(family, backend):
     model, _ = load_model(resolve_model(family["dir"]), "float32", attention_backend=backend)
-    prompts, expected = family["prompts"], family["tokens"]
-    assert PagedLoop(model, len(prompts), MAX_LEN).greedy(prompts, NEW_TOKENS) == expected
-    for prompt, tokens in zip(prompts, expected):
-        assert PagedLoop(model, 1, MAX_LEN).greedy([prompt], NEW_TOKENS) == [tokens]
+    assert_greedy_batched_and_alone(model, family["prompts"], family["tokens"], NEW_TOKENS,
+                                    MAX_LEN)
 
 
 @pytest.mark.slow

@@ -13,7 +13,11 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import write_tokenizer_files
-from tests.helpers import assert_engine_chunked_and_cached_match
+from tests.helpers import (
+    assert_engine_chunked_and_cached_match,
+    assert_greedy_batched_and_alone,
+    hf_reference,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,14 +44,7 @@ def qwen3(tmp_path_factory, tokenizer):
     write_tokenizer_files(directory, tokenizer)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
-    logits, tokens = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            logits.append(hf_model(ids).logits[0, -1])
-            out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-            tokens.append(out[0, len(prompt):].tolist())
+    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
     return {"dir": directory, "prompts": prompts, "logits": logits, "tokens": tokens}
 
 
@@ -76,10 +73,8 @@ def test_logits_match_hf(qwen3, backend):
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
 def test_greedy_tokens_match_hf_batched_and_alone(qwen3, backend):
     model, _ = load_model(resolve_model(qwen3["dir"]), "float32", attention_backend=backend)
-    prompts, expected = qwen3["prompts"], qwen3["tokens"]
-    assert PagedLoop(model, len(prompts), MAX_LEN).greedy(prompts, NEW_TOKENS) == expected
-    for prompt, tokens in zip(prompts, expected):
-        assert PagedLoop(model, 1, MAX_LEN).greedy([prompt], NEW_TOKENS) == [tokens]
+    assert_greedy_batched_and_alone(model, qwen3["prompts"], qwen3["tokens"], NEW_TOKENS,
+                                    MAX_LEN)
 
 
 def test_gguf_file_loads_as_the_hf_directory(qwen3, tmp_path, monkeypatch):

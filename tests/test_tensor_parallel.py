@@ -127,6 +127,52 @@ def test_qk_norm_shards_match_one_process(pool):
            "none", "shm")
 
 
+def _hf_checkpoint_shards_match_one_process(pool, directory, hf_config, tokenizer):
+    """A checkpoint saved by HF transformers for `hf_config`, each rank loading its slices of
+    the directory: the one-process model's logits (within 1e-4) and greedy tokens."""
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+    from tests.helpers import save_hf_checkpoint
+
+    save_hf_checkpoint(hf_config, directory, tokenizer)
+    whole, _ = load_model(resolve_model(directory), "float32", attention_backend="paged")
+    expected_tokens, expected_logits = ragged_run(whole)
+    for tokens, logits in pool.run(_load_sharded, str(directory), "paged"):
+        assert (logits - expected_logits).abs().max().item() < 1e-4
+        assert tokens == expected_tokens
+
+
+def test_gemma3_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
+    """Gemma 3: its extra norms (sandwich, QK-norm, all (1 + w), drawn at random) replicated on
+    every rank, the scaled embedding on the vocabulary shards, local and global RoPE tables,
+    windows the prompts cross."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, **CONFIGS[pool.world_size], head_dim=32, num_hidden_layers=3,
+        sliding_window=16, query_pre_attn_scalar=24, initializer_range=0.2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    _hf_checkpoint_shards_match_one_process(pool, tmp_path / "gemma3", config, tokenizer)
+
+
+def test_phi3_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
+    """Phi-3 / Phi-4-mini: the checkpoint's fused qkv_proj and gate_up_proj split by their q/k/v
+    and gate/up parts before each rank takes its heads and rows (`shard_rule`), Q/K rows
+    reordered per head for partial rotary, LongRoPE past its 32-position pretraining context,
+    a window on every layer."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, **CONFIGS[pool.world_size], num_hidden_layers=2,
+        max_position_embeddings=256, original_max_position_embeddings=32, sliding_window=16,
+        initializer_range=0.2, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                         "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})
+    _hf_checkpoint_shards_match_one_process(pool, tmp_path / "phi3", config, tokenizer)
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 

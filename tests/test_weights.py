@@ -59,18 +59,26 @@ def test_gguf_round_trip_unpermutes_and_maps_names(tmp_path, isolated_cache, qty
         assert torch.equal(a, b), name
 
 
+def _names_every_supported_architecture(error) -> None:
+    from kvserve.config import SUPPORTED_ARCHITECTURES
+
+    message = str(error.value)
+    assert all(name in message for name in SUPPORTED_ARCHITECTURES), message
+
+
 def test_unsupported_architecture(tmp_path, isolated_cache):
+    """An architecture we do not implement fails at load, naming the ones we do."""
     config = tiny_config(vocab_size=256)
     tensors, _ = _hf_tensors(config)
-    path = tmp_path / "gemma.gguf"
-    write_gguf(path, config, tensors, arch="gemma3")
-    with pytest.raises(UnsupportedArchitectureError, match="gemma3.*llama"):
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, config, tensors, arch="falcon")
+    with pytest.raises(UnsupportedArchitectureError, match="'falcon' is not supported") as error:
         load_model(resolve_model(path))
-    # the engine checks the architecture before it builds the tokenizer (this file has none;
-    # Gemma's own takes ~20 s to build)
+    _names_every_supported_architecture(error)
+    # the engine checks the architecture before it builds the tokenizer (this file has none)
     from kvserve import LLM
 
-    with pytest.raises(UnsupportedArchitectureError, match="gemma3"):
+    with pytest.raises(UnsupportedArchitectureError, match="falcon"):
         LLM(model=str(path), engine_core="thread")
 
 
@@ -117,10 +125,19 @@ def test_hf_directory_unsupported_model_type(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(UnsupportedArchitectureError, match="mamba"):
+    with pytest.raises(UnsupportedArchitectureError, match="mamba") as error:
         load_model(resolve_model(tmp_path))
+    _names_every_supported_architecture(error)
 
 
 def test_unpermute_invertsllama_cpp_permute():
     rows = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)
     assert np.array_equal(gguf_file.unpermute_rope_rows(llama_cpp_permute(rows, 3), 3), rows)
+
+
+@pytest.mark.parametrize("rotary, head_dim", [(96, 128), (30, 44), (64, 64)])
+def test_gguf_rope_dimension_count_is_the_rotary_dim(rotary, head_dim):
+    """llama.cpp's rope.dimension_count as HF's partial_rotary_factor: HF's int(head_dim *
+    factor) gives the count back, also where rotary / head_dim would truncate to one less."""
+    factor = gguf_file._partial_rotary_factor(rotary, head_dim)
+    assert tiny_config(head_dim=head_dim, partial_rotary_factor=factor).rotary_dim == rotary

@@ -1,8 +1,10 @@
 """The decoder families on one set of layers (Llama 2/3, SmolLM 2/3, Mistral, Qwen2, Qwen3,
-Gemma 2/3) over one flattened ragged batch. A family is a set of ModelConfig options, read from
-its HF config or GGUF metadata (kvserve/config.py, kvserve/weights/gguf_file.py): QK-norm, Gemma's
-(1 + w) norms around both attention and MLP, GeGLU, a scaled embedding, a per-layer RoPE table
-(Gemma 3's local and global bases, SmolLM3's RoPE-less layers), logit soft-capping.
+Gemma 2/3, Phi-3 / Phi-4-mini) over one flattened ragged batch. A family is a set of ModelConfig
+options, read from its HF config or GGUF metadata (kvserve/config.py, kvserve/weights/
+gguf_file.py): QK-norm, Gemma's (1 + w) norms around both attention and MLP, GeGLU, a scaled
+embedding, a per-layer RoPE table (Gemma 3's local and global bases, SmolLM3's RoPE-less layers),
+logit soft-capping, RoPE scalings (linear, Llama 3, YaRN, LongRoPE) and partial rotary (Phi-4-mini:
+Q/K rows reordered at load so the full-width rotation is the partial one, `rotary_head_order`).
 
 `forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H]`: no padding, no notion of
 requests. Q/K/V and gate/up projections are fused into single GEMMs; `load_weights` slices the
@@ -40,13 +42,13 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.attention.paged import plan_step
-from kvserve.config import ModelConfig
+from kvserve.config import FUSED_CHECKPOINT_ARCHITECTURES, ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
 from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.kernels.reference import gelu_tanh_and_mul
-from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, rotary_head_order
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
 
@@ -494,6 +496,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (partly fused) parameters, casting to their dtype."""
         params = dict(self.named_parameters())
+        order = rotary_head_order(self.config)  # our Q/K head layout (partial rotary), or None
         loaded: set[str] = set()
         for name, tensor in weights:
             if name == "rope_freqs.weight":
@@ -508,17 +511,22 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
+            tensor = _reorder_rotary_rows(tensor, name, self.config, order)
             _shard_view(param, shard, self.config, target).copy_(tensor)
             loaded.add(name)
         self._check_complete(loaded)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Our parameters under HF checkpoint names, fused projections split (for export)."""
+        """Our parameters under HF checkpoint names, fused projections split unless the family's
+        checkpoints keep them fused, Q/K rows in HF's order (for export)."""
         params = dict(self.named_parameters())
+        order = rotary_head_order(self.config)
+        inverse = None if order is None else torch.argsort(order)
         state = {}
         for name in filter(self.holds, hf_parameter_names(self.config)):
             target, shard = _fused_target(name)
-            state[name] = _shard_view(params[target], shard, self.config, target).clone()
+            tensor = _shard_view(params[target], shard, self.config, target).clone()
+            state[name] = _reorder_rotary_rows(tensor, name, self.config, inverse)
         return state
 
     def _check_complete(self, loaded: set[str]) -> None:
@@ -542,6 +550,29 @@ def _fused_target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _reorder_rotary_rows(tensor: torch.Tensor, name: str, config: ModelConfig,
+                         order: torch.Tensor | None) -> torch.Tensor:
+    """An HF-named query/key tensor (projection rows, bias, QK-norm weight; Phi-3's fused qkv
+    rows too) with each head's dims taken in `order` (`rotary_head_order`, or its inverse
+    for export); any other tensor as given. Heads are whole in every tensor-parallel shard."""
+    if order is None:
+        return tensor
+    if ".q_norm." in name or ".k_norm." in name:
+        return tensor[order]
+    if ".q_proj." in name or ".k_proj." in name:
+        return _reorder_heads(tensor, order)
+    if ".qkv_proj." in name:
+        query, key, value = tensor.split([config.q_size, config.kv_size, config.kv_size])
+        return torch.cat([_reorder_heads(query, order), _reorder_heads(key, order), value])
+    return tensor
+
+
+def _reorder_heads(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    head_dim = order.shape[0]
+    heads = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return heads[:, order].reshape(rows.shape)
+
+
 def _shard_view(param: torch.Tensor, shard: int | None, config: ModelConfig, name: str):
     if shard is None:
         return param.data
@@ -557,14 +588,14 @@ def hf_parameter_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer = [
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    ]
+    fused = config.architecture in FUSED_CHECKPOINT_ARCHITECTURES  # Phi-3: as our parameters
+    qkv = ["qkv_proj"] if fused else ["q_proj", "k_proj", "v_proj"]
+    gate_up = ["gate_up_proj"] if fused else ["gate_proj", "up_proj"]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}.weight" for p in qkv), "self_attn.o_proj.weight",
+                 *(f"mlp.{p}.weight" for p in gate_up), "mlp.down_proj.weight"]
     if config.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        per_layer += [f"self_attn.{p}.bias" for p in qkv]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if config.sandwich_norms:

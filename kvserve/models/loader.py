@@ -12,6 +12,7 @@ only its tensors and slices (kvserve/weights/sharded.py), quantized slice by sli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -104,15 +105,18 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], devic
 def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
                attention_backend: str = "torch_ref", use_cache: bool = True,
                use_cpu_kernels: bool = True, quantization: str = "none",
-               dtype_is_default: bool = False, parallel: ParallelContext | None = None):
+               dtype_is_default: bool = False, parallel: ParallelContext | None = None,
+               max_model_len: int | None = None):
     """Return (model, config) with the source's weights loaded. `dtype_is_default`: the dtype is
     the machine's default rather than the user's choice, which lets `quantization="auto"` keep a
     4-bit checkpoint 4-bit in float32 (see resolve_quantization). With `parallel` (tp_size > 1)
     every rank calls this together and gets its shard; the config returned is then the rank's
-    (`model.config`: its heads, so the KV cache holds only the rank's KV heads)."""
+    (`model.config`: its heads, so the KV cache holds only the rank's KV heads).
+    `max_model_len`: the longest sequence the engine will serve, if it says (LongRoPE's choice
+    of factors, `ModelConfig.max_model_len`)."""
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
-    config = load_config(source, use_cache)
+    config = dataclasses.replace(load_config(source, use_cache), max_model_len=max_model_len)
     cached = cache.artifact_path(source.path, "weights.safetensors") \
         if source.format == "gguf" and use_cache else None
     quantization = resolve_quantization(

@@ -20,7 +20,8 @@ from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 5  # 4: configs hold sliding windows; 5: Gemma fields, norms less 1
+CACHE_FORMAT_VERSION = 6  # 4: configs hold sliding windows; 5: Gemma fields, norms less 1;
+# 6: partial rotary (Q/K rows in our head order), YaRN and LongRoPE configs, Phi-3 names
 
 
 def artifact_path(gguf_path: Path, suffix: str) -> Path:

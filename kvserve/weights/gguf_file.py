@@ -8,6 +8,7 @@ RoPE layout into the interleaved one llama.cpp computes with).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,6 +56,17 @@ _GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 })
+# Phi-3: the checkpoint's fused projections as they are (llama.cpp's ffn_up holds gate then up)
+_PHI3_LAYER_NAMES = dict(_LAYER_NAMES, **{
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_qkv.bias": "self_attn.qkv_proj.bias",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+})
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                     "phi3": _PHI3_LAYER_NAMES}
+# LongRoPE's factor sets: llama.cpp stores them as tensors, we read them into the config
+_LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight",
+                     "short_factor": "rope_factors_short.weight"}
 # Architectures whose llama.cpp converter permutes Q/K rows for its interleaved RoPE.
 _PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "smollm3")
 # llama.cpp's built-in layer patterns where the file has no sliding_window_pattern key: each
@@ -115,6 +127,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     vocab = meta.get(f"{arch}.vocab_size", meta.get("kvserve.embedding_rows"))
     if vocab is None:
         raise CorruptModelFileError(f"GGUF file lacks {arch}.vocab_size")
@@ -141,6 +154,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_layers=tuple((i + 1) % _NO_ROPE_EVERY[arch] != 0 for i in range(layers))
         if arch in _NO_ROPE_EVERY else (),
         local_rope_theta=_LOCAL_ROPE_THETA.get(arch),
+        partial_rotary_factor=_partial_rotary_factor(rotary, head_dim),
         **(_gemma_gguf_options(meta, arch, hidden, heads, layers)
            if arch in GEMMA_ARCHITECTURES else {}),
     )
@@ -175,13 +189,60 @@ def _sliding_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int 
     return tuple(window if every == 0 or i % every < every - 1 else None for i in range(layers))
 
 
+def _partial_rotary_factor(rotary_dim: int, head_dim: int) -> float:
+    """HF's partial_rotary_factor for llama.cpp's rope.dimension_count: rotary_dim / head_dim,
+    or the next float up where int(head_dim * factor) (HF's rotary_dim) would truncate it to
+    one less (30 / 44, for one)."""
+    factor = rotary_dim / head_dim
+    if int(head_dim * factor) != rotary_dim:
+        factor = math.nextafter(factor, 2.0)
+    return factor
+
+
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """`<arch>.rope.scaling.*` as HF's RoPE parameters. llama.cpp's Llama 3 scaling is not
+    here: its converter bakes it into a `rope_freqs` tensor (RotaryEmbedding.freq_factors);
+    nor are Phi-3's LongRoPE factor sets, which are tensors (`load_gguf_config` reads them)."""
     kind = meta.get(f"{arch}.rope.scaling.type")
+    if f"kvserve.{_LONGROPE_TENSORS['long_factor']}" in meta:  # Phi-3 writes no scaling type
+        kind = "longrope"
     if kind in (None, "none"):
         return None
+    key = f"{arch}.rope.scaling."
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        return {"rope_type": "linear", "factor": float(meta[key + "factor"])}
+    if kind == "yarn":
+        return _yarn_scaling(meta, key)
+    if kind == "longrope":
+        return _longrope_scaling(meta, key)
     raise UnsupportedArchitectureError(f"RoPE scaling {kind!r} in GGUF files is not supported")
+
+
+def _yarn_scaling(meta: dict[str, Any], key: str) -> dict[str, Any]:
+    """YaRN as llama.cpp's converter writes HF's parameters: factor, the pretraining context and,
+    where the checkpoint set them, attention_factor and the two betas."""
+    scaling = {"rope_type": "yarn", "factor": float(meta[key + "factor"]),
+               "original_max_position_embeddings": int(meta[key + "original_context_length"])}
+    optional = {"attention_factor": "yarn_attn_factor", "beta_fast": "yarn_beta_fast",
+                "beta_slow": "yarn_beta_slow"}
+    for name, gguf_name in optional.items():
+        if key + gguf_name in meta:
+            scaling[name] = float(meta[key + gguf_name])
+    return scaling
+
+
+def _longrope_scaling(meta: dict[str, Any], key: str) -> dict[str, Any]:
+    """LongRoPE: both factor sets (tensors), the pretraining context, and the attention factor
+    llama.cpp's converter computed (HF's default from the two contexts) where it wrote one."""
+    factors = {name: meta.get(f"kvserve.{tensor}") for name, tensor in _LONGROPE_TENSORS.items()}
+    if None in factors.values() or key + "original_context_length" not in meta:
+        raise CorruptModelFileError("a LongRoPE GGUF needs rope_factors_long, rope_factors_short "
+                                    "and rope.scaling.original_context_length")
+    scaling = {"rope_type": "longrope", **factors,
+               "original_max_position_embeddings": int(meta[key + "original_context_length"])}
+    if key + "attn_factor" in meta:
+        scaling["attention_factor"] = float(meta[key + "attn_factor"])
+    return scaling
 
 
 def load_gguf_config(path: Path) -> ModelConfig:
@@ -191,6 +252,9 @@ def load_gguf_config(path: Path) -> ModelConfig:
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is not None:  # Gemma 3's files have no <arch>.vocab_size: the table's rows
         meta["kvserve.embedding_rows"] = int(embedding.shape[-1])
+    for tensor in reader.tensors:  # LongRoPE's factor sets (a few dozen floats each)
+        if tensor.name in _LONGROPE_TENSORS.values():
+            meta[f"kvserve.{tensor.name}"] = dequantize_tensor(tensor).tolist()
     config = config_from_metadata(meta, set(types))
     return dataclasses.replace(config, source_weight_type=types.get("blk.0.attn_q.weight"))
 
@@ -199,7 +263,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """llama.cpp name -> HF name, or None for tensors we do not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _LAYER_NAMES
+    layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in layer_names:
         return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"

@@ -38,7 +38,7 @@ def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
     model, model_config = load_model(
         source, dtype, config.device, config.attention_backend,
         use_cpu_kernels=config.cpu_kernels, quantization=config.quantization,
-        dtype_is_default=config.dtype == "auto", **extra)
+        dtype_is_default=config.dtype == "auto", max_model_len=config.max_model_len, **extra)
     if hasattr(model, "model") and hasattr(model.model, "enforce_eager"):
         model.model.enforce_eager = config.enforce_eager
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",
