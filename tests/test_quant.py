@@ -147,6 +147,17 @@ def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
     assert resolve_quantization("w8a8", None, torch.float32) == "w8a8"
 
 
+def test_auto_keeps_five_to_eight_bit_sources_eight_bit():
+    """Gemma 3 270M's mostly-Q5_0/Q6_K file: int8 per group (+0.6% perplexity) rather than
+    4-bit (+25%), unless float32 was asked for; never off the CPU."""
+    for source in ("Q5_0", "Q6_K", "Q8_0"):
+        assert resolve_quantization("auto", source, torch.bfloat16) == "int8"
+        assert resolve_quantization("auto", source, torch.float32, dtype_is_default=True) == \
+            "int8"
+        assert resolve_quantization("auto", source, torch.float32) == "none"
+        assert resolve_quantization("auto", source, torch.bfloat16, device="cuda") == "none"
+
+
 def test_four_bit_modes_refuse_other_devices_at_load():
     """int4 and w4a8 live in CPU-only packings (a GPU run failed inside torch's
     _convert_weight_to_int4pack_for_cpu): off the CPU `auto` keeps a 4-bit checkpoint

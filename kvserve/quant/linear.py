@@ -12,7 +12,10 @@ beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2
 - `int4`: groupwise (32) asymmetric 4-bit, as GGUF's Q4_1: w = (q - 8) * scale + zero. Re-quantizing
   a Q4_1 GGUF's dequantized weights this way recovers its codes exactly (each Q4_1 block holds its
   min at code 0 and its max at code 15); scales are then rounded to the activation dtype.
-- `int8`: per-output-channel symmetric 8-bit weight-only.
+- `int8`: groupwise (32) symmetric 8-bit weights, GGUF's Q8_0 (exact for a Q8_0 checkpoint), with
+  float activations, through our kernel for decode batches (kernels/csrc/int8_gemm.cpp; the
+  dense copy beyond). Without our vector kernels: per-output-channel weight-only on torch's
+  int8 kernel (measured ~1.2 GB/s of weights at one row on AVX2 against our kernel's ~11).
 - every quantized mode: the LM head in int8, groupwise (GGUF Q8_0-exact) with our kernel.
 - unquantized bf16: projections and LM head laid out for our bf16 decode kernel (lossless).
 - `w4a8`: the `int4` weights (same panels), with each decode row's activations rounded to int8
@@ -301,6 +304,10 @@ def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
 
 # GGUF storage types whose weights int4 represents with (near) no loss; exact for Q4_1.
 FOUR_BIT_SOURCE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# 5- to 8-bit checkpoints (Gemma 3 270M's "Q4_K_M" is mostly Q5_0 and Q6_K: its rows of 640 do
+# not fit K-quants' 256-blocks): re-quantized to 4 bits they lose far more than the file did
+# (+25% perplexity on Gemma 3 270M), to 8 bits per group of 32 little (Q8_0: nothing).
+EIGHT_BIT_SOURCE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 # Modes whose weights live in torch's CPU-only int4 packing (`_weight_int4pack_mm_for_cpu`) or
@@ -324,11 +331,17 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     per group as llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user
     asked for stays the exact reference: no quantization. Off the CPU (`device` cuda, ...) the
     4-bit modes do not run: `auto` keeps the dequantized weights and asking for one of them is
-    a ValueError here, at load, rather than a failure inside torch."""
+    a ValueError here, at load, rather than a failure inside torch. A 5- to 8-bit checkpoint
+    (`EIGHT_BIT_SOURCE_TYPES`) gets `int8` on the CPU unless float32 was asked for: Gemma 3
+    270M's decode step took 144 ms in float32 (its 262k x 640 LM head alone 82 ms), and
+    re-quantizing its 5-bit weights to 4 bits cost +25% perplexity."""
     check_quantization_device(mode, device)
     on_cpu = torch.device(device).type == "cpu"
     if mode != "auto":
         return mode
+    if source_weight_type in EIGHT_BIT_SOURCE_TYPES and on_cpu and (
+            dtype == torch.bfloat16 or dtype_is_default):
+        return "int8"
     if source_weight_type not in FOUR_BIT_SOURCE_TYPES or not on_cpu:
         return "none"
     if dtype == torch.bfloat16:
@@ -400,6 +413,8 @@ def _quantized(linear: nn.Linear, mode: str, dtype: torch.dtype, ops,
         return W4A8Linear(linear, dtype, ops)
     if mode in ("int4", "w4a8"):  # w4a8 without our vector kernels: int4 with float activations
         return Int4WeightOnlyLinear(linear, dtype, ops)
+    if mode == "int8" and _has_vector_kernels(ops) and linear.in_features % 32 == 0:
+        return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS)
     if mode == "int8":
         return Int8WeightOnlyLinear(linear, dtype, absmax=absmax)
     return W8A8Linear(linear, dtype, ops, absmax)
