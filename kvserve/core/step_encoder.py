@@ -26,7 +26,8 @@ class StepEncoder:
             if sent is None:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                                    request.sampling_params))
-                sent = self._sent_blocks[request.request_id] = []
+                sent = self._sent_blocks[request.request_id] = [
+                    [] for _ in range(1 + len(item.group_block_ids))]
             (blocks, *others), reset = _tables_delta(sent, [item.block_ids,
                                                             *item.group_block_ids])
             scheduled.append(ScheduledData(request.request_id, item.token_ids,
@@ -53,28 +54,19 @@ class StepEncoder:
 
 def _tables_delta(sent: list[list[int]], current: list[list[int]],
                   ) -> tuple[list[list[int]], bool]:
-    """`_block_delta` over every group's table: all whole if any group's must be."""
-    if len(sent) == len(current):
-        probe = [list(table) for table in sent]
-        deltas = [_block_delta(held, table) for held, table in zip(probe, current)]
-        if not any(reset for _, reset in deltas):
-            sent[:] = probe
-            return [added for added, _ in deltas], False
+    """(block ids to send per KV cache group, whether they replace the workers' tables).
+    Tables grow while a request runs; a preempted request comes back with new tables, and a
+    sliding-window table's slid-out positions turn into the null block (once per block): then
+    every group's table is sent whole."""
+    grows = len(sent) == len(current) and all(
+        len(now) >= len(held) and now[:len(held)] == held for held, now in zip(sent, current))
+    if grows:
+        added = [now[len(held):] for held, now in zip(sent, current)]
+        for held, new in zip(sent, added):
+            held.extend(new)
+        return [list(new) for new in added], False
     sent[:] = [list(table) for table in current]
     return [list(table) for table in current], True
-
-
-def _block_delta(sent: list[int], current: list[int]) -> tuple[list[int], bool]:
-    """(block ids to send, whether they replace the workers' table). Tables grow while a
-    request runs; a preempted request comes back with a new table, and a sliding-window
-    table's slid-out positions turn into the null block (once per block): both are sent
-    whole."""
-    if len(current) >= len(sent) and current[:len(sent)] == sent:
-        added = current[len(sent):]
-        sent.extend(added)
-        return list(added), False
-    sent[:] = current
-    return list(current), True
 
 
 def encode_connector_metadata(metadata: KVConnectorMetadata | None) -> bytes | None:

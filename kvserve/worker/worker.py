@@ -176,6 +176,8 @@ class Worker:
             request.group_block_ids = [list(table) for table in item.new_group_block_ids]
         else:
             request.block_ids.extend(item.new_block_ids)
+            missing = len(item.new_group_block_ids) - len(request.group_block_ids)
+            request.group_block_ids += [[] for _ in range(missing)]  # a new request's tables
             for table, added in zip(request.group_block_ids, item.new_group_block_ids):
                 table.extend(added)
         return ScheduledItem(request, item.token_ids, item.start_position, item.sample)
