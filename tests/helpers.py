@@ -590,3 +590,11 @@ def edited_checkpoint(directory, destination, edit: Callable[[dict], None]):
     edit(config)
     (destination / "config.json").write_text(json.dumps(config))
     return destination
+
+
+# ---- tiny family checkpoints ------------------------------------------------------------------
+# Tiny random HF checkpoints on the SmolLM2 tokenizer's vocabulary (llama.cpp's converter accepts
+# its pre-tokenizer by hash); each family test adds its layers, head size and context.
+TINY_FAMILY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0)

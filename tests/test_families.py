@@ -26,16 +26,15 @@ from tests.helpers import (
     convert_hf_to_gguf,
     edited_checkpoint,
     hf_reference,
+    TINY_FAMILY_SHAPE,
     save_hf_checkpoint,
 )
 
 transformers = pytest.importorskip("transformers")
 
-# the SmolLM2 tokenizer's vocabulary: llama.cpp's converter accepts its pre-tokenizer by hash
-VOCAB, NEW_TOKENS, MAX_LEN, WINDOW = 49152, 12, 256, 24
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-             initializer_range=0.5, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+NEW_TOKENS, MAX_LEN, WINDOW = 12, 256, 24
+SHAPE = dict(TINY_FAMILY_SHAPE, head_dim=32, max_position_embeddings=1024)
+VOCAB = SHAPE["vocab_size"]
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
 FAMILIES = {

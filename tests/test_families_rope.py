@@ -29,16 +29,15 @@ from tests.helpers import (
     convert_hf_to_gguf,
     edited_checkpoint,
     hf_reference,
+    TINY_FAMILY_SHAPE,
     save_hf_checkpoint,
 )
 
 transformers = pytest.importorskip("transformers")
 
-# the SmolLM2 tokenizer's vocabulary: llama.cpp's converter accepts its pre-tokenizer by hash
-VOCAB, NEW_TOKENS, MAX_LEN, ORIGINAL = 49152, 12, 256, 32
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
-             initializer_range=0.5, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+NEW_TOKENS, MAX_LEN, ORIGINAL = 12, 256, 32
+SHAPE = dict(TINY_FAMILY_SHAPE, num_hidden_layers=2, max_position_embeddings=256)
+VOCAB = SHAPE["vocab_size"]
 LONG_PROMPTS, SHORT_PROMPT = (40, 100, 70), 12  # 12 + NEW_TOKENS stays within ORIGINAL
 # head_dim 16, 12 of them rotated (Phi-4-mini's 0.75): 6 factors a set, far apart
 SHORT_FACTORS = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]
