@@ -7,7 +7,6 @@ Usage: .venv/bin/python benchmarks/perplexity.py [--max-windows N]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from pathlib import Path
@@ -58,13 +57,10 @@ def main() -> None:
 
 
 def _write(rows: list[dict], model_name: str, num_tokens: int, name: str) -> None:
-    from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
+    from kvserve.bench.machine import cpu_label, machine_header
+    from kvserve.bench.results import write_dated_result
 
     header = machine_header()
-    directory = RESULTS / cpu_slug(header)
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = directory / f"{datetime.date.today().isoformat()}-{name}"
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     base = rows[0]["perplexity"]
     lines = [f"# Perplexity by precision and quantization ({model_name})", "",
              f"Held-out text: docstrings of {', '.join(HELD_OUT_MODULES)} (Python "
@@ -79,8 +75,7 @@ def _write(rows: list[dict], model_name: str, num_tokens: int, name: str) -> Non
         delta = (row["perplexity"] / base - 1) * 100
         lines.append(f"| {row['dtype']} | {row['quantization']} | {row.get('chunk') or '-'} | "
                      f"{row['perplexity']:.4f} | {delta:+.2f}% |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(stem.with_suffix(".md").read_text())
+    print(write_dated_result(RESULTS, header, name, rows, lines).read_text())
 
 
 def _mode(text: str) -> tuple[str, str, int | None]:

@@ -25,6 +25,14 @@ class EngineConfig:
                                      "--kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int | None = _opt(None, "bytes for the KV cache (default 1 GiB)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    streaming_window: int | None = _opt(
+        None, "attention sinks (StreamingLLM), for every request: keep the first "
+        "--streaming-sink-tokens tokens and at least this many recent ones, so a sequence of "
+        "any length runs in bounded KV memory (positions are counted within the cache; "
+        "max_model_len is then the text's limit, unbounded by default). Default: off")
+    streaming_sink_tokens: int = _opt(4, "with --streaming-window: the leading tokens every "
+                                      "query keeps seeing, kept in whole KV blocks (rounded "
+                                      "up to the block size); 0 is plain window attention")
     max_num_seqs: int = _opt(256, "max sequences in one batch")
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
@@ -126,9 +134,21 @@ class EngineConfig:
         from kvserve.kv_events import parse_kv_events_config
 
         parse_kv_events_config(self.kv_events_config)
+        if self.streaming_window is not None and (self.streaming_window < 1
+                                                  or self.streaming_sink_tokens < 0):
+            raise ValueError("--streaming-window must be >= 1 and --streaming-sink-tokens "
+                             ">= 0")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")
+
+    @property
+    def streaming_sink_blocks(self) -> int | None:
+        """With attention sinks on, the blocks the sinks take (tokens rounded up to blocks);
+        None when off. The core's policy (StreamingSpec) and the workers both read it."""
+        if self.streaming_window is None:
+            return None
+        return -(-self.streaming_sink_tokens // self.block_size)
 
     @property
     def world_size(self) -> int:

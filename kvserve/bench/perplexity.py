@@ -23,10 +23,15 @@ HELD_OUT_MODULES = ("pathlib", "heapq", "bisect", "shutil", "tempfile", "statist
                     "fractions", "contextlib", "enum")
 
 
-def held_out_text() -> str:
+# more of the same kind of text, after HELD_OUT_MODULES, for a stream longer than 16k tokens
+LONG_TEXT_MODULES = HELD_OUT_MODULES + ("decimal", "datetime", "ipaddress", "difflib", "calendar",
+                                        "zipfile", "tarfile", "configparser")
+
+
+def held_out_text(modules: tuple[str, ...] = HELD_OUT_MODULES) -> str:
     """Module and public-member docstrings, in a fixed order."""
     parts = []
-    for name in HELD_OUT_MODULES:
+    for name in modules:
         module = importlib.import_module(name)
         parts.append(inspect.getdoc(module) or "")
         for member_name in sorted(vars(module)):
@@ -77,3 +82,78 @@ def _chunked_logits(loop, ids: list[int], chunk: int) -> torch.Tensor:
     parts = [loop.step([ids[i:i + chunk]], [min(i + chunk, len(ids))], [0], all_logits=True)[0]
              for i in range(0, len(ids), chunk)]
     return torch.cat(parts)
+
+
+@torch.inference_mode()
+def streaming_perplexity(model, tokens: list[int], window: int, sink_tokens: int,
+                         chunk: int = 256, block_size: int = 16,
+                         kv_dtype: torch.dtype | None = None) -> dict:
+    """Perplexity of one long text read as one stream under the attention-sink policy
+    (`--streaming-window window --streaming-sink-tokens sink_tokens`), `chunk` tokens a step:
+    the engine's own KV manager evicts, the workers' StreamingKV compacts and rotates, and
+    every position but the last predicts the next token. Also the most KV blocks the stream
+    ever held (constant once the window is full). `kv_dtype`: the cache's (default: the
+    model's)."""
+    from kvserve.attention import build_attention_metadata
+    from kvserve.attention.kv_tensors import allocate_kv_caches
+    from kvserve.core.kv_cache.manager import KVCacheManager
+    from kvserve.core.kv_cache.spec import KVCacheGroup, streaming_spec
+    from kvserve.core.request import Request
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.worker.request_state import CachedRequestState
+    from kvserve.worker.streaming import StreamingKV
+
+    config = model.config
+    sink_blocks = -(-sink_tokens // block_size)
+    spec = streaming_spec(block_size, window, sink_blocks)
+    num_blocks = spec.max_cached_tokens(chunk) // block_size + 1  # + the null block
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, groups=(
+        KVCacheGroup(spec, tuple(range(config.num_hidden_layers))),))
+    parameter = next(model.parameters())
+    model.bind_kv_cache(allocate_kv_caches(config, num_blocks, block_size,
+                                           kv_dtype or parameter.dtype, parameter.device))
+    params = SamplingParams(max_tokens=1)
+    request = Request("stream", tokens, params, max_tokens=1)
+    state = CachedRequestState("stream", tokens, params)
+    streaming = StreamingKV(model, block_size, sink_blocks)
+    total_nll, most_blocks = 0.0, 0
+    for start in range(0, len(tokens) - 1, chunk):
+        count = min(chunk, len(tokens) - 1 - start)
+        if not kv.allocate_slots(request, count):
+            raise RuntimeError("the streaming cache outgrew its bound")
+        most_blocks = max(most_blocks, kv.num_held_blocks("stream"))
+        table, cache_start = streaming.view(state, kv.block_ids("stream"), start)
+        metadata, positions = build_attention_metadata([count], [cache_start + count], [table],
+                                                       block_size, parameter.device)
+        ids = torch.tensor(tokens[start:start + count], device=parameter.device)
+        logits = model.compute_logits(model(ids, positions, metadata))
+        targets = torch.tensor(tokens[start + 1:start + count + 1], device=parameter.device)
+        total_nll += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        request.num_computed_tokens += count
+        kv.release_unneeded(request)
+    scored = len(tokens) - 1
+    return {"perplexity": math.exp(total_nll / scored), "tokens_scored": scored,
+            "window": window, "sink_tokens": sink_blocks * block_size, "chunk": chunk,
+            "max_kv_blocks": most_blocks, "max_kv_tokens": most_blocks * block_size}
+
+
+@torch.inference_mode()
+def strided_perplexity(model, tokens: list[int], context: int, stride: int = 256,
+                       start: int = 0) -> dict:
+    """The in-window reference: each scored token sees `context` to `context + stride`
+    preceding tokens with full attention, recomputed window by window (the "sliding window
+    with re-computation" of the StreamingLLM paper, strided). Scores tokens from `start`."""
+    from kvserve.models.paged_loop import PagedLoop
+
+    loop = PagedLoop(model, 1, context + stride)
+    total_nll = 0.0
+    for scored_to in range(start, len(tokens) - 1, stride):
+        end = min(scored_to + stride, len(tokens) - 1)  # targets tokens[scored_to + 1:end + 1]
+        ids = tokens[max(0, scored_to + 1 - context):end]
+        logits = loop.step([ids], [len(ids)], [0], all_logits=True)[0]
+        targets = torch.tensor(tokens[scored_to + 1:end + 1])
+        total_nll += float(F.cross_entropy(logits[-len(targets):].float(), targets,
+                                           reduction="sum"))
+    scored = len(tokens) - 1 - start
+    return {"perplexity": math.exp(total_nll / scored), "tokens_scored": scored,
+            "context": context, "stride": stride}

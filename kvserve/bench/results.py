@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.bench.machine import cpu_label
+from kvserve.bench.machine import cpu_label, cpu_slug
 
 LEGACY_SLUG = "before-per-cpu-results"
 LEGACY_LABEL = "AMD EPYC (Zen 5, before per-CPU results)"
@@ -41,6 +41,20 @@ class SavedRun:
 
 def run_directory(results_root: Path, slug: str, name: str) -> Path:
     return results_root / slug / name
+
+
+def write_dated_result(results_root: Path, header: dict, name: str, rows: list[dict],
+                       markdown: list[str]) -> Path:
+    """A one-off benchmark's rows and table, filed under this CPU's directory as
+    <date>-<name>.json and .md; returns the .md path."""
+    import datetime
+
+    directory = results_root / cpu_slug(header)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / f"{datetime.date.today().isoformat()}-{name}"
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    stem.with_suffix(".md").write_text("\n".join(markdown) + "\n")
+    return stem.with_suffix(".md")
 
 
 def records_payload(machine: dict, records: list[dict], written_at: str,

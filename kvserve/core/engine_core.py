@@ -19,10 +19,12 @@ from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.kv_cache.spec import (
     KVCacheGroup,
     SlidingWindowSpec,
+    StreamingSpec,
     kv_cache_groups,
     layer_placement,
     layers_per_block,
     pool_token_capacity,
+    streaming_spec,
 )
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -101,6 +103,8 @@ class EngineCore:
 
     def _kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         model = self.model_config
+        if self.config.streaming_window is not None:
+            return self._streaming_groups()
         # the hybrid layout (a block table per group) where every stage holds every layer
         groups = kv_cache_groups(model.sliding_windows, model.num_hidden_layers,
                                  self.config.block_size,
@@ -112,6 +116,32 @@ class EngineCore:
                 "sliding-window KV cache groups: their slid-out blocks are freed, and a "
                 "transfer would carry them as empty")
         return groups
+
+    def _streaming_groups(self) -> tuple[KVCacheGroup, ...]:
+        """Attention sinks: every layer in one group under the streaming policy."""
+        config, model = self.config, self.model_config
+        if any(window is not None for window in model.sliding_windows):
+            raise ValueError("--streaming-window is not built for models with sliding-window "
+                             "layers of their own (their windows and the sinks' would mix)")
+        if config.kv_role or config.kv_transfer_config:
+            raise ValueError("--streaming-window and KV transfer (--kv-role / "
+                             "--kv-transfer-config) do not combine: a streaming request's "
+                             "window keys are rotated in place")
+        if not config.enable_chunked_prefill:
+            raise ValueError("--streaming-window needs chunked prefill: a prompt longer than "
+                             "the window is computed a chunk at a time, the window sliding "
+                             "between chunks")
+        spec = streaming_spec(config.block_size, config.streaming_window,
+                              config.streaming_sink_blocks)
+        longest = spec.max_cached_tokens(config.max_num_batched_tokens)
+        if longest > model.max_position_embeddings:
+            raise ValueError(
+                f"--streaming-window {config.streaming_window}: a request's cache may hold "
+                f"{longest} tokens (sinks, window, eviction step and a step's "
+                f"{config.max_num_batched_tokens} tokens), more positions than the model's "
+                f"context of {model.max_position_embeddings}; lower the window or "
+                f"--max-num-batched-tokens")
+        return (KVCacheGroup(spec, tuple(range(model.num_hidden_layers))),)
 
     def _make_kv_connector(self, kv_ready: list[KVCacheReady]):
         """The scheduler side of the engine's KV connector (--kv-role, --kv-transfer-config),
@@ -152,6 +182,9 @@ class EngineCore:
         return num_blocks
 
     def _max_model_len(self, num_blocks: int, groups: tuple[KVCacheGroup, ...]) -> int:
+        spec = groups[0].spec
+        if isinstance(spec, StreamingSpec):
+            return self._streaming_max_len(num_blocks, spec)
         context = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len or context
         if wanted > context:
@@ -164,6 +197,16 @@ class EngineCore:
                            wanted, capacity)
             wanted = capacity
         return wanted
+
+    def _streaming_max_len(self, num_blocks: int, spec: StreamingSpec) -> int:
+        """With attention sinks the text has no length limit but --max-model-len's (the
+        cache's is bounded); the pool must hold one request's bounded cache."""
+        needed = spec.max_cached_tokens(self.config.max_num_batched_tokens) // spec.block_size
+        if needed > num_blocks:
+            raise ValueError(f"the KV pool ({num_blocks} blocks) cannot hold one streaming "
+                             f"request's cache ({needed} blocks); give the cache more memory "
+                             f"or lower --streaming-window")
+        return self.config.max_model_len or 2**31 - 1
 
     def ready_info(self, pid: int) -> CoreReady:
         return CoreReady(

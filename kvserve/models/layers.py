@@ -200,6 +200,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(self.config, self.kind).to(device)
         if factors is not None:
             inv_freq = inv_freq / factors.float()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
@@ -219,6 +220,25 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(dtype)
         sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(dtype)
         return cos, sin
+
+
+    def rotation(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [D], float32, of a rotation by `delta` positions (negative: back), for
+        keys already in the cache (attention sinks' shift). The angles alone: the attention
+        scaling some scalings fold into the table was applied when the keys were written."""
+        angles = delta * self.inv_freq.double()
+        identity = self.config.head_dim // 2 - angles.shape[0]
+        cos = torch.cat([angles.cos(), angles.new_ones(identity)]).float()
+        sin = torch.cat([angles.sin(), angles.new_zeros(identity)]).float()
+        return torch.cat([cos, cos]), torch.cat([sin, sin])
+
+
+def rotate_cached_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
+                       ) -> torch.Tensor:
+    """keys [..., D] (any float dtype) rotated by `rotation` (RotaryEmbedding.rotation), in
+    float32, returned in the keys' dtype."""
+    cos, sin = rotation
+    return _rotate(keys.float(), cos, sin).to(keys.dtype)
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):

@@ -48,7 +48,13 @@ from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
 from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range, vocab_range
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.kernels.reference import gelu_tanh_and_mul
-from kvserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, rotary_head_order
+from kvserve.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rotary_head_order,
+    rotate_cached_keys,
+)
 from kvserve.models.vocab_parallel import VocabParallelEmbedding
 
 
@@ -486,6 +492,18 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_cache = cache
             layer.self_attn.kv_group = group
         self.model.reset_decode_stack()
+
+    @torch.no_grad()
+    def shift_keys(self, block_ids: list[int], delta: int) -> None:
+        """Rotate the keys held in `block_ids` by `delta` positions, in every layer of this
+        stage: attention sinks move the window's keys back by the evicted length (RoPE is a
+        rotation by position, so a key written at p becomes the key written at p + delta, up
+        to one rounding in the cache's dtype)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        rotations = {kind: table.rotation(delta) for kind, table in self.model.rotaries.items()}
+        for layer in self.model.stage_layers:
+            keys = layer.self_attn.kv_cache[0]
+            keys[index] = rotate_cached_keys(keys[index], rotations[layer.self_attn.rope_kind])
 
     def bind_kv_connector(self, hooks) -> None:
         """A KV connector's worker side whose per-layer hooks the stage's layers call (its

@@ -67,6 +67,11 @@ class KVConnectorOutput(msgspec.Struct, **_WIRE):
         return not (self.finished_sending or self.finished_recving)
 
 
+# The block id a table holds where a request's block was released (a sliding window's or the
+# attention sinks' evicted positions): the pool never hands it out (kv_cache/block_pool.py).
+NULL_BLOCK_ID = 0
+
+
 class NewRequestData(msgspec.Struct, **_WIRE):
     request_id: str
     prompt_token_ids: list[int]

@@ -22,6 +22,7 @@ from kvserve.sample.logits_processor import LogitsProcessor
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.request_state import RunnerInput, ScheduledItem
+from kvserve.worker.streaming import StreamingKV
 
 
 class ModelRunner:
@@ -29,15 +30,19 @@ class ModelRunner:
                  seed: int = 0, kv_dtype: torch.dtype | None = None,
                  parallel: ParallelContext | None = None, samples: bool = True,
                  logits_processors: Sequence[LogitsProcessor] = (),
-                 placement: tuple[list[int], list[int]] = ([], [])):
+                 placement: tuple[list[int], list[int]] = ([], []),
+                 streaming_sink_blocks: int | None = None):
         """`samples`: False on ranks whose samples nobody reads (tensor ranks other than the
         output rank: they join the logits gather, then stop). `logits_processors`: custom
         ones, for the sampler. `placement`: the hybrid KV layout's group and tensor of each
-        layer (kv_cache/spec.py `layer_placement`; empty: one group, a tensor per layer)."""
+        layer (kv_cache/spec.py `layer_placement`; empty: one group, a tensor per layer).
+        `streaming_sink_blocks`: attention sinks on (EngineConfig.streaming_sink_blocks)."""
         self.model = model
         self.samples = samples
         self.config = model.config
         self.block_size = block_size
+        self.streaming = None if streaming_sink_blocks is None else \
+            StreamingKV(model, block_size, streaming_sink_blocks)
         self.device = torch.device(device)
         kv_dtype = kv_dtype or next(model.parameters()).dtype
         layer_groups, layer_tensors = placement
@@ -66,9 +71,14 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput.empty()
         query_lens = [s.num_new_tokens for s in scheduled]
-        seq_lens = [s.start_position + s.num_new_tokens for s in scheduled]
+        if self.streaming is None:
+            tables, starts = [s.block_ids for s in scheduled], [s.start_position for s in scheduled]
+        else:  # attention sinks: tables without evicted positions, positions within the cache
+            tables, starts = zip(*(self.streaming.view(s.request, s.block_ids, s.start_position)
+                                   for s in scheduled))
+        seq_lens = [start + n for start, n in zip(starts, query_lens)]
         metadata, positions = build_attention_metadata(
-            query_lens, seq_lens, [s.block_ids for s in scheduled], self.block_size, self.device)
+            query_lens, seq_lens, list(tables), self.block_size, self.device)
         if scheduled[0].request.group_block_ids:  # hybrid: each group's tables and slots
             metadata.group_metadata = [
                 build_attention_metadata(query_lens, seq_lens, [s.tables[g] for s in scheduled],

@@ -95,7 +95,8 @@ class Worker:
                                   kv_dtype=self.loaded.kv_dtype, parallel=self.parallel,
                                   samples=self.is_output_rank,
                                   logits_processors=self._logits_processors(),
-                                  placement=(message.layer_groups, message.layer_tensors))
+                                  placement=(message.layer_groups, message.layer_tensors),
+                                  streaming_sink_blocks=self.config.streaming_sink_blocks)
         connector = self.kv_connector
         if connector is None:
             return KVCacheReady(self.rank)

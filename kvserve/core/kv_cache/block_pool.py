@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvserve.protocol.worker import NULL_BLOCK_ID
 
 BlockKey = tuple  # (parent_hash, token ids tuple, extra_keys)
 
@@ -90,8 +91,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0] if reserve_null_block else None
-        usable = self.blocks[1:] if reserve_null_block else self.blocks
+        self.null_block = self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
+        usable = [b for b in self.blocks if b is not self.null_block]
         self.num_usable_blocks = len(usable)
         self.free_queue = FreeBlockQueue(usable)
         self.cached_by_group: list[dict[int, KVBlock]] = [{} for _ in range(num_groups)]

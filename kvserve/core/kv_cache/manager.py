@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 from kvserve.core.kv_cache.block_pool import BlockKey, BlockPool, KVBlock
 from kvserve.core.kv_cache.single_type import SingleTypeKVCacheManager, make_single_type_manager
-from kvserve.core.kv_cache.spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kvserve.core.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    SlidingWindowSpec,
+    StreamingSpec,
+)
 from kvserve.core.request import Request
 from kvserve.protocol.block_hash import hash_block_tokens
 
@@ -46,8 +51,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = groups
         self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups=len(groups),
-                              reserve_null_block=any(isinstance(group.spec, SlidingWindowSpec)
-                                                     for group in groups))
+                              reserve_null_block=any(
+                                  isinstance(group.spec, (SlidingWindowSpec, StreamingSpec))
+                                  for group in groups))
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(group.spec, self.pool, index)
             for index, group in enumerate(groups)]

@@ -14,7 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvserve.core.kv_cache.block_pool import BlockPool, KVBlock
-from kvserve.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvserve.core.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    StreamingSpec,
+)
 
 # (block index) -> the cached block of this group holding the request's block there, or None
 CachedLookup = Callable[[int], "KVBlock | None"]
@@ -133,8 +138,48 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.pool.free(released)
 
 
+class StreamingManager(SingleTypeKVCacheManager):
+    """Attention sinks: the sink blocks stay, the window's oldest blocks are evicted
+    `evict_blocks` at a time (their table positions turn into the null block, as a window's
+    do), and only sink blocks enter or come from the prefix cache (the workers rotate the
+    window's keys in place when blocks are evicted, so no other request may share them)."""
+
+    spec: StreamingSpec
+
+    def longest_hit(self, lookup: CachedLookup, max_blocks: int) -> int:
+        count, limit = 0, min(max_blocks, self.spec.sink_blocks)
+        while count < limit and lookup(count) is not None:
+            count += 1
+        return count
+
+    def hit_blocks(self, lookup: CachedLookup, num_blocks: int) -> list[KVBlock]:
+        return [lookup(index) for index in range(num_blocks)]
+
+    def cache_full_blocks(self, request_id: str, num_full_blocks: int,
+                          cache_one: Callable[[KVBlock, int], None]) -> None:
+        super().cache_full_blocks(request_id, min(num_full_blocks, self.spec.sink_blocks),
+                                  cache_one)
+
+    def release_unneeded(self, request_id: str, num_computed_tokens: int) -> None:
+        table = self.req_blocks.get(request_id)
+        if not table:
+            return
+        null, sinks = self.pool.null_block, self.spec.sink_blocks
+        end = min(self.spec.first_needed_block(num_computed_tokens), len(table))
+        start = end  # evicted positions follow the sinks: walk back to the last one evicted
+        while start > sinks and table[start - 1] is not null:
+            start -= 1
+        if end - start < self.spec.evict_blocks:
+            return
+        released = table[start:end]
+        table[start:end] = [null] * (end - start)
+        self.pool.free(list(reversed(released)))
+
+
 def make_single_type_manager(spec: KVCacheSpec, pool: BlockPool,
                              group: int) -> SingleTypeKVCacheManager:
+    if isinstance(spec, StreamingSpec):
+        return StreamingManager(spec, pool, group)
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, pool, group)
     if isinstance(spec, FullAttentionSpec):

@@ -64,6 +64,52 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class StreamingSpec(KVCacheSpec):
+    """Attention sinks (StreamingLLM, an engine-wide opt-in): every layer keeps the request's
+    first `sink_blocks` blocks and a recent window, so a sequence of any length holds a bounded
+    number of blocks. Keys are rotated at their position *in the cache* (the paper's choice):
+    the workers read the table with its evicted positions dropped, and when blocks are evicted
+    they rotate the window's keys back by the evicted length (`ModelRunner`), as llama.cpp's
+    context shift does.
+
+    A query at position p sees the sinks and at least the `window` - 1 keys before it (the
+    window slides in steps of `evict_blocks` blocks, so that each key is re-rotated a few times
+    rather than once per block: every rotation rounds a bf16 key once more). Only the sink
+    blocks are ever shared through the prefix cache: the window's keys change in place."""
+
+    sink_blocks: int
+    window: int
+    evict_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.sink_blocks < 0 or self.evict_blocks < 1:
+            raise ValueError(f"bad streaming KV policy: window {self.window}, sink blocks "
+                             f"{self.sink_blocks}, eviction step {self.evict_blocks} blocks")
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Index of the first non-sink block the next query (at num_computed_tokens) reads."""
+        return max(self.sink_blocks,
+                   max(0, num_computed_tokens - self.window + 1) // self.block_size)
+
+    def max_cached_tokens(self, chunk_tokens: int) -> int:
+        """The most tokens a request's cache holds while `chunk_tokens` new ones are computed:
+        sinks, the window rounded out to blocks, the eviction step and the chunk (the
+        positions the keys are rotated at never reach this)."""
+        window_blocks = -(-(self.window - 1) // self.block_size) + 1
+        chunk_blocks = -(-chunk_tokens // self.block_size)
+        return (self.sink_blocks + window_blocks + self.evict_blocks - 1 + chunk_blocks) \
+            * self.block_size
+
+
+def streaming_spec(block_size: int, window: int, sink_blocks: int) -> StreamingSpec:
+    """The policy for `--streaming-window W` with `sink_blocks` blocks of sinks: the window
+    slides a quarter at a time."""
+    window_blocks = -(-window // block_size)
+    return StreamingSpec(block_size, sink_blocks=sink_blocks, window=window,
+                         evict_blocks=max(1, window_blocks // 4))
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share one block table (their spec is the same)."""
 
