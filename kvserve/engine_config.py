@@ -25,6 +25,10 @@ class EngineConfig:
                                      "--kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int | None = _opt(None, "bytes for the KV cache (default 1 GiB)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False, "vLLM's flag: a model that mixes full-attention and sliding-window layers "
+        "(Gemma 2/3) keeps all KV of every layer in one group (the kernels still mask the "
+        "windows) instead of a block table per group holding only each window's blocks")
     streaming_window: int | None = _opt(
         None, "attention sinks (StreamingLLM), for every request: keep the first "
         "--streaming-sink-tokens tokens and at least this many recent ones, so a sequence of "

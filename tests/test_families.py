@@ -211,20 +211,27 @@ def test_engine_chunked_prefill_and_prefix_hits_match_hf(family):
 
 
 @pytest.mark.slow
-def test_gemmas_run_the_hybrid_kv_layout(family):
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "hybrid-off"])
+def test_gemmas_run_the_hybrid_kv_layout(family, hybrid):
     """Through the engine, the windowed and full layers in KV cache groups of one size (one
     KV tensor per index within a group, shared), prompts chunked, then again from the prefix
-    cache: HF's tokens."""
+    cache: HF's tokens. With --disable-hybrid-kv-cache-manager, one full group (every layer
+    keeps all its KV, the kernels mask the windows): the same tokens."""
     from kvserve import LLM, SamplingParams
 
     if not family["name"].startswith("gemma"):
         pytest.skip("no windows")
     llm = LLM(model=str(family["dir"]), dtype="float32", block_size=8, num_kv_blocks=256,
-              max_num_batched_tokens=32, enable_prefix_caching=True, engine_core="thread")
+              max_num_batched_tokens=32, enable_prefix_caching=True, engine_core="thread",
+              disable_hybrid_kv_cache_manager=not hybrid)
     core = llm.llm_engine.engine_core
     groups = core.kv_manager.groups
     windowed = [g for g in groups if getattr(g.spec, "sliding_window", None)]
-    assert len(groups) > 1 and windowed and len(core.runner.kv_caches) == len(groups[0].layers)
+    if hybrid:
+        assert len(groups) > 1 and windowed
+        assert len(core.runner.kv_caches) == len(groups[0].layers)
+    else:
+        assert len(groups) == 1 and not windowed
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": prompt} for prompt in family["prompts"]]
     for _ in range(2):

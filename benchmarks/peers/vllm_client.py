@@ -18,7 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("PEERS_DIR", ROOT / "benchmarks" / "peers" / "work"))
 VLLM_PYTHON = WORK / "vllm-venv" / "bin" / "python"
-HF_TOKENIZER = WORK / "smollm2-135m-instruct-hf"  # made by vllm.sh setup (gguf_to_hf.py)
+
+
+def hf_tokenizer() -> Path:
+    """The HF directory vllm.sh setup made (gguf_to_hf.py) for the model BENCH_MODEL names."""
+    return WORK / f"{os.environ.get('BENCH_MODEL', 'smollm2-135m-instruct')}-hf"
+
+
 SEED = 7
 # s5 draws other prompts than s2: with the same seed it ran on the prefix cache s2 had just
 # filled in every system (2026-11-25: s5 265 tok/s against s2's 157 here)
@@ -38,6 +44,8 @@ VLLM_SCENARIOS = {
     "s5": ["--num-prompts", "64", "--max-concurrency", "32",
            "--random-input-len", "256", "--random-output-len", "128",
            "--temperature", "0.8", "--top-p", "0.95"],
+    "s6": ["--num-prompts", "8", "--max-concurrency", "8", "--temperature", "0",
+           "--random-input-len", "8000", "--random-output-len", "32"],
 }
 
 
@@ -50,7 +58,7 @@ _BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, mai
 
 
 def available() -> bool:
-    return VLLM_PYTHON.exists() and HF_TOKENIZER.joinpath("config.json").exists()
+    return VLLM_PYTHON.exists() and hf_tokenizer().joinpath("config.json").exists()
 
 
 def served_model(base_url: str) -> str:
@@ -66,7 +74,7 @@ def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
         return None
     command = [str(VLLM_PYTHON), "-c", _BENCH_SERVE, "--backend", "openai", "--base-url",
                base_url, "--endpoint", "/v1/completions",
-               "--model", served_model(base_url), "--tokenizer", str(HF_TOKENIZER),
+               "--model", served_model(base_url), "--tokenizer", str(hf_tokenizer()),
                "--dataset-name", "random", "--ignore-eos",
                "--seed", str(SCENARIO_SEEDS.get(scenario, SEED)),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",

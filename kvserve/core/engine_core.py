@@ -105,10 +105,12 @@ class EngineCore:
         model = self.model_config
         if self.config.streaming_window is not None:
             return self._streaming_groups()
-        # the hybrid layout (a block table per group) where every stage holds every layer
+        # the hybrid layout (a block table per group) where every stage holds every layer,
+        # unless switched off
         groups = kv_cache_groups(model.sliding_windows, model.num_hidden_layers,
                                  self.config.block_size,
-                                 hybrid=self.config.pipeline_parallel_size == 1)
+                                 hybrid=self.config.pipeline_parallel_size == 1
+                                 and not self.config.disable_hybrid_kv_cache_manager)
         windowed = any(isinstance(group.spec, SlidingWindowSpec) for group in groups)
         if windowed and (self.config.kv_role or self.config.kv_transfer_config):
             raise ValueError(
