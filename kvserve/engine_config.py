@@ -113,6 +113,12 @@ class EngineConfig:
         "\"tcp://127.0.0.1:5558\"}; keys: enable_kv_cache_events, publisher (zmq | null), "
         "endpoint, replay_endpoint (replay, snapshots), topic, buffer_steps, hwm, "
         "max_queue_size, heartbeat_seconds")
+    speculative_config: str | None = _opt(
+        None, "vLLM's --speculative-config JSON (LLM(speculative_config={...}) takes a dict): "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "
+        "\"prompt_lookup_max\": b}; drafts are verified exactly (greedy tokens unchanged, "
+        "sampling distributions preserved), and each step carries only as many as this "
+        "machine's measured step costs and the running acceptance say pay")
     logits_processors: tuple[str, ...] = _opt(
         (), "custom logits processors, as 'module:Class' (vLLM's flag; repeat it or separate "
         "names by commas): each worker builds one of each, and each decides from a request's "
@@ -127,6 +133,10 @@ class EngineConfig:
             processors = [name for name in processors.split(",") if name.strip()]
         object.__setattr__(self, "logits_processors",
                            tuple(qualified_name(p) for p in processors))
+        from kvserve.spec_decode.config import speculative_config_text
+
+        object.__setattr__(self, "speculative_config",
+                           speculative_config_text(self.speculative_config))
         from kvserve.quant import check_quantization_device
 
         check_quantization_device(self.quantization, self.device)

@@ -44,6 +44,11 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.preemptions = counter("num_preemptions", "Requests preempted")
+        # speculative decoding (vLLM's spec_decode counters)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verification steps with drafts")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted")
         self._success = Counter("kvserve:request_success", "Finished requests by reason",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -57,7 +62,8 @@ class EngineMetrics:
                                     _LATENCY_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt length", _TOKEN_BUCKETS)
         self.output_len = histogram("request_generation_tokens", "Output length", _TOKEN_BUCKETS)
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
+                      "draft_tokens": 0, "accepted": 0}
 
     def record_engine_state(self, stats) -> None:
         """Gauges and counter deltas from the core's latest SchedulerStats. A restarted core
@@ -67,7 +73,12 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_usage)
         for key, value, counter in (("queries", stats.prefix_queries, self.prefix_queries),
                                     ("hits", stats.prefix_hits, self.prefix_hits),
-                                    ("preemptions", stats.num_preemptions, self.preemptions)):
+                                    ("preemptions", stats.num_preemptions, self.preemptions),
+                                    ("drafts", stats.spec_drafts, self.spec_drafts),
+                                    ("draft_tokens", stats.spec_draft_tokens,
+                                     self.spec_draft_tokens),
+                                    ("accepted", stats.spec_accepted_tokens,
+                                     self.spec_accepted_tokens)):
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
             self._last[key] = value

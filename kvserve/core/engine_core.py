@@ -47,6 +47,8 @@ from kvserve.protocol.engine_core import (
 )
 from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import parse_speculative_config
+from kvserve.spec_decode.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +95,13 @@ class EngineCore:
         # a transfer is done when every rank reported it
         self.kv_reports = KVOutputAggregator(config.world_size)
         self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest
+        spec = parse_speculative_config(config.speculative_config)
+        self.drafter = Drafter(spec) if spec is not None else None  # speculative decoding
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
+        if self.drafter is not None:
+            self._profile_step_costs()
         self.load_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
                     "%d threads", self.load_seconds, self.executor.dtype,
@@ -227,6 +233,22 @@ class EngineCore:
             self.step()
         self.kv_manager.reset_prefix_cache()
 
+    def _profile_step_costs(self) -> None:
+        """Speculative decoding's step-cost curve of this machine: steps of 1 to 64 tokens,
+        three times each, timed like every step after (which keep it current)."""
+        start = time.perf_counter()
+        for index, size in enumerate((1, 2, 4, 8, 16, 32, 64) * 3):
+            self.add_request(EngineCoreRequest(  # a token of its own: no prefix hits
+                f"{WARMUP_REQUEST_ID}-{index}", [3 + index] * size,
+                SamplingParams(max_tokens=1, ignore_eos=True), 1))
+            while self.has_unfinished():
+                self.step()
+        self.kv_manager.reset_prefix_cache()
+        logger.info("speculative decoding: step costs profiled in %.1fs: %s",
+                    time.perf_counter() - start,
+                    {size: f"{seconds * 1e3:.1f} ms"
+                     for size, seconds in self.drafter.cost.points().items()})
+
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the front-end validated. A duplicate id fails only the newcomer."""
@@ -261,7 +283,14 @@ class EngineCore:
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             kv_usage=kv.usage, num_used_blocks=kv.pool.num_used_blocks,
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
-            num_preemptions=scheduler.num_preemptions)
+            num_preemptions=scheduler.num_preemptions, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.drafter is None:
+            return {}
+        stats = self.drafter.stats
+        return {"spec_drafts": stats.num_drafts, "spec_draft_tokens": stats.num_draft_tokens,
+                "spec_accepted_tokens": stats.num_accepted_tokens}
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -277,7 +306,11 @@ class EngineCore:
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
+        started = time.perf_counter()
         runner_output = self._execute(scheduler_output)
+        if self.drafter is not None and scheduler_output.scheduled:
+            self.drafter.cost.observe(scheduler_output.num_batched_tokens,
+                                      time.perf_counter() - started)
         if not scheduler_output.scheduled and self.scheduler.loading:
             self._take_kv_reports(LOAD_WAIT_SECONDS)  # nothing to run but loads: no busy loop
         return self._update(scheduler_output, runner_output)
@@ -361,7 +394,11 @@ class EngineCore:
         sampling = [item.request for item in scheduler_output.scheduled
                     if item.sample and not item.request.is_finished]
         num_before = [request.num_output_tokens for request in sampling]
+        if self.drafter is not None:
+            self._observe_drafts(scheduler_output, runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter is not None:
+            self._propose_drafts()
         outputs, self._failed = self._failed, []
         for request, before in zip(sampling, num_before):
             new_tokens = request.output_token_ids[before:]
@@ -373,6 +410,36 @@ class EngineCore:
             self._send_connector_work()
         self.kv_events.flush()
         return EngineCoreOutputs(outputs, self.stats())
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def _observe_drafts(self, scheduler_output: SchedulerOutput,
+                        runner_output: ModelRunnerOutput) -> None:
+        """What each verification kept, for the acceptance estimates and counters; finished
+        requests' proposer state is dropped."""
+        drafter = self.drafter
+        for request_id in scheduler_output.finished_ids:
+            drafter.finish(request_id)
+        rejected = runner_output.num_rejected_tokens
+        for item in scheduler_output.scheduled:
+            if item.num_draft_tokens and item.request.request_id in runner_output.sampled_token_ids:
+                drafter.observe(item.request.request_id, item.num_draft_tokens,
+                                item.num_draft_tokens - rejected.get(item.request.request_id, 0))
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step of every running request in decode, as many as pay for a
+        batch of this size (the step's other tokens: one per running request plus what
+        prefills may take of the budget)."""
+        scheduler = self.scheduler
+        decoding, base = [], 0
+        for request in scheduler.running:
+            pending = request.num_tokens - request.num_computed_tokens
+            base += pending
+            if pending == 1 and request.request_id not in scheduler.in_flight:
+                decoding.append(request)
+        base += sum(request.num_tokens for _, request in scheduler.waiting)
+        base = min(base, self.config.max_num_batched_tokens)
+        if decoding:
+            self.drafter.propose(decoding, base)
 
     @staticmethod
     def _delta(request: Request, new_tokens: list[int], first: bool,

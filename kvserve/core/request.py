@@ -62,6 +62,9 @@ class Request:
         self.num_external_tokens = 0  # tokens a KV connector is loading for it (asynchronously)
         self.num_transferred_tokens = 0  # prompt tokens whose KV came from another engine
         self.kv_handle: Any = None  # the KVTransferParams its last output hands a decode engine
+        # speculative decoding: draft tokens to verify in its next step (set by the drafter
+        # after each step; they compete for the token budget like any token)
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -57,11 +57,16 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
     # the hybrid layout: its tables in groups 1.. (empty with one group)
     group_block_ids: list[list[int]] = field(default_factory=list)
+    num_draft_tokens: int = 0  # the last this many of its new tokens are drafts to verify
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_position:self.start_position
-                                          + self.num_new_tokens]
+        start = self.start_position
+        tokens = self.request.all_token_ids[start:start + self.num_new_tokens
+                                            - self.num_draft_tokens]
+        if self.num_draft_tokens:
+            tokens += self.request.spec_token_ids[:self.num_draft_tokens]
+        return tokens
 
 
 @dataclass
@@ -170,7 +175,8 @@ class Scheduler(SchedulerInterface):
         return self._batch_seq_limit is not None and len(output.scheduled) >= self._batch_seq_limit
 
     def _tokens_wanted(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        """Its tokens without KV yet, drafts included, within the budget and max_model_len."""
+        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         return max(0, min(remaining, budget, self.config.max_model_len - request.num_computed_tokens))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -209,6 +215,7 @@ class Scheduler(SchedulerInterface):
                 refund = item.num_new_tokens
         self.running.remove(request)
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -346,9 +353,11 @@ class Scheduler(SchedulerInterface):
     def _record(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         first, *others = self.kv.group_block_ids(request.request_id)
+        num_drafts = max(0, start + num_new - request.num_tokens)
         output.scheduled.append(ScheduledRequest(
-            request=request, num_new_tokens=num_new, start_position=start, block_ids=first,
-            sample=start + num_new == request.num_tokens, group_block_ids=others))
+            request=request, num_new_tokens=num_new, start_position=start,
+            block_ids=first, sample=start + num_new >= request.num_tokens,
+            group_block_ids=others, num_draft_tokens=num_drafts))
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
@@ -367,6 +376,7 @@ class Scheduler(SchedulerInterface):
                 continue
             request.num_computed_tokens += item.num_new_tokens - rejected.get(
                 request.request_id, 0)
+            request.spec_token_ids = []
             self.kv.cache_computed_blocks(request)
             self.kv.release_unneeded(request)  # window blocks behind the next query
             new_tokens = sampled.get(request.request_id) if item.sample else None

@@ -32,7 +32,7 @@ class StepEncoder:
                                                             *item.group_block_ids])
             scheduled.append(ScheduledData(request.request_id, item.token_ids,
                                            item.start_position, blocks, item.sample, reset,
-                                           others))
+                                           others, item.num_draft_tokens))
         for request_id in scheduler_output.finished_ids:
             self._sent_blocks.pop(request_id, None)
         return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
@@ -49,7 +49,8 @@ class StepEncoder:
                             request.sampling_params)],
             [ScheduledData(request.request_id, item.token_ids, item.start_position,
                            tables[0], item.sample, reset_blocks=True,
-                           new_group_block_ids=tables[1:])], [])
+                           new_group_block_ids=tables[1:],
+                           num_draft_tokens=item.num_draft_tokens)], [])
 
 
 def _tables_delta(sent: list[list[int]], current: list[list[int]],

@@ -82,6 +82,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    spec_drafts: int = 0  # speculative decoding: verification steps that carried drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):

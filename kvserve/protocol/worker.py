@@ -88,6 +88,7 @@ class ScheduledData(msgspec.Struct, **_WIRE):
     # the hybrid KV layout (several KV cache groups): groups 1.. likewise (new_block_ids is
     # group 0's; reset_blocks covers every group)
     new_group_block_ids: list[list[int]] = []
+    num_draft_tokens: int = 0  # speculative decoding: the last this many tokens are drafts
 
 
 class InitKVCache(msgspec.Struct, tag=True, **_WIRE):

@@ -37,6 +37,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass
+class SpecSamplerOutput:
+    """Per row: the tokens it emits (accepted drafts, then a replacement or bonus token) and
+    their logprobs (None where not asked)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+
+
 class Sampler:
     def __init__(self, seed: int = 0, ops: SimpleNamespace | ModuleType | None = None,
                  logits_processors: Sequence[LogitsProcessor] = ()):
@@ -69,6 +78,100 @@ class Sampler:
             for i, row in enumerate(rows)
         ]
         return SamplerOutput(token_ids, logprobs)
+
+    @torch.no_grad()
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+               batch_update: BatchUpdate | None = None) -> SpecSamplerOutput:
+        """Speculative decoding's verification, exact: row i's logits are the
+        `len(drafts[i]) + 1` rows of `logits` from its offset on (its last real token's, then
+        each draft's). Depth by depth, every option applies as it would without drafts, the
+        accepted drafts counted as output (penalties, min_tokens; they are appended to the
+        rows' output lists meanwhile, and removed again before returning). Greedy rows accept
+        a draft equal to the argmax; random rows accept draft d with the target probability
+        q(d) and otherwise draw from q without d (a context draft is a point mass, so this
+        is rejection sampling: the emitted token is distributed exactly as q). A row stops at
+        its first rejection (the replacement is its last token) or emits a bonus token after
+        its last draft. Logprobs are the target's, of each emitted token."""
+        self._update_processors(rows, batch_update)
+        logits = logits.float().to(SAMPLING_DEVICE)
+        offsets = [0]
+        for row_drafts in drafts:
+            offsets.append(offsets[-1] + len(row_drafts) + 1)
+        emitted: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[TokenLogprobs] | None] = [
+            [] if row.params.logprobs is not None else None for row in rows]
+        lengths = [len(row.output_token_ids) for row in rows]
+        active, depth = list(range(len(rows))), 0
+        try:
+            while active:
+                if depth:
+                    self._update_processors(rows, BatchUpdate(len(rows)))  # outputs grew
+                index = [offsets[i] + min(depth, len(drafts[i])) for i in range(len(rows))]
+                step_drafts = {i: drafts[i][depth] for i in active if depth < len(drafts[i])}
+                tokens, accepted = self._verify_depth(logits[index], rows, active, step_drafts,
+                                                      logprobs)
+                for i, token in zip(active, tokens):
+                    emitted[i].append(token)
+                    rows[i].output_token_ids.append(token)
+                active = [i for i in active if i in accepted]
+                depth += 1
+        finally:
+            for row, length in zip(rows, lengths):
+                del row.output_token_ids[length:]
+        return SpecSamplerOutput(emitted, logprobs)
+
+    def _verify_depth(self, logits: torch.Tensor, rows: list[SamplingRow], active: list[int],
+                      drafts: dict[int, int], logprobs: list) -> tuple[list[int], set[int]]:
+        """One depth of `verify`: the token each active row emits here, and the rows whose
+        draft was accepted (they go on to the next depth)."""
+        raw = torch.log_softmax(logits, dim=-1) if any(
+            logprobs[i] is not None for i in active) else None
+        processors = self._active(argmax_invariant=False)
+        if processors:
+            logits = _run(processors, logits.clone())
+        chosen: dict[int, int] = {}
+        greedy = [i for i in active if rows[i].params.greedy]
+        if greedy:
+            best = self.ops.argmax_rows(logits[greedy].contiguous()).tolist()
+            chosen.update(zip(greedy, best))
+        accepted = {i for i in greedy if drafts.get(i) == chosen[i]}
+        random_rows = [i for i in active if not rows[i].params.greedy]
+        if random_rows:
+            filtered = self._random_logits(logits, random_rows,
+                                           [rows[i].params for i in random_rows])
+            accepted |= self._accept_or_draw(filtered, random_rows, rows, drafts, chosen)
+        tokens = [chosen[i] for i in active]
+        for i, token in zip(active, tokens):
+            if raw is not None and logprobs[i] is not None:
+                logprobs[i].append(_token_logprobs(raw[i], token, rows[i].params.logprobs))
+        return tokens, accepted
+
+    def _accept_or_draw(self, filtered: torch.Tensor, random_rows: list[int],
+                        rows: list[SamplingRow], drafts: dict[int, int],
+                        chosen: dict[int, int]) -> set[int]:
+        """Random rows at one depth: a draft d is kept with probability q(d), q the row's
+        filtered distribution; rejected drafts are masked out and every row without a kept
+        draft draws (from q, or q without d renormalised). Fills `chosen`; returns the rows
+        whose draft was kept."""
+        accepted = set()
+        for position, i in enumerate(random_rows):
+            draft = drafts.get(i)
+            if draft is None:
+                continue
+            probability = float(torch.softmax(filtered[position], dim=-1)[draft])
+            uniform = float(torch.rand(1, dtype=torch.float64, generator=rows[i].generator
+                                       or self.default_generator))
+            if uniform < probability:
+                accepted.add(i)
+                chosen[i] = draft
+            else:
+                filtered[position, draft] = float("-inf")
+        drawing = [p for p, i in enumerate(random_rows) if i not in accepted]
+        if drawing:
+            drawn = self._draw(filtered[drawing].contiguous(),
+                               [rows[random_rows[p]] for p in drawing]).tolist()
+            chosen.update((random_rows[p], token) for p, token in zip(drawing, drawn))
+        return accepted
 
     def _update_processors(self, rows: list[SamplingRow], batch_update: BatchUpdate | None):
         if batch_update is None:

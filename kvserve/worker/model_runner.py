@@ -19,7 +19,7 @@ from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.models.llama import IntermediateTensors
 from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sample.logits_processor import LogitsProcessor
-from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow, SpecSamplerOutput
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.request_state import RunnerInput, ScheduledItem
 from kvserve.worker.streaming import StreamingKV
@@ -98,11 +98,19 @@ class ModelRunner:
         ends = metadata.query_start_loc_host
         batch_update, rows = self._batch_rows(scheduled, sampling)
         sampling = [scheduled[i] for i in rows]
-        last_token_index = torch.tensor([ends[i + 1] - 1 for i in rows], device=self.device)
-        logits = self.model.compute_logits(hidden[last_token_index])
+        # each sampling row's last token, and before it its drafts' positions (to verify)
+        logits_index = torch.tensor([position for i in rows for position in range(
+            ends[i + 1] - 1 - scheduled[i].num_draft_tokens, ends[i + 1])], device=self.device)
+        logits = self.model.compute_logits(hidden[logits_index])
         if not self.samples:
             return ModelRunnerOutput.empty()
-        result = self.sampler(logits, [self._sampling_row(s) for s in sampling], batch_update)
+        sampling_rows = [self._sampling_row(s) for s in sampling]
+        if len(logits_index) > len(rows):
+            result = self.sampler.verify(logits, sampling_rows,
+                                         [s.draft_token_ids for s in sampling], batch_update)
+            self.input_batch.applied()
+            return self._package_verified(sampling, result)
+        result = self.sampler(logits, sampling_rows, batch_update)
         self.input_batch.applied()
         return self._package(sampling, result)
 
@@ -146,6 +154,18 @@ class ModelRunner:
         if request_id not in self._generators:
             self._generators[request_id] = torch.Generator().manual_seed(seed)
         return self._generators[request_id]
+
+    @staticmethod
+    def _package_verified(sampling: list[ScheduledItem],
+                          result: SpecSamplerOutput) -> ModelRunnerOutput:
+        """Each row's emitted tokens, and how many of its drafts' positions were rejected
+        (their KV is not kept: the scheduler steps back past them)."""
+        ids = [s.request.request_id for s in sampling]
+        return ModelRunnerOutput(
+            dict(zip(ids, result.token_ids)),
+            {rid: lps for rid, lps in zip(ids, result.logprobs) if lps is not None},
+            num_rejected_tokens={rid: s.num_draft_tokens - (len(tokens) - 1)
+                                 for rid, s, tokens in zip(ids, sampling, result.token_ids)})
 
     @staticmethod
     def _package(sampling: list[ScheduledItem], result: SamplerOutput) -> ModelRunnerOutput:

@@ -37,6 +37,11 @@ class ScheduledItem:
     token_ids: list[int]
     start_position: int
     sample: bool
+    num_draft_tokens: int = 0  # the last this many of token_ids are drafts to verify
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def num_new_tokens(self) -> int:

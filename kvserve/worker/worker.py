@@ -181,7 +181,8 @@ class Worker:
             request.group_block_ids += [[] for _ in range(missing)]  # a new request's tables
             for table, added in zip(request.group_block_ids, item.new_group_block_ids):
                 table.extend(added)
-        return ScheduledItem(request, item.token_ids, item.start_position, item.sample)
+        return ScheduledItem(request, item.token_ids, item.start_position, item.sample,
+                             item.num_draft_tokens)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

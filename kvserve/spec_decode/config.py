@@ -1,0 +1,60 @@
+"""`--speculative-config` / `LLM(speculative_config=...)`: vLLM's JSON keys, checked at start-up.
+A key we do not implement is an error naming it, never ignored."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram (prompt lookup): the shortest and longest suffix of the sequence looked up earlier
+    # in it (vLLM's defaults: 5 and 5 when neither is given, else one gives the other)
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    # our own: False keeps every proposed draft (no step-cost model); for measuring only
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not built (have: "
+                             f"{', '.join(METHODS)})")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
+                             "prompt_lookup_max")
+
+
+def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
+    """The config from its JSON text (the CLI's) or dict (the LLM API's); None when off."""
+    if value is None or value == "":
+        return None
+    raw: dict[str, Any] = json.loads(value) if isinstance(value, str) else dict(value)
+    known = {field.name for field in fields(SpeculativeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
+                         f"{sorted(known)})")
+    if "method" not in raw or "num_speculative_tokens" not in raw:
+        raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+    low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if low is None and high is not None:
+        raw["prompt_lookup_min"] = high
+    elif high is None and low is not None:
+        raw["prompt_lookup_max"] = low
+    return SpeculativeConfig(**raw)
+
+
+def speculative_config_text(value: str | dict | None) -> str | None:
+    """The config as JSON text (EngineConfig keeps text: it crosses processes), checked."""
+    if value is None or value == "":
+        return None
+    parse_speculative_config(value)
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)

@@ -1,0 +1,78 @@
+"""The engine core's side of speculative decoding: after each step, every running request in
+decode gets drafts from the proposer, as many as the step-cost model says pay for this batch
+(`allocate_drafts`), and what was accepted feeds each request's acceptance estimate and the
+engine's counters (vLLM's spec_decode metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.cost import StepCostModel, allocate_drafts
+from kvserve.spec_decode.ngram import NgramProposer
+
+PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before it has any history
+ACCEPTANCE_SMOOTHING = 0.3  # weight of a step's outcome in a request's running estimate
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since start-up, as vLLM's metrics name them."""
+
+    num_drafts: int = 0  # verification steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
+        self.config = config
+        self.cost = cost or StepCostModel()
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                      config.num_speculative_tokens)
+        self.acceptance: dict[str, float] = {}
+        self.stats = SpecDecodeStats(
+            accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, requests, base_tokens: int) -> None:
+        """Set `spec_token_ids` of these requests (running, in decode: every token but the
+        last sampled one computed) for the next step, which runs `base_tokens` tokens
+        besides drafts."""
+        proposals = {}
+        for request in requests:
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids)
+            room = request.max_tokens - request.num_output_tokens - 1  # the bonus token's
+            proposals[request] = drafts[:max(0, room)]
+        if self.config.adaptive:
+            gains = {request: [self.acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
+                               ** (j + 1) for j in range(len(drafts))]
+                     for request, drafts in proposals.items()}
+            counts = allocate_drafts(base_tokens, gains, self.cost)
+        else:
+            counts = {request: len(drafts) for request, drafts in proposals.items()}
+        for request, drafts in proposals.items():
+            request.spec_token_ids = drafts[:counts[request]]
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification's outcome: `num_accepted` of `num_drafts` drafts kept."""
+        if num_drafts <= 0:
+            return
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        # drafts tried: the accepted ones, and the first rejected one if any
+        rate = num_accepted / min(num_drafts, num_accepted + 1)
+        old = self.acceptance.get(request_id, PRIOR_ACCEPTANCE)
+        self.acceptance[request_id] = old + ACCEPTANCE_SMOOTHING * (rate - old)
+
+    def finish(self, request_id: str) -> None:
+        self.proposer.finish(request_id)
+        self.acceptance.pop(request_id, None)

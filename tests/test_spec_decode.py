@@ -1,0 +1,234 @@
+"""Speculative decoding: the config as vLLM spells it, prompt-lookup drafts, the step-cost model
+that decides how many drafts pay, exact verification in the sampler (greedy: the argmax;
+random: rejection sampling that keeps the target distribution; every sampling option over the
+accepted prefix), and through the engine the same greedy tokens as without drafts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvserve.sample.sampler import Sampler, SamplingRow
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import parse_speculative_config, speculative_config_text
+from kvserve.spec_decode.cost import StepCostModel, allocate_drafts
+from kvserve.spec_decode.ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
+# ---- config -------------------------------------------------------------------------------
+def test_config_keys_as_vllm_spells_them():
+    config = parse_speculative_config(json.dumps({"method": "ngram",
+                                                  "num_speculative_tokens": 3}))
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    assert json.loads(speculative_config_text(NGRAM)) == NGRAM
+    assert parse_speculative_config(None) is None
+    with pytest.raises(ValueError, match="unsupported keys \\['draft_tensor_parallel_size'\\]"):
+        parse_speculative_config({**NGRAM, "draft_tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="method 'eagle' is not built"):
+        parse_speculative_config({"method": "eagle", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        parse_speculative_config({**NGRAM, "prompt_lookup_min": 5})
+
+
+# ---- prompt lookup ------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    proposer = NgramProposer(2, 4, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert proposer.propose("a", tokens) == [4, 5, 9]
+    assert proposer.propose("a", tokens + [4]) == [5, 9, 9]  # indexed incrementally
+    # [7, 8] occurs twice; the longer match (6, 7, 8) wins over the more recent one
+    assert proposer.propose("b", [6, 7, 8, 1, 0, 7, 8, 2, 6, 7, 8]) == [1, 0, 7]
+    assert proposer.propose("c", [5, 6, 7, 8]) == []
+    proposer.finish("a")
+    assert "a" not in proposer._indexes
+
+
+# ---- how many drafts pay ------------------------------------------------------------------
+def test_drafts_are_added_only_while_tokens_per_second_rise():
+    flat = StepCostModel({1: 0.010, 8: 0.011, 64: 0.020})  # verifying is nearly free
+    steep = StepCostModel({1: 0.010, 2: 0.020, 64: 0.640})  # every token costs a step
+    gains = {"a": [0.9, 0.81, 0.73, 0.66], "b": [0.2, 0.04, 0.008, 0.0016]}
+    # a draft costs 1.4% of a step here: b's second (expected 0.04 tokens) does not pay
+    assert allocate_drafts(2, gains, flat) == {"a": 4, "b": 1}
+    assert allocate_drafts(2, gains, steep) == {"a": 0, "b": 0}
+    medium = StepCostModel({1: 0.010, 64: 0.073})  # each token adds 10% of a 1-token step
+    counts = allocate_drafts(2, gains, medium)
+    assert counts["a"] >= 2 and counts["b"] <= 1
+
+
+def test_cost_model_is_robust_to_one_off_stalls():
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0.010)
+    model.observe(4, 2.0)  # a first call of a shape, a neighbour's burst
+    assert model.cost(4) == pytest.approx(0.010)
+    model.observe(100, 0.5)  # sizes above 64 share a power-of-two class
+    assert 128 in model.points()
+
+
+# ---- verification -------------------------------------------------------------------------
+VOCAB = 8
+
+
+def _row(**params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), [0], [], None)
+
+
+def _logits(*best: int) -> torch.Tensor:
+    """One row per position: token `b` at 3.0, token 1 at 2.5, the rest 0."""
+    rows = torch.zeros(len(best), VOCAB)
+    rows[:, 1] = 2.5
+    for i, b in enumerate(best):
+        rows[i, b] = 3.0
+    return rows
+
+
+def test_greedy_accepts_drafts_equal_to_the_argmax_then_corrects():
+    sampler = Sampler(0)
+    rows = [_row(temperature=0), _row(temperature=0)]
+    logits = torch.cat([_logits(4, 5, 6), _logits(2, 3)])
+    out = sampler.verify(logits, rows, [[4, 7], [2]])
+    assert out.token_ids == [[4, 5], [2, 3]]  # row 0: 7 rejected, 5 in its place; row 1: bonus
+    assert all(row.output_token_ids == [] for row in rows)  # restored
+
+
+def test_penalties_count_the_accepted_drafts():
+    """Frequency penalty 1.0: after the accepted draft 5, token 5 drops to 2.0 < 2.5, so the
+    second draft 5 is rejected, as a one-token-at-a-time run would have decided."""
+    out = Sampler(0).verify(_logits(5, 5, 5), [_row(temperature=0, frequency_penalty=1.0)],
+                            [[5, 5]])
+    assert out.token_ids == [[5, 1]]
+
+
+def test_min_tokens_masks_a_drafted_eos():
+    params = SamplingParams(temperature=0, min_tokens=2)
+    params.all_stop_token_ids = {5}
+    out = Sampler(0).verify(_logits(5, 5), [SamplingRow(params, [0], [], None)], [[5]])
+    assert out.token_ids == [[1]]
+
+
+def test_logprobs_are_the_targets_of_each_emitted_token():
+    logits = _logits(4, 5, 6)
+    out = Sampler(0).verify(logits, [_row(temperature=0, logprobs=2)], [[4, 7]])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert [lp.token_id for lp in out.logprobs[0]] == [4, 5]
+    assert out.logprobs[0][0].logprob == pytest.approx(float(expected[0, 4]))
+    assert out.logprobs[0][1].logprob == pytest.approx(float(expected[1, 5]))
+    assert out.logprobs[0][1].top[0][0] == 5
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=1.0, top_p=0.8, min_p=0.05)],
+                         ids=["plain", "top-k", "top-p-min-p"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """A point-mass draft (token 2) accepted with q(2), else a draw from q without 2: over
+    10,000 trials the first emitted token follows q, the distribution sampling without
+    drafts draws from, within 0.018 per token (3.6 standard errors at most)."""
+    logits = torch.tensor([[1.0, 0.2, 1.5, -0.5, 0.7, 2.0, -1.0, 0.0],
+                           [0.0] * VOCAB])
+    reference = Sampler(0)
+    filtered = reference._random_logits(logits[:1].clone(), [0], [SamplingParams(**params)])
+    target = torch.softmax(filtered[0], dim=-1)
+    sampler = Sampler(1)
+    counts = torch.zeros(VOCAB)
+    trials = 10000
+    for _ in range(trials):
+        out = sampler.verify(logits, [_row(**params)], [[2]])
+        counts[out.token_ids[0][0]] += 1
+    assert torch.allclose(counts / trials, target, atol=0.018), (counts / trials, target)
+
+
+def test_seeded_rows_verify_the_same_way_every_time():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for _ in range(2):
+        row = SamplingRow(SamplingParams(temperature=1.0, seed=7), [0], [],
+                          torch.Generator().manual_seed(7))
+        runs.append(Sampler(0).verify(logits, [row], [[3, 4]]).token_ids)
+    assert runs[0] == runs[1]
+
+
+# ---- the scheduler ------------------------------------------------------------------------
+def test_drafts_take_budget_and_rejected_ones_step_back():
+    from kvserve.core.kv_cache.manager import KVCacheManager
+    from kvserve.core.scheduler import Scheduler, SchedulerConfig
+    from kvserve.protocol.worker import ModelRunnerOutput
+    from tests.helpers import make_request
+
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64),
+                          KVCacheManager(64, 4, enable_prefix_caching=True))
+    request = make_request("r", list(range(10)), max_tokens=20)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput({"r": [50]}, {}))
+    request.spec_token_ids = [51, 52, 53]
+    output = scheduler.schedule()
+    (item,) = output.scheduled
+    assert (item.num_new_tokens, item.num_draft_tokens) == (4, 3) and item.sample
+    assert item.token_ids == [50, 51, 52, 53]
+    scheduler.update_from_output(output, ModelRunnerOutput({"r": [51, 60]}, {},
+                                                           num_rejected_tokens={"r": 2}))
+    assert request.output_token_ids == [50, 51, 60]
+    assert request.num_computed_tokens == 12 and request.spec_token_ids == []
+    # only full blocks of real tokens were cached: [0..3], [4..7], [8, 9, 50, 51]
+    assert len(request.block_hashes) == 3
+
+
+# ---- through the engine -------------------------------------------------------------------
+REPETITIVE = ["def add(a, b):\n    return a + b\n\n" * 3 + "Now the same, renamed to plus:\n",
+              "apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"]
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_and_options_equal_no_drafts():
+    """SmolLM2 in float32 on text that repeats (drafts are accepted): greedy tokens, logprobs,
+    penalties, logit_bias, min_tokens, stop strings and n = 2 as without speculation."""
+    from kvserve import LLM
+
+    cases = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, logprobs=2, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.3,
+                            repetition_penalty=1.1, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, logit_bias={28: -5.0}, min_tokens=20),
+             SamplingParams(temperature=0, max_tokens=40, stop=["cherry, apple"]),
+             SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True)]
+    prompts = [prompt for prompt in REPETITIVE for _ in cases]
+    params = cases * len(REPETITIVE)
+    results = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+        llm = LLM(dtype="float32", engine_core="thread", **extra)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[name] = outputs
+        if name == "spec":
+            stats = llm.llm_engine.engine_core.drafter.stats
+            assert stats.num_accepted_tokens > 50, stats
+    for plain, spec in zip(results["plain"], results["spec"]):
+        for a, b in zip(plain.outputs, spec.outputs):
+            assert a.token_ids == b.token_ids and a.text == b.text
+            if a.logprobs:
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert set(x) == set(y)
+                    assert all(math.isclose(x[t].logprob, y[t].logprob, abs_tol=1e-4)
+                               for t in x)
+
+
+@pytest.mark.slow
+def test_engine_seeded_sampling_with_drafts_is_reproducible():
+    from kvserve import LLM
+
+    llm = LLM(dtype="float32", engine_core="thread", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40,
+                            ignore_eos=True)
+    first = llm.generate(REPETITIVE, params, use_tqdm=False)
+    second = llm.generate(REPETITIVE, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert llm.llm_engine.engine_core.drafter.stats.num_draft_tokens > 0
