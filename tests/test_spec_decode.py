@@ -52,6 +52,31 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert "a" not in proposer._indexes
 
 
+def test_suffix_drafts_follow_the_longest_match_and_its_agreeing_continuations():
+    from kvserve.spec_decode.suffix import SuffixProposer
+
+    proposer = SuffixProposer(8)
+    # "1 2" follows "7" twice and "8" once; the longest match (2 7 1 2 -> 8) decides, and the
+    # draft is as long as the match
+    assert proposer.propose("c", [5, 1, 2, 7, 1, 2, 8, 1, 2, 7, 1, 2], 0) == [8, 1, 2, 7, 1]
+    # finished outputs are matched by later requests (the prompt is not kept)
+    proposer.propose("a", [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2], 3)
+    proposer.finish("a")
+    assert proposer.propose("b", [9, 9, 1, 2], 2) == [3, 4]
+    # two equally long matches that continue differently: the draft's estimated chance is
+    # 0.5 from its first token on, so it stops at the match length with min_token_prob 0.5
+    # and is empty with 0.7
+    tokens = [0, 5, 1, 2, 3, 0, 5, 1, 2, 4, 0, 5, 1, 2]
+    assert SuffixProposer(8, min_token_prob=0.5).propose("d", tokens, 0) == [3, 0, 5, 1]
+    assert SuffixProposer(8, min_token_prob=0.7).propose("d", tokens, 0) == []
+
+
+def test_suffix_config_defaults_as_vllm():
+    config = parse_speculative_config({"method": "suffix"})
+    assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24
+    assert config.suffix_decoding_min_token_prob == 0.1
+
+
 # ---- how many drafts pay ------------------------------------------------------------------
 def test_drafts_are_added_only_while_tokens_per_second_rise():
     flat = StepCostModel({1: 0.010, 8: 0.011, 64: 0.020})  # verifying is nearly free
@@ -189,7 +214,9 @@ REPETITIVE = ["def add(a, b):\n    return a + b\n\n" * 3 + "Now the same, rename
 
 
 @pytest.mark.slow
-def test_engine_greedy_tokens_and_options_equal_no_drafts():
+@pytest.mark.parametrize("method", [NGRAM, {"method": "suffix", "num_speculative_tokens": 6}],
+                         ids=["ngram", "suffix"])
+def test_engine_greedy_tokens_and_options_equal_no_drafts(method):
     """SmolLM2 in float32 on text that repeats (drafts are accepted): greedy tokens, logprobs,
     penalties, logit_bias, min_tokens, stop strings and n = 2 as without speculation."""
     from kvserve import LLM
@@ -204,7 +231,7 @@ def test_engine_greedy_tokens_and_options_equal_no_drafts():
     prompts = [prompt for prompt in REPETITIVE for _ in cases]
     params = cases * len(REPETITIVE)
     results = {}
-    for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": method})):
         llm = LLM(dtype="float32", engine_core="thread", **extra)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[name] = outputs

@@ -7,17 +7,24 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # suffix: defaults to suffix_decoding_max_tree_depth
     # ngram (prompt lookup): the shortest and longest suffix of the sequence looked up earlier
     # in it (vLLM's defaults: 5 and 5 when neither is given, else one gives the other)
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # suffix (SuffixDecoding; vLLM's keys and defaults): the longest match looked for, the
+    # outputs of recent requests kept to match against, drafts per matched token, and the
+    # least estimated probability of a whole draft
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # our own: False keeps every proposed draft (no step-cost model); for measuring only
     adaptive: bool = True
 
@@ -42,6 +49,8 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     if unknown:
         raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
                          f"{sorted(known)})")
+    if raw.get("method") == "suffix" and "num_speculative_tokens" not in raw:
+        raw["num_speculative_tokens"] = raw.get("suffix_decoding_max_tree_depth", 24)
     if "method" not in raw or "num_speculative_tokens" not in raw:
         raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
     low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.cost import StepCostModel, allocate_drafts
 from kvserve.spec_decode.ngram import NgramProposer
+from kvserve.spec_decode.suffix import SuffixProposer
 
 PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before it has any history
 ACCEPTANCE_SMOOTHING = 0.3  # weight of a step's outcome in a request's running estimate
@@ -29,12 +30,24 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+def make_proposer(config: SpeculativeConfig):
+    """The proposer `config.method` names: `propose(request_id, tokens, num_prompt_tokens)`
+    -> drafts, and `finish(request_id)`."""
+    if config.method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens,
+                              config.suffix_decoding_max_tree_depth,
+                              config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor,
+                              config.suffix_decoding_min_token_prob)
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                         config.num_speculative_tokens)
+
+
 class Drafter:
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
         self.config = config
         self.cost = cost or StepCostModel()
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                                      config.num_speculative_tokens)
+        self.proposer = make_proposer(config)
         self.acceptance: dict[str, float] = {}
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
@@ -45,7 +58,8 @@ class Drafter:
         besides drafts."""
         proposals = {}
         for request in requests:
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids)
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids,
+                                           request.num_prompt_tokens)
             room = request.max_tokens - request.num_output_tokens - 1  # the bonus token's
             proposals[request] = drafts[:max(0, room)]
         if self.config.adaptive:

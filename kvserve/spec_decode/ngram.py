@@ -34,7 +34,8 @@ class NgramProposer:
         self.low, self.high, self.max_drafts = prompt_lookup_min, prompt_lookup_max, max_drafts
         self._indexes: dict[str, _RequestIndex] = {}
 
-    def propose(self, request_id: str, tokens: list[int]) -> list[int]:
+    def propose(self, request_id: str, tokens: list[int], num_prompt_tokens: int = 0,
+                ) -> list[int]:
         """Up to max_drafts tokens that followed the longest earlier occurrence of the
         sequence's suffix (the most recent among equally long ones); [] when none."""
         if len(tokens) <= self.low:
