@@ -54,9 +54,9 @@ SCENARIOS = {
            "--input-len", "8000", "--output-len", "32"],
     # speculative decoding's case: code the answer copies (the edit workload), one stream
     # and 16 at once; read beside s1/s2, where drafts rarely match
-    "s7": ["--workload", "edit", "--num-prompts", "6", "--max-concurrency", "1",
+    "s7": ["--workload", "code-edit", "--num-prompts", "6", "--max-concurrency", "1",
            "--input-len", "256", "--output-len", "128"],
-    "s8": ["--workload", "edit", "--num-prompts", "32", "--max-concurrency", "16",
+    "s8": ["--workload", "code-edit", "--num-prompts", "32", "--max-concurrency", "16",
            "--input-len", "256", "--output-len", "128"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",

@@ -102,8 +102,8 @@ def _dataset(scenario: str, out_path: Path) -> list[str]:
 
     count, input_len, output_len = EDIT_SCENARIOS[scenario]
     tokenizer = load_tokenizer(resolve_model(os.environ.get("BENCH_MODEL")))
-    specs = workloads.edit_workload(workloads.TextSource(tokenizer, 0), count, input_len,
-                                    output_len)
+    specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, 0), count,
+                                         input_len, output_len)
     path = out_path.with_suffix(".prompts.jsonl")
     path.write_text("".join(json.dumps({"prompt": spec.prompt}) + "\n" for spec in specs))
     return ["--dataset-name", "custom", "--dataset-path", str(path), "--skip-chat-template"]

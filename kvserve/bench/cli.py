@@ -23,7 +23,7 @@ def add_bench_parser(commands) -> None:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--workload", default="random",
                        choices=["random", "shared-prefix", "multi-turn", "long-prompt",
-                                "edit"])
+                                "code-edit"])
     serve.add_argument("--num-prompts", type=int, default=64,
                        help="requests (multi-turn: sessions)")
     serve.add_argument("--max-concurrency", default=None,
@@ -115,9 +115,9 @@ def _build_workload(args, source: workloads.TextSource):
     if args.workload == "shared-prefix":
         return workloads.shared_prefix_workload(source, args.num_prompts, args.prefix_len,
                                                 args.input_len, args.output_len)
-    if args.workload == "edit":
-        return workloads.edit_workload(source, args.num_prompts, args.input_len,
-                                       args.output_len)
+    if args.workload == "code-edit":
+        return workloads.code_edit_workload(source, args.num_prompts, args.input_len,
+                                            args.output_len)
     if args.workload == "long-prompt":
         return workloads.long_prompt_workload(source, args.num_prompts, args.input_len,
                                               args.output_len, args.long_len)

@@ -76,7 +76,7 @@ def random_workload(source: TextSource, num_prompts: int, input_len: int, output
     return specs
 
 
-def edit_workload(source: TextSource, num_prompts: int, input_len: int,
+def code_edit_workload(source: TextSource, num_prompts: int, input_len: int,
                   output_len: int) -> list[RequestSpec]:
     """Code to copy: a snippet of the corpus, a line asking for it again, and its start
     (what code editing, summaries that quote and agents re-reading tool output look like to a
