@@ -49,6 +49,11 @@ class EngineMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted")
+        self._spec_per_position = Counter(
+            "kvserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft", labels + ["position", "method"],
+            registry=r)
+        self._last_per_position: list[int] = []
         self._success = Counter("kvserve:request_success", "Finished requests by reason",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -82,6 +87,17 @@ class EngineMetrics:
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
             self._last[key] = value
+        if stats.spec_accepted_per_position:
+            self._record_spec_positions(stats)
+
+    def _record_spec_positions(self, stats) -> None:
+        counts = stats.spec_accepted_per_position
+        last = self._last_per_position + [0] * (len(counts) - len(self._last_per_position))
+        for position, (value, before) in enumerate(zip(counts, last)):
+            if value > before:
+                self._spec_per_position.labels(self.model_name, str(position),
+                                               stats.spec_method).inc(value - before)
+        self._last_per_position = list(counts) if sum(counts) >= sum(last) else []
 
     def record_aborted(self) -> None:
         self._success.labels(self.model_name, "abort").inc()

@@ -22,6 +22,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # speculative decoding: draft tokens verified for this sample, and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -259,3 +259,34 @@ def test_engine_seeded_sampling_with_drafts_is_reproducible():
     second = llm.generate(REPETITIVE, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert llm.llm_engine.engine_core.drafter.stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_server_reports_drafts_in_usage_and_metrics(tiny_model_dir, tiny_llm, tmp_path):
+    """`kvserve serve --speculative-config` (engine core in its own process): the same greedy
+    text as the offline engine without drafts, OpenAI's predicted-output counts in `usage`,
+    and the spec_decode counters in /metrics."""
+    import httpx
+
+    from kvserve.testing.server import ServerProcess
+    from tests.helpers import read_metrics, tiny_server_flags
+
+    prompt = "one two three one two three one two three one two"
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = tiny_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    flags = tiny_server_flags(tiny_model_dir, "--speculative-config", json.dumps(
+        {**NGRAM, "prompt_lookup_min": 1, "adaptive": False}))
+    with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
+        answer = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}).json()
+        metrics = read_metrics(server.base_url)
+    assert answer["choices"][0]["text"] == expected
+    details = answer["usage"]["completion_tokens_details"]
+    drafted = details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"]
+    assert drafted > 0
+    assert metrics["kvserve:spec_decode_num_draft_tokens_total"] == drafted
+    assert metrics["kvserve:spec_decode_num_accepted_tokens_total"] == \
+        details["accepted_prediction_tokens"]
+    assert metrics.get("kvserve:spec_decode_num_accepted_tokens_per_pos_total", 0) == \
+        details["accepted_prediction_tokens"]

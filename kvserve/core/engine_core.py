@@ -290,7 +290,9 @@ class EngineCore:
             return {}
         stats = self.drafter.stats
         return {"spec_drafts": stats.num_drafts, "spec_draft_tokens": stats.num_draft_tokens,
-                "spec_accepted_tokens": stats.num_accepted_tokens}
+                "spec_accepted_tokens": stats.num_accepted_tokens,
+                "spec_accepted_per_position": list(stats.accepted_per_position),
+                "spec_method": self.drafter.config.method}
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -400,12 +402,20 @@ class EngineCore:
         if self.drafter is not None:
             self._propose_drafts()
         outputs, self._failed = self._failed, []
+        drafts = {item.request.request_id: item.num_draft_tokens
+                  for item in scheduler_output.scheduled if item.num_draft_tokens}
         for request, before in zip(sampling, num_before):
             new_tokens = request.output_token_ids[before:]
             if new_tokens:
                 logprobs = runner_output.logprobs.get(request.request_id)
-                outputs.append(self._delta(request, new_tokens, before == 0,
-                                           logprobs[:len(new_tokens)] if logprobs else None))
+                output = self._delta(request, new_tokens, before == 0,
+                                     logprobs[:len(new_tokens)] if logprobs else None)
+                drafted = drafts.get(request.request_id, 0)
+                if drafted:
+                    output.num_draft_tokens = drafted
+                    output.num_accepted_tokens = drafted - runner_output.num_rejected_tokens.get(
+                        request.request_id, 0)
+                outputs.append(output)
         if self.scheduler.connector is not None:
             self._send_connector_work()
         self.kv_events.flush()

@@ -44,6 +44,7 @@ class SampleState:
         self.num_transferred_tokens = 0
         self.kv_transfer_params = None  # the handle a prefill engine's last output carries
         self.num_preemptions = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
         self.times = RequestTimes(arrival=arrival_time)
 
     @property
@@ -62,6 +63,8 @@ class SampleState:
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
         self.num_preemptions = delta.num_preemptions
+        self.num_draft_tokens += delta.num_draft_tokens
+        self.num_accepted_tokens += delta.num_accepted_tokens
         logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
         for token_id, token_logprobs in zip(delta.new_token_ids, logprobs):
             self.output_token_ids.append(token_id)
@@ -129,6 +132,8 @@ class SampleState:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
 

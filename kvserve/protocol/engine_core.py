@@ -70,6 +70,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     error: str | None = None
     num_transferred_tokens: int = 0  # prompt tokens whose KV was pulled, on the first output
     kv_transfer_params: KVTransferParams | None = None  # the handle, on a held request's last
+    # speculative decoding: drafts verified in this step, and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -85,6 +88,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_drafts: int = 0  # speculative decoding: verification steps that carried drafts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
+    spec_method: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):

@@ -5,6 +5,8 @@ engine's counters (vLLM's spec_decode metrics)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -12,6 +14,9 @@ from kvserve.spec_decode.cost import StepCostModel, allocate_drafts
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.suffix import SuffixProposer
 
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0  # the acceptance line in the engine log, at most this often
 PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before it has any history
 ACCEPTANCE_SMOOTHING = 0.3  # weight of a step's outcome in a request's running estimate
 
@@ -51,6 +56,7 @@ class Drafter:
         self.acceptance: dict[str, float] = {}
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
+        self._logged_at = time.monotonic()
 
     def propose(self, requests, base_tokens: int) -> None:
         """Set `spec_token_ids` of these requests (running, in decode: every token but the
@@ -86,6 +92,14 @@ class Drafter:
         rate = num_accepted / min(num_drafts, num_accepted + 1)
         old = self.acceptance.get(request_id, PRIOR_ACCEPTANCE)
         self.acceptance[request_id] = old + ACCEPTANCE_SMOOTHING * (rate - old)
+        if time.monotonic() - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = time.monotonic()
+            logger.info("speculative decoding (%s): %d of %d draft tokens accepted (%.0f%%), "
+                        "%.2f per step with drafts; accepted by position %s", self.config.method,
+                        stats.num_accepted_tokens, stats.num_draft_tokens,
+                        100 * stats.acceptance_rate,
+                        stats.num_accepted_tokens / stats.num_drafts,
+                        stats.accepted_per_position)
 
     def finish(self, request_id: str) -> None:
         self.proposer.finish(request_id)

@@ -123,7 +123,7 @@ async def collect(engine: AsyncEngine, job: Job, raw: Request) -> list[RequestOu
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -132,6 +132,12 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
             # prompt tokens whose KV a prefill engine computed (disaggregated serving)
             "transferred_tokens": sum(o.num_transferred_tokens for o in outputs)},
     }
+    drafted = sum(c.num_draft_tokens for o in outputs for c in o.outputs)
+    if drafted:  # speculative decoding, in OpenAI's predicted-outputs fields
+        accepted = sum(c.num_accepted_tokens for o in outputs for c in o.outputs)
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": drafted - accepted}
+    return body
 
 
 def _completion_logprobs(choice: CompletionOutput, start: int, text_offset: int,
