@@ -290,3 +290,32 @@ def test_server_reports_drafts_in_usage_and_metrics(tiny_model_dir, tiny_llm, tm
         details["accepted_prediction_tokens"]
     assert metrics.get("kvserve:spec_decode_num_accepted_tokens_per_pos_total", 0) == \
         details["accepted_prediction_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp, engine_core", [(1, "thread"), (2, "thread"), (1, "process")])
+def test_drafts_change_no_token_with_preemption_prefix_hits_and_tp(tiny_model_dir, tp,
+                                                                   engine_core):
+    """The mixed workload (17 greedy samples in ragged batches, a shared prefix, n = 2, a stop
+    string, a pool small enough to preempt) with every draft kept: the tokens and logprobs of
+    the run without drafts, on one rank, on two tensor-parallel worker processes, and with
+    the engine core in its own process."""
+    from kvserve import LLM
+    from tests.helpers import run_mixed_workload, single_process_reference, small_pool_options
+
+    expected, expected_logprobs, _ = single_process_reference(tiny_model_dir)
+    speculative = {**NGRAM, "prompt_lookup_min": 1, "adaptive": False}
+    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=tp, engine_core=engine_core,
+              speculative_config=speculative,
+              distributed_executor_backend="mp" if tp > 1 else None, **small_pool_options())
+    try:
+        tokens, logprobs = run_mixed_workload(llm)
+        assert tokens == expected
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
+        if engine_core == "thread":
+            core = llm.llm_engine.engine_core
+            assert core.drafter.stats.num_accepted_tokens > 0
+            assert core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
