@@ -35,6 +35,8 @@ def test_config_keys_as_vllm_spells_them():
         parse_speculative_config({**NGRAM, "draft_tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="method 'eagle' is not built"):
         parse_speculative_config({"method": "eagle", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="not a JSON object"):
+        parse_speculative_config("{method: ngram}")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         parse_speculative_config({**NGRAM, "prompt_lookup_min": 5})
 

@@ -43,7 +43,12 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     """The config from its JSON text (the CLI's) or dict (the LLM API's); None when off."""
     if value is None or value == "":
         return None
-    raw: dict[str, Any] = json.loads(value) if isinstance(value, str) else dict(value)
+    try:
+        raw: dict[str, Any] = json.loads(value) if isinstance(value, str) else dict(value)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config is not a JSON object: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError("speculative_config must be a JSON object")
     known = {field.name for field in fields(SpeculativeConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
