@@ -566,6 +566,36 @@ def hf_reference(hf_model, prompts: list[list[int]], new_tokens: int):
     return logits, tokens
 
 
+def tiny_family_case(name: str, hf_config, directory, tokenizer, prompt_lengths,
+                     new_tokens: int, sentencepiece: bool = False) -> dict:
+    """A family test's case: the tiny checkpoint HF saves for `hf_config` (save_hf_checkpoint),
+    random prompts of `prompt_lengths` tokens (seed 1), and HF's last-position logits and greedy
+    tokens for each (hf_reference), computed once for every test that takes the case."""
+    import torch
+
+    hf_model = save_hf_checkpoint(hf_config, directory, tokenizer, sentencepiece=sentencepiece)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, hf_config.vocab_size, (n,), generator=generator).tolist()
+               for n in prompt_lengths]
+    logits, tokens = hf_reference(hf_model, prompts, new_tokens)
+    return {"name": name, "dir": directory, "hf_config": hf_config, "hf_model": hf_model,
+            "prompts": prompts, "logits": logits, "tokens": tokens}
+
+
+def assert_last_logits_match_hf(model, case: dict, max_len: int) -> None:
+    """The model's last-position logits for a case's prompts (tiny_family_case), all in one
+    ragged batch, are HF's within 1e-4 (float32)."""
+    import torch
+
+    from kvserve.models.paged_loop import PagedLoop
+
+    prompts = case["prompts"]
+    got = PagedLoop(model, len(prompts), max_len).step(prompts, [len(p) for p in prompts],
+                                                      list(range(len(prompts))))
+    for ours, theirs in zip(got, case["logits"]):
+        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
+
+
 def assert_greedy_batched_and_alone(model, prompts: list[list[int]], expected: list[list[int]],
                                     new_tokens: int, max_len: int) -> None:
     """The model's greedy tokens for the prompts, all in one batch and each alone, are

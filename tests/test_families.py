@@ -23,18 +23,17 @@ from kvserve.models.paged_loop import PagedLoop
 from tests.helpers import (
     assert_engine_chunked_and_cached_match,
     assert_greedy_batched_and_alone,
+    assert_last_logits_match_hf,
     convert_hf_to_gguf,
     edited_checkpoint,
-    hf_reference,
     TINY_FAMILY_SHAPE,
-    save_hf_checkpoint,
+    tiny_family_case,
 )
 
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS, MAX_LEN, WINDOW = 12, 256, 24
 SHAPE = dict(TINY_FAMILY_SHAPE, head_dim=32, max_position_embeddings=1024)
-VOCAB = SHAPE["vocab_size"]
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
 FAMILIES = {
@@ -72,16 +71,10 @@ CONVERTIBLE = ("gemma2", "gemma3", "smollm3", "phi3")
 def family(request, tmp_path_factory, tokenizer):
     """One family's tiny checkpoint (saved by HF), its prompts (two longer than the window) and
     HF's last-position logits and greedy tokens for each."""
-    config = FAMILIES[request.param]()
-    directory = tmp_path_factory.mktemp(request.param)
     # llama.cpp's Gemma 2 and Phi-3 converters read only SentencePiece
-    hf_model = save_hf_checkpoint(config, directory, tokenizer,
-                                  sentencepiece=request.param in ("gemma2", "phi3"))
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
-    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
-    return {"name": request.param, "dir": directory, "hf_config": config, "prompts": prompts,
-            "logits": logits, "tokens": tokens}
+    return tiny_family_case(request.param, FAMILIES[request.param](),
+                            tmp_path_factory.mktemp(request.param), tokenizer, (40, 7, 90),
+                            NEW_TOKENS, sentencepiece=request.param in ("gemma2", "phi3"))
 
 
 def test_gemma3_config_options():
@@ -167,11 +160,7 @@ def test_smollm3_config_skips_rope_on_every_fourth_layer():
 @pytest.mark.parametrize("backend", ["torch_ref", "paged", "sdpa_batched"])
 def test_logits_match_hf(family, backend):
     model, _ = load_model(resolve_model(family["dir"]), "float32", attention_backend=backend)
-    loop = PagedLoop(model, len(family["prompts"]), MAX_LEN)
-    prompts = family["prompts"]
-    got = loop.step(prompts, [len(p) for p in prompts], list(range(len(prompts))))
-    for ours, theirs in zip(got, family["logits"]):
-        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
+    assert_last_logits_match_hf(model, family, MAX_LEN)
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
@@ -197,11 +186,7 @@ def test_converted_gguf_loads_as_the_hf_directory(family, tmp_path, monkeypatch)
     assert config.scale == pytest.approx(from_hf.scale)
     assert dataclasses.replace(config, rms_norm_eps=from_hf.rms_norm_eps, eos_token_id=None,
                                attention_scale=from_hf.attention_scale) == from_hf
-    prompts = family["prompts"]
-    got = PagedLoop(model, len(prompts), MAX_LEN).step(prompts, [len(p) for p in prompts],
-                                                      list(range(len(prompts))))
-    for ours, theirs in zip(got, family["logits"]):
-        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
+    assert_last_logits_match_hf(model, family, MAX_LEN)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from tests.helpers import (
     edited_checkpoint,
     hf_reference,
     TINY_FAMILY_SHAPE,
-    save_hf_checkpoint,
+    tiny_family_case,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -86,17 +86,12 @@ SWITCHES = {
 def family(request, tmp_path_factory, tokenizer):
     """One family's tiny checkpoint (saved by HF), prompts longer than its pretraining context,
     and HF's last-position logits and greedy tokens for each."""
-    config = FAMILIES[request.param]()
-    directory = tmp_path_factory.mktemp(request.param)
     # llama.cpp's Phi-3 converter reads only SentencePiece; its Qwen2 one prefers it (and does
     # not recognise the SmolLM2 pre-tokenizer as transformers 5 loads it for a Qwen2 model)
-    hf_model = save_hf_checkpoint(config, directory, tokenizer,
-                                  sentencepiece=request.param in ("phi3-longrope", "qwen2-yarn"))
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in LONG_PROMPTS]
-    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
-    return {"name": request.param, "dir": directory, "hf_config": config, "hf_model": hf_model,
-            "prompts": prompts, "logits": logits, "tokens": tokens}
+    return tiny_family_case(request.param, FAMILIES[request.param](),
+                            tmp_path_factory.mktemp(request.param), tokenizer, LONG_PROMPTS,
+                            NEW_TOKENS,
+                            sentencepiece=request.param in ("phi3-longrope", "qwen2-yarn"))
 
 
 def _last_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -12,11 +12,11 @@ from kvserve.config import ModelConfig
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
-from kvserve.testing.tiny import write_tokenizer_files
 from tests.helpers import (
     assert_engine_chunked_and_cached_match,
     assert_greedy_batched_and_alone,
-    hf_reference,
+    assert_last_logits_match_hf,
+    tiny_family_case,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -32,20 +32,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 def qwen3(tmp_path_factory, tokenizer):
     """A 3-layer Qwen3 with random norm weights too (HF initialises them to ones, which would
     hide a QK-norm applied without its weight), its prompts and HF's logits and tokens."""
-    config = transformers.Qwen3Config(**TINY)
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    directory = tmp_path_factory.mktemp("qwen3")
-    hf_model.save_pretrained(directory)
-    write_tokenizer_files(directory, tokenizer)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (40, 7, 90)]
-    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
-    return {"dir": directory, "prompts": prompts, "logits": logits, "tokens": tokens}
+    return tiny_family_case("qwen3", transformers.Qwen3Config(**TINY),
+                            tmp_path_factory.mktemp("qwen3"), tokenizer, (40, 7, 90), NEW_TOKENS)
 
 
 def test_config_reads_qk_norm_and_windows():
@@ -63,11 +51,7 @@ def test_config_reads_qk_norm_and_windows():
 def test_logits_match_hf(qwen3, backend):
     model, config = load_model(resolve_model(qwen3["dir"]), "float32", attention_backend=backend)
     assert config.qk_norm
-    loop = PagedLoop(model, len(qwen3["prompts"]), MAX_LEN)
-    prompts = qwen3["prompts"]
-    got = loop.step(prompts, [len(p) for p in prompts], list(range(len(prompts))))
-    for ours, theirs in zip(got, qwen3["logits"]):
-        torch.testing.assert_close(ours.float(), theirs, atol=1e-4, rtol=1e-4)
+    assert_last_logits_match_hf(model, qwen3, MAX_LEN)
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])

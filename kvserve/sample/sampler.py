@@ -102,13 +102,18 @@ class Sampler:
             [] if row.params.logprobs is not None else None for row in rows]
         lengths = [len(row.output_token_ids) for row in rows]
         active, depth = list(range(len(rows))), 0
+        # the batch's logits at the current depth, one row per request (the processors index
+        # the whole batch): every row at depth 0, then only the rows still verifying are
+        # refreshed (the others are stale and ignored), so deeper depths cost what their
+        # few rows do
+        step = logits[offsets[:-1]]
         try:
             while active:
                 if depth:
                     self._update_processors(rows, BatchUpdate(len(rows)))  # outputs grew
-                index = [offsets[i] + min(depth, len(drafts[i])) for i in range(len(rows))]
+                    step[active] = logits[[offsets[i] + depth for i in active]]
                 step_drafts = {i: drafts[i][depth] for i in active if depth < len(drafts[i])}
-                tokens, accepted = self._verify_depth(logits[index], rows, active, step_drafts,
+                tokens, accepted = self._verify_depth(step, rows, active, step_drafts,
                                                       logprobs)
                 for i, token in zip(active, tokens):
                     emitted[i].append(token)
@@ -123,12 +128,13 @@ class Sampler:
     def _verify_depth(self, logits: torch.Tensor, rows: list[SamplingRow], active: list[int],
                       drafts: dict[int, int], logprobs: list) -> tuple[list[int], set[int]]:
         """One depth of `verify`: the token each active row emits here, and the rows whose
-        draft was accepted (they go on to the next depth)."""
-        raw = torch.log_softmax(logits, dim=-1) if any(
-            logprobs[i] is not None for i in active) else None
+        draft was accepted (they go on to the next depth). `logits` is the verifier's own
+        buffer: the processors edit it in place."""
+        wanting = [i for i in active if logprobs[i] is not None]
+        raw = dict(zip(wanting, torch.log_softmax(logits[wanting], dim=-1))) if wanting else {}
         processors = self._active(argmax_invariant=False)
         if processors:
-            logits = _run(processors, logits.clone())
+            logits = _run(processors, logits)
         chosen: dict[int, int] = {}
         greedy = [i for i in active if rows[i].params.greedy]
         if greedy:
@@ -142,7 +148,7 @@ class Sampler:
             accepted |= self._accept_or_draw(filtered, random_rows, rows, drafts, chosen)
         tokens = [chosen[i] for i in active]
         for i, token in zip(active, tokens):
-            if raw is not None and logprobs[i] is not None:
+            if i in raw:
                 logprobs[i].append(_token_logprobs(raw[i], token, rows[i].params.logprobs))
         return tokens, accepted
 
