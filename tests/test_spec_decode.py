@@ -321,3 +321,70 @@ def test_drafts_change_no_token_with_preemption_prefix_hits_and_tp(tiny_model_di
             assert core.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+def _chi_square_p(first: dict, second: dict) -> float:
+    """p-value of a two-sample chi-square test that two count tables come from one
+    distribution (cells with fewer than 10 samples in both merged; Wilson-Hilferty's
+    approximation of the chi-square tail, no scipy here)."""
+    cells = set(first) | set(second)
+    big = [c for c in cells if first.get(c, 0) + second.get(c, 0) >= 10]
+    rest = [c for c in cells if c not in big]
+    table = [(first.get(c, 0), second.get(c, 0)) for c in big]
+    table.append((sum(first.get(c, 0) for c in rest), sum(second.get(c, 0) for c in rest)))
+    n1, n2 = sum(a for a, _ in table), sum(b for _, b in table)
+    statistic = 0.0
+    for a, b in table:
+        if a + b:
+            expected_a, expected_b = (a + b) * n1 / (n1 + n2), (a + b) * n2 / (n1 + n2)
+            statistic += (a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b
+    df = len(table) - 1
+    z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model_dir(tmp_path_factory, tokenizer):
+    """The tiny model with 512 tokens: sampling 10,000 rows costs little."""
+    from kvserve.testing.tiny import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-v512"), tokenizer,
+                                vocab_size=512)
+
+
+@pytest.mark.soak  # ~2 minutes: `make test-soak`; the sampler's own test covers the maths
+def test_sampled_tokens_follow_the_same_distribution_with_drafts(small_vocab_model_dir):
+    """10,000 samples of three tokens with temperature, top-p, a frequency penalty and a
+    logit_bias, where the second token is verified against a prompt-lookup draft: the
+    (first, second) pairs pass a two-sample chi-square test against the run without drafts
+    (p > 0.001; the runs are seeded, so the test is deterministic), and each pair's logprobs
+    are equal within 1e-4."""
+    from collections import Counter
+
+    from kvserve import LLM
+
+    params = SamplingParams(temperature=0.05, top_p=0.9, frequency_penalty=0.3, n=125,
+                            logit_bias={300: 0.02}, max_tokens=3, ignore_eos=True, logprobs=0)
+    speculative = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 3, "adaptive": False}
+    counts, logprobs, prompt = [], [], None
+    for extra in ({}, {"speculative_config": speculative}):
+        llm = LLM(model=str(small_vocab_model_dir), dtype="float32", engine_core="thread",
+                  **extra)
+        if prompt is None:  # the model's own greedy text: its drafts are often right
+            greedy = llm.generate({"prompt_token_ids": [100, 200]}, SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+            prompt = {"prompt_token_ids": [100, 200] + greedy[0].outputs[0].token_ids}
+        outputs = llm.generate([prompt] * 80, params, use_tqdm=False)
+        samples = [o for out in outputs for o in out.outputs]
+        counts.append(Counter(tuple(o.token_ids[:2]) for o in samples))
+        logprobs.append({tuple(o.token_ids[:2]): [step[t].logprob for step, t in
+                                                   zip(o.logprobs, o.token_ids[:2])]
+                         for o in samples})
+        if extra:
+            stats = llm.llm_engine.engine_core.drafter.stats
+            assert stats.num_draft_tokens >= 5000 and stats.num_accepted_tokens > 1000
+    assert sum(counts[0].values()) == sum(counts[1].values()) == 10000
+    assert _chi_square_p(counts[0], counts[1]) > 0.001
+    for pair in set(logprobs[0]) & set(logprobs[1]):
+        assert logprobs[0][pair] == pytest.approx(logprobs[1][pair], abs=1e-4)
