@@ -15,6 +15,8 @@ The standard scenarios are fixed so numbers compare across time:
       --model gemma3-270m with BENCH_CTX=8448 for the peers' context)
   s7, s8: code the answer copies (speculative decoding's case), 1 stream / 16 at once, 256 / 128
       (not in the default set)
+  s9: an agent loop (the agentic workload: tool outputs re-read and quoted), 4 sessions x 4
+      turns, one at a time (not in the default set)
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ SCENARIOS = {
            "--input-len", "256", "--output-len", "128"],
     "s8": ["--workload", "code-edit", "--num-prompts", "32", "--max-concurrency", "16",
            "--input-len", "256", "--output-len", "128"],
+    "s9": ["--workload", "agentic", "--num-prompts", "4", "--turns", "4",
+           "--max-concurrency", "1", "--input-len", "192", "--output-len", "128"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",

@@ -23,7 +23,7 @@ def add_bench_parser(commands) -> None:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--workload", default="random",
                        choices=["random", "shared-prefix", "multi-turn", "long-prompt",
-                                "code-edit"])
+                                "code-edit", "agentic"])
     serve.add_argument("--num-prompts", type=int, default=64,
                        help="requests (multi-turn: sessions)")
     serve.add_argument("--max-concurrency", default=None,
@@ -121,6 +121,9 @@ def _build_workload(args, source: workloads.TextSource):
     if args.workload == "long-prompt":
         return workloads.long_prompt_workload(source, args.num_prompts, args.input_len,
                                               args.output_len, args.long_len)
+    if args.workload == "agentic":
+        return workloads.agentic_workload(source, args.num_prompts, args.turns, args.input_len,
+                                          args.output_len)
     return workloads.multi_turn_workload(source, args.num_prompts, args.turns, args.input_len,
                                          args.output_len, args.system_prompt_len)
 
@@ -132,7 +135,7 @@ async def _drive(args, specs):
                          temperature=args.temperature, top_p=args.top_p)
     try:
         start = client.now()
-        if args.workload == "multi-turn":
+        if args.workload in ("multi-turn", "agentic"):
             results = await run_sessions(client, specs, args.max_concurrency,
                                          not args.no_progress)
         else:
@@ -178,7 +181,7 @@ def _serve_once(args) -> int:
                     for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
     summary = summarize(results, duration, slo)
     summary["server"] = counted
-    if args.workload == "multi-turn":  # the turns a prefix cache (and a router) can help
+    if args.workload in ("multi-turn", "agentic"):  # turns a prefix cache can help
         summary["ttft_later_turns_s"] = describe(
             [r.ttft for r in results if r.ok and r.turn and r.ttft is not None])
     row = {"system": args.label, "scenario": args.workload, "machine": machine.machine_header(),

@@ -91,6 +91,21 @@ def code_edit_workload(source: TextSource, num_prompts: int, input_len: int,
     return specs
 
 
+def agentic_workload(source: TextSource, num_sessions: int, turns: int, user_len: int,
+                     output_len: int) -> list[Session]:
+    """An agent's loop: every turn brings a tool's output (a file read, a command's result)
+    and asks the model to quote what matters before acting; the session's tools return one
+    of two outputs, so later turns re-read what earlier ones showed, and the answers quote
+    both (speculative decoding's second case: drafts from the context and earlier turns)."""
+    sessions = []
+    for _ in range(num_sessions):
+        outputs = [source.take(user_len), source.take(user_len)]
+        sessions.append(Session([f"Tool output:\n{outputs[turn % 2]}\n\nQuote the tool "
+                                 f"output above line by line, then say what to do next."
+                                 for turn in range(turns)], output_len))
+    return sessions
+
+
 def shared_prefix_workload(source: TextSource, num_prompts: int, prefix_len: int,
                            input_len: int, output_len: int) -> list[RequestSpec]:
     """One long shared system prompt, then a unique part per request (agents, RAG)."""
