@@ -105,6 +105,9 @@ SYSTEMS = {
         "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 8}'],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
+    # llama.cpp's own context speculation (its server's --spec-type ngram-mod), s7-s9
+    "llama.cpp-ngram": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
+                                     str(port), "32", "--spec-type", "ngram-mod"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",
                               str(port)],
 }

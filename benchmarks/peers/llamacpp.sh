@@ -2,7 +2,7 @@
 # llama.cpp's llama-server as a peer: built from the llama.cpp tree vendored in the
 # llama-cpp-python source distribution (PyPI), CPU only, -DGGML_NATIVE=ON. Nothing is committed.
 #   benchmarks/peers/llamacpp.sh build
-#   benchmarks/peers/llamacpp.sh start PORT [SLOTS]   # serves the bundled GGUF as-is (Q4_1)
+#   benchmarks/peers/llamacpp.sh start PORT [SLOTS [llama-server flags...]]  # the GGUF as-is
 # BENCH_MODEL (a kvserve short name, default smollm2-135m-instruct) picks the GGUF, BENCH_CTX the
 # context per slot (default 2048).
 # With KVSERVE_CPU_ISA=avx2 (an AVX-512 machine standing in for an AVX2-only one) it builds and
@@ -41,10 +41,11 @@ gguf() {
 
 start() {
   local port="${1:-8081}" slots="${2:-32}"
+  shift $(($# < 2 ? $# : 2))  # the rest: extra llama-server flags (e.g. --spec-type ngram-mod)
   build
   # one unified KV cache shared by all slots, BENCH_CTX tokens of context per slot
   exec "$BIN/llama-server" -m "$(gguf)" --host 127.0.0.1 --port "$port" \
-    -np "$slots" -c $((slots * ${BENCH_CTX:-2048})) --kv-unified -t "$(nproc)" --alias "$MODEL"
+    -np "$slots" -c $((slots * ${BENCH_CTX:-2048})) --kv-unified -t "$(nproc)" --alias "$MODEL" "$@"
 }
 
 case "${1:-}" in
