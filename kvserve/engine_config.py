@@ -56,12 +56,14 @@ class EngineConfig:
                                "activations: K/V rounded to bf16, perplexity in "
                                "docs/performance.md)", choices=["auto", "float32", "bfloat16"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (for 4-bit "
-                             "GGUFs: int4 in bfloat16, w4a8 where float32 is only the machine's "
-                             "default, i.e. no native bf16; else none), none, int4 (groupwise, exact "
-                             "for Q4_1 GGUFs), int8 (per channel) or w8a8 (int8 weights, int8 "
-                             "activations for batches; +4%% perplexity on SmolLM2) or w4a8 (int4 weights, decode "
-                             "activations rounded to int8 per group of 32 for integer dot "
-                             "products, as llama.cpp)",
+                             "GGUFs: int4 in bfloat16, w4a8 where float32 is only the "
+                             "machine's default, i.e. no native bf16; for 5- to 8-bit GGUFs: "
+                             "int8; else none), none, int4 (groupwise, exact for Q4_1 GGUFs), "
+                             "int8 (groups of 32 as Q8_0 where the compiled kernels run, per "
+                             "channel elsewhere), w8a8 (int8 weights, int8 activations for "
+                             "batches; +4%% perplexity on SmolLM2) or w4a8 (int4 weights, "
+                             "decode activations rounded to int8 per group of 32 for integer "
+                             "dot products, as llama.cpp)",
                              choices=["auto", "none", "int4", "int8", "w8a8", "w4a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
