@@ -21,12 +21,13 @@ class _RequestIndex:
         self.ends: defaultdict[tuple[int, ...], list[int]] = defaultdict(list)
         self.next_end = low  # the first end position not indexed yet
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index the min-grams ending at every position of `tokens` not indexed yet."""
+    def extend(self, tokens: list[int], stop: int) -> None:
+        """Index the min-grams ending at every position up to `stop` not indexed yet (no copy
+        of the list: a proposal costs what the new tokens do, whatever the length)."""
         low = self.low
-        for end in range(self.next_end, len(tokens) + 1):
+        for end in range(self.next_end, stop + 1):
             self.ends[tuple(tokens[end - low:end])].append(end)
-        self.next_end = max(self.next_end, len(tokens) + 1)
+        self.next_end = max(self.next_end, stop + 1)
 
 
 class NgramProposer:
@@ -44,7 +45,7 @@ class NgramProposer:
         if index is None:
             index = self._indexes[request_id] = _RequestIndex(self.low)
         # index every min-gram ending before the last token (the suffix must not match itself)
-        index.extend(tokens[:-1])
+        index.extend(tokens, len(tokens) - 1)
         candidates = index.ends.get(tuple(tokens[-self.low:]))
         if not candidates:
             return []
