@@ -137,7 +137,8 @@ def _body(args) -> dict:
 def test_s5_is_s2_sampled_on_its_own_prompts_and_its_body_carries_temperature_and_top_p():
     """Its own seed: on s2's prompts it ran on the prefix cache s2 had just filled."""
     scenarios = _run_script().SCENARIOS
-    assert list(scenarios) == ["s1", "s2", "s3", "s4", "s5"]
+    # the standard five, then the ones run on request (long context, speculative decoding)
+    assert sorted(scenarios) == ["s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9"]
     assert [a for a in scenarios["s5"] if a not in scenarios["s2"]] == [
         "--temperature", "0.8", "--top-p", "0.95", "--seed", "5"]
     assert "--seed" not in scenarios["s2"]  # s2 keeps the default seed, 0
@@ -396,7 +397,8 @@ def test_vllm_client_results_become_our_summary_and_lead_the_report():
     ours = vllm_client.summary(_vllm_result(200.0, 10.0, 300.0))
     assert ours["tpot_s"]["p50"] == pytest.approx(0.0105)  # 10 ms * 1.05
     assert ours["output_throughput"] == 300.0 and ours["completed"] == 6
-    assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5"}  # s4: none in vLLM
+    # s4 and s9 (multi-turn): none in vLLM's datasets; s7/s8 are our prompts as its custom one
+    assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5", "s6", "s7", "s8"}
     assert vllm_client.SCENARIO_SEEDS.get("s5", vllm_client.SEED) != vllm_client.SEED
     peer = vllm_client.summary(_vllm_result(400.0, 20.0, 150.0))
     records = [{"system": "kvserve", "cold_start_s": 5.0, "scenarios": {"s1": ours},

@@ -212,15 +212,18 @@ def test_drafts_take_budget_and_rejected_ones_step_back():
 
 # ---- through the engine -------------------------------------------------------------------
 REPETITIVE = ["def add(a, b):\n    return a + b\n\n" * 3 + "Now the same, renamed to plus:\n",
-              "apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"]
+              "apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,",
+              "Monday, Tuesday, Wednesday. Monday, Tuesday, Wednesday. Monday,",
+              "<li>one</li>\n<li>two</li>\n<li>three</li>\n<li>"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [NGRAM, {"method": "suffix", "num_speculative_tokens": 6}],
                          ids=["ngram", "suffix"])
 def test_engine_greedy_tokens_and_options_equal_no_drafts(method):
-    """SmolLM2 in float32 on text that repeats (drafts are accepted): greedy tokens, logprobs,
-    penalties, logit_bias, min_tokens, stop strings and n = 2 as without speculation."""
+    """SmolLM2 in float32 on text that repeats (drafts are accepted), 24 requests in ragged
+    batches: greedy tokens, logprobs, penalties, logit_bias, min_tokens, stop strings and
+    n = 2 as without speculation."""
     from kvserve import LLM
 
     cases = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
