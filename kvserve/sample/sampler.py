@@ -86,12 +86,15 @@ class Sampler:
         `len(drafts[i]) + 1` rows of `logits` from its offset on (its last real token's, then
         each draft's). Depth by depth, every option applies as it would without drafts, the
         accepted drafts counted as output (penalties, min_tokens; they are appended to the
-        rows' output lists meanwhile, and removed again before returning). Greedy rows accept
-        a draft equal to the argmax; random rows accept draft d with the target probability
-        q(d) and otherwise draw from q without d (a context draft is a point mass, so this
-        is rejection sampling: the emitted token is distributed exactly as q). A row stops at
-        its first rejection (the replacement is its last token) or emits a bonus token after
-        its last draft. Logprobs are the target's, of each emitted token."""
+        rows' output lists meanwhile, and removed again before returning). Every row picks its
+        token as it would without drafts (the argmax, or a draw from the filtered target q)
+        and accepts the draft when it equals that token. For a random row that is rejection
+        sampling with coupled randomness: the draft is kept with probability q(d), the best a
+        point-mass draft can get, and the emitted token is distributed exactly as q; and each
+        emitted token takes one draw, as without drafts, so a seeded request gives the same
+        tokens whatever number of drafts the step-cost model chose. A row stops at its first
+        rejection (the drawn token is its last) or emits a bonus token after its last draft.
+        Logprobs are the target's, of each emitted token."""
         self._update_processors(rows, batch_update)
         logits = logits.float().to(SAMPLING_DEVICE)
         offsets = [0]
@@ -142,42 +145,17 @@ class Sampler:
             chosen.update(zip(greedy, best))
         accepted = {i for i in greedy if drafts.get(i) == chosen[i]}
         random_rows = [i for i in active if not rows[i].params.greedy]
-        if random_rows:
+        if random_rows:  # drawn as without drafts; a draft equal to the draw is accepted
             filtered = self._random_logits(logits, random_rows,
                                            [rows[i].params for i in random_rows])
-            accepted |= self._accept_or_draw(filtered, random_rows, rows, drafts, chosen)
+            drawn = self._draw(filtered, [rows[i] for i in random_rows]).tolist()
+            chosen.update(zip(random_rows, drawn))
+            accepted |= {i for i in random_rows if drafts.get(i) == chosen[i]}
         tokens = [chosen[i] for i in active]
         for i, token in zip(active, tokens):
             if i in raw:
                 logprobs[i].append(_token_logprobs(raw[i], token, rows[i].params.logprobs))
         return tokens, accepted
-
-    def _accept_or_draw(self, filtered: torch.Tensor, random_rows: list[int],
-                        rows: list[SamplingRow], drafts: dict[int, int],
-                        chosen: dict[int, int]) -> set[int]:
-        """Random rows at one depth: a draft d is kept with probability q(d), q the row's
-        filtered distribution; rejected drafts are masked out and every row without a kept
-        draft draws (from q, or q without d renormalised). Fills `chosen`; returns the rows
-        whose draft was kept."""
-        accepted = set()
-        for position, i in enumerate(random_rows):
-            draft = drafts.get(i)
-            if draft is None:
-                continue
-            probability = float(torch.softmax(filtered[position], dim=-1)[draft])
-            uniform = float(torch.rand(1, dtype=torch.float64, generator=rows[i].generator
-                                       or self.default_generator))
-            if uniform < probability:
-                accepted.add(i)
-                chosen[i] = draft
-            else:
-                filtered[position, draft] = float("-inf")
-        drawing = [p for p, i in enumerate(random_rows) if i not in accepted]
-        if drawing:
-            drawn = self._draw(filtered[drawing].contiguous(),
-                               [rows[random_rows[p]] for p in drawing]).tolist()
-            chosen.update((random_rows[p], token) for p, token in zip(drawing, drawn))
-        return accepted
 
     def _update_processors(self, rows: list[SamplingRow], batch_update: BatchUpdate | None):
         if batch_update is None:
