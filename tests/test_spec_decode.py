@@ -396,3 +396,109 @@ def test_sampled_tokens_follow_the_same_distribution_with_drafts(small_vocab_mod
     assert _chi_square_p(counts[0], counts[1]) > 0.001
     for pair in set(logprobs[0]) & set(logprobs[1]):
         assert logprobs[0][pair] == pytest.approx(logprobs[1][pair], abs=1e-4)
+
+
+# ---- draft_model: a smaller model with the target's tokenizer ----------------------------------
+@pytest.fixture(scope="module")
+def draft_model_dir(tmp_path_factory, tokenizer):
+    """Another tiny random model (other weights, one layer) with the target's tokenizer."""
+    from kvserve.testing.tiny import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-draft"), tokenizer, seed=1,
+                                num_hidden_layers=1)
+
+
+def _draft_proposer(model_dir, target_dir, target_num_blocks: int = 200,
+                    target_vocab_size: int = 49152):
+    from kvserve.model_source import resolve_model
+    from kvserve.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(
+        str(model_dir), 3, target_vocab_size=target_vocab_size,
+        target_tokenizer_source=resolve_model(str(target_dir)), dtype=torch.float32,
+        device="cpu", attention_backend="paged", use_cpu_kernels=True, quantization="auto",
+        block_size=4, target_num_blocks=target_num_blocks, max_num_seqs=1)
+
+
+def test_draft_model_config_as_vllm_spells_it():
+    config = parse_speculative_config({"model": "some-draft", "num_speculative_tokens": 3})
+    assert (config.method, config.model) == ("draft_model", "some-draft")
+    with pytest.raises(ValueError, match="'model'"):
+        parse_speculative_config({"method": "ngram", "model": "x", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="'model'"):
+        parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 3})
+
+
+def test_draft_model_needs_the_targets_vocabulary(small_vocab_model_dir, tiny_model_dir):
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens"):
+        _draft_proposer(small_vocab_model_dir, tiny_model_dir)
+
+
+def test_draft_kv_is_kept_between_proposals_and_rebuilt_after_eviction(draft_model_dir,
+                                                                       tiny_model_dir):
+    """Three requests drafted in turn: in a pool that holds one of them at a time each
+    proposal evicts the others' draft KV and recomputes its own, and the drafts equal those of
+    a pool that keeps everything (where accepted drafts are not fed again)."""
+    small = _draft_proposer(draft_model_dir, tiny_model_dir, target_num_blocks=6)
+    big = _draft_proposer(draft_model_dir, tiny_model_dir)
+    sequences = {f"r{n}": list(range(5 + n, 25 + n)) for n in range(3)}
+    for _ in range(2):
+        for request_id, tokens in sequences.items():
+            drafts = small.propose_batch([(request_id, tokens, 3)])
+            assert drafts == big.propose_batch([(request_id, tokens, 3)])
+            assert len(drafts[request_id]) == 3
+            tokens.extend(drafts[request_id][:2] + [7])  # two accepted, then the bonus token
+    # in one batch the small pool holds only the first; the second gets no drafts
+    both = small.propose_batch([("r0", sequences["r0"], 3), ("r1", sequences["r1"], 3)])
+    assert len(both["r0"]) == 3 and both["r1"] == []
+    for request_id in list(sequences):
+        small.finish(request_id)
+    assert len(small._free) == small.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_target_as_its_own_draft_model_gets_every_draft_accepted(tiny_model_dir, tiny_llm):
+    """With the target as its own draft model, greedy drafts are the target's own argmax, so
+    all are accepted unless the draft KV or positions slip (ragged batches, drafts fed back
+    and kept across steps); the tokens are those without drafts."""
+    from kvserve import LLM
+
+    prompts = [" ".join(["word"] * n) + " end" for n in (3, 17, 40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in tiny_llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16,
+              engine_core="thread", speculative_config={
+                  "model": str(tiny_model_dir), "num_speculative_tokens": 3, "adaptive": False})
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, params,
+                                                                use_tqdm=False)]
+        stats = llm.llm_engine.engine_core.drafter.stats
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert stats.num_draft_tokens > 60
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+@pytest.mark.slow
+def test_draft_model_changes_no_token_with_preemption_and_prefix_hits(
+        tiny_model_dir, draft_model_dir, mixed_workload_reference):
+    """The mixed workload (ragged batches, a shared prefix, n = 2, a stop string, preemption)
+    with a different draft model's every draft kept: the tokens and logprobs without drafts."""
+    from kvserve import LLM
+    from tests.helpers import run_mixed_workload, small_pool_options
+
+    expected, expected_logprobs, _ = mixed_workload_reference(tiny_model_dir)
+    llm = LLM(model=str(tiny_model_dir), engine_core="thread", speculative_config={
+        "model": str(draft_model_dir), "num_speculative_tokens": 3, "adaptive": False},
+        **small_pool_options())
+    try:
+        tokens, logprobs = run_mixed_workload(llm)
+        core = llm.llm_engine.engine_core
+        assert core.drafter.stats.num_draft_tokens > 0
+        assert core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert tokens == expected
+    assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4

@@ -36,6 +36,7 @@ from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
 from kvserve.kv_events import make_kv_event_source
 from kvserve.kv_transfer.aggregator import KVOutputAggregator
+from kvserve.model_source import resolve_model
 from kvserve.platform import configure_threads
 from kvserve.plugins import load_plugins
 from kvserve.protocol.engine_core import (
@@ -47,7 +48,8 @@ from kvserve.protocol.engine_core import (
 )
 from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.config import parse_speculative_config
+from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class EngineCore:
         self.kv_reports = KVOutputAggregator(config.world_size)
         self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest
         spec = parse_speculative_config(config.speculative_config)
-        self.drafter = Drafter(spec) if spec is not None else None  # speculative decoding
+        self.drafter = self._make_drafter(spec) if spec is not None else None  # speculation
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
@@ -232,6 +234,25 @@ class EngineCore:
         while self.has_unfinished():
             self.step()
         self.kv_manager.reset_prefix_cache()
+
+    def _make_drafter(self, spec: SpeculativeConfig) -> Drafter:
+        """Speculative decoding's drafter; a draft model is loaded here, in the engine core (the
+        workers verify), with the target's dtype and kernels and a KV pool for as many tokens
+        as the target's."""
+        if spec.method != "draft_model":
+            return Drafter(spec)
+        config = self.config
+        proposer = DraftModelProposer(
+            spec.model, spec.num_speculative_tokens,
+            target_vocab_size=self.model_config.vocab_size,
+            target_tokenizer_source=resolve_model(config.model), dtype=self.executor.dtype,
+            device=config.device, attention_backend=config.attention_backend,
+            use_cpu_kernels=config.cpu_kernels,
+            quantization=spec.quantization or config.quantization,
+            block_size=config.block_size, target_num_blocks=self.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs)
+        proposer.profile()
+        return Drafter(spec, proposer=proposer)
 
     def _profile_step_costs(self) -> None:
         """Speculative decoding's step-cost curve of this machine: steps of 1 to 64 tokens,

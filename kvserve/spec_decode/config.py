@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft model (a kvserve model reference: a short name, a GGUF file or an
+    # HF directory) with the target's tokenizer, and its weights' quantization (default: the
+    # target's)
+    model: str | None = None
+    quantization: str | None = None
     # our own: False keeps every proposed draft (no step-cost model); for measuring only
     adaptive: bool = True
 
@@ -34,6 +39,9 @@ class SpeculativeConfig:
                              f"{', '.join(METHODS)})")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config: num_speculative_tokens must be >= 1")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: 'model' (the draft model) goes with method "
+                             "'draft_model', and only with it")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
                              "prompt_lookup_max")
@@ -54,6 +62,8 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     if unknown:
         raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
                          f"{sorted(known)})")
+    if "model" in raw and "method" not in raw:  # as vLLM: a draft model names its method
+        raw["method"] = "draft_model"
     if raw.get("method") == "suffix" and "num_speculative_tokens" not in raw:
         raw["num_speculative_tokens"] = raw.get("suffix_decoding_max_tree_depth", 24)
     if "method" not in raw or "num_speculative_tokens" not in raw:

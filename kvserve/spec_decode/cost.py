@@ -68,25 +68,28 @@ def _size_class(num_tokens: int) -> int:
 
 
 def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
-                    cost: StepCostModel) -> dict[Hashable, int]:
+                    cost: StepCostModel, draft_token_seconds: float = 0.0) -> dict[Hashable, int]:
     """Drafts per request. `base_tokens`: the step's tokens without drafts; `gains[key][j]`:
-    the expected tokens the request's (j+1)-th draft adds (its acceptance to the power j+1).
-    Each step emits one token per request plus the accepted drafts; a draft is added while
-    expected tokens per second of step time rise."""
+    the expected tokens the request's (j+1)-th draft adds (its acceptance to the power j+1);
+    `draft_token_seconds`: what making one draft costs (a draft model's forward share; context
+    drafts are free). Each step emits one token per request plus the accepted drafts; a draft
+    is added while expected tokens per second of step time (drafting included) rise."""
     keys = list(gains)
     counts = dict.fromkeys(keys, 0)
     # (-gain, request's index, draft index): ties go to the earlier request, never compare keys
     heap = [(-gains[key][0], n, 0) for n, key in enumerate(keys) if gains[key]]
     heapq.heapify(heap)
-    tokens, expected = base_tokens, float(len(gains))
+    tokens, expected, drafting = base_tokens, float(len(gains)), 0.0
     while heap:
         negative_gain, n, j = heapq.heappop(heap)
         gain, key = -negative_gain, keys[n]
-        if (expected + gain) * cost.cost(tokens) <= expected * cost.cost(tokens + 1):
+        if (expected + gain) * (cost.cost(tokens) + drafting) <= \
+                expected * (cost.cost(tokens + 1) + drafting + draft_token_seconds):
             break
         counts[key] = j + 1
         expected += gain
         tokens += 1
+        drafting += draft_token_seconds
         if j + 1 < len(gains[key]):
             heapq.heappush(heap, (-gains[key][j + 1], n, j + 1))
     return counts

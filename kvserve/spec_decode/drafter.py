@@ -36,8 +36,9 @@ class SpecDecodeStats:
 
 
 def make_proposer(config: SpeculativeConfig):
-    """The proposer `config.method` names: `propose(request_id, tokens, num_prompt_tokens)`
-    -> drafts, and `finish(request_id)`."""
+    """The context proposer `config.method` names: `propose(request_id, tokens,
+    num_prompt_tokens)` -> drafts, and `finish(request_id)` (a draft model needs the engine's
+    context: the engine core makes it, draft_model.py)."""
     if config.method == "suffix":
         return SuffixProposer(config.num_speculative_tokens,
                               config.suffix_decoding_max_tree_depth,
@@ -49,10 +50,11 @@ def make_proposer(config: SpeculativeConfig):
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
+    def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None,
+                 proposer=None):
         self.config = config
         self.cost = cost or StepCostModel()
-        self.proposer = make_proposer(config)
+        self.proposer = proposer or make_proposer(config)
         self.acceptance: dict[str, float] = {}
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
@@ -62,6 +64,9 @@ class Drafter:
         """Set `spec_token_ids` of these requests (running, in decode: every token but the
         last sampled one computed) for the next step, which runs `base_tokens` tokens
         besides drafts."""
+        if getattr(self.proposer, "batched", False):
+            self._propose_batched(requests, base_tokens)
+            return
         proposals = {}
         for request in requests:
             drafts = self.proposer.propose(request.request_id, request.all_token_ids,
@@ -77,6 +82,27 @@ class Drafter:
             counts = {request: len(drafts) for request, drafts in proposals.items()}
         for request, drafts in proposals.items():
             request.spec_token_ids = drafts[:counts[request]]
+
+    def _propose_batched(self, requests, base_tokens: int) -> None:
+        """A draft model's proposals: how many each request gets is decided first (drafting
+        costs a forward per position), from the acceptance estimates and what a draft token
+        costs to make and to verify; then one batched drafting run."""
+        limits = {request: min(self.config.num_speculative_tokens,
+                               max(0, request.max_tokens - request.num_output_tokens - 1))
+                  for request in requests}
+        if self.config.adaptive:
+            gains = {request: [self.acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
+                               ** (j + 1) for j in range(limit)]
+                     for request, limit in limits.items()}
+            counts = allocate_drafts(base_tokens, gains, self.cost,
+                                     self.proposer.token_seconds(len(requests)))
+        else:
+            counts = limits
+        drafts = self.proposer.propose_batch(
+            [(request.request_id, request.all_token_ids, counts[request])
+             for request in requests if counts[request]])
+        for request in requests:
+            request.spec_token_ids = drafts.get(request.request_id, [])
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: `num_accepted` of `num_drafts` drafts kept."""
