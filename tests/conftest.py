@@ -11,7 +11,7 @@ from kvserve.errors import KernelBuildError
 from kvserve.kernels import compiled_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
-from tests.helpers import kernel_level
+from tests.helpers import kernel_level, single_process_reference
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 # Kernel choices fixed (the documented limits) so tests do not time kernels; tests/test_autotune.py
@@ -111,3 +111,18 @@ def tiny_llm(tiny_model_dir):
 
     return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16,
                engine_core="thread")
+
+
+@pytest.fixture(scope="session")
+def mixed_workload_reference():
+    """`single_process_reference(model_dir)` (tests/helpers: the mixed workload with the core on
+    a thread, in this process), run once per model directory in the session: the mp and ray
+    executor tests compare their runs on one model with the same (deterministic) run."""
+    runs: dict[str, tuple] = {}
+
+    def reference(model_dir) -> tuple[list, list[float], int]:
+        if str(model_dir) not in runs:
+            runs[str(model_dir)] = single_process_reference(model_dir)
+        return runs[str(model_dir)]
+
+    return reference

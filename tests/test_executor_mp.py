@@ -20,7 +20,6 @@ from tests.helpers import (
     small_pool_options,
     process_alive,
     run_mixed_workload,
-    single_process_reference,
     step_until_raises,
     wait_gone,
 )
@@ -46,9 +45,10 @@ def deep_model_dir(tmp_path_factory, tokenizer):
 @pytest.mark.parametrize("tp, pp, engine_core, model", [
     (1, 1, "thread", "six_head"), (2, 1, "thread", "tiny"), (3, 1, "process", "six_head"),
     (1, 2, "thread", "tiny"), (1, 3, "process", "deep"), (2, 2, "thread", "deep")])
-def test_mp_workers_match_one_process(request, tp, pp, engine_core, model):
+def test_mp_workers_match_one_process(request, mixed_workload_reference, tp, pp, engine_core,
+                                      model):
     model_dir = request.getfixturevalue(f"{model}_model_dir")
-    expected, expected_logprobs, preemptions = single_process_reference(model_dir)
+    expected, expected_logprobs, preemptions = mixed_workload_reference(model_dir)
     assert preemptions > 0  # the workload does exercise preemption
     llm = LLM(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
               engine_core=engine_core, distributed_executor_backend="mp", **small_pool_options())
@@ -61,10 +61,10 @@ def test_mp_workers_match_one_process(request, tp, pp, engine_core, model):
         llm.shutdown()
 
 
-def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir):
+def test_pipeline_keeps_one_batch_per_stage_in_flight(tiny_model_dir, mixed_workload_reference):
     """The core submits a second batch (other requests) before collecting the first, and the
     tokens still equal the single-process run's."""
-    expected = single_process_reference(tiny_model_dir)[0]
+    expected = mixed_workload_reference(tiny_model_dir)[0]
     llm = LLM(model=str(tiny_model_dir), pipeline_parallel_size=2, engine_core="thread",
               **small_pool_options())
     core = llm.llm_engine.engine_core

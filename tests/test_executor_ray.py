@@ -25,7 +25,6 @@ from tests.helpers import (
     small_pool_options,
     process_alive,
     run_mixed_workload,
-    single_process_reference,
     step_until_raises,
     wait_gone,
 )
@@ -36,9 +35,9 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def reference(tiny_model_dir, mixed_workload_reference):
     """The single-process engine's tokens and logprobs on the workload."""
-    tokens, logprobs, preemptions = single_process_reference(tiny_model_dir)
+    tokens, logprobs, preemptions = mixed_workload_reference(tiny_model_dir)
     assert preemptions > 0  # the workload does exercise preemption
     return tokens, logprobs
 
