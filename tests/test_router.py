@@ -3,7 +3,9 @@ with a thread core, both publishing KV events): sessions stick to the replica ho
 prefix under kv-aware (and every placement is the best one by the replicas' own count), round-
 robin alternates, chat and streaming pass through, replica errors pass through, and a replica
 killed with -9 costs no client more than a clean error: requests it had not answered are
-retried on the survivor, which then serves everything."""
+retried on the survivor, which then serves everything. The thread-core replica speculates
+(prompt-lookup drafts, every one verified): through the router it answers with the other's
+tokens, and its draft counts reach the client in `usage`."""
 
 from __future__ import annotations
 
@@ -28,12 +30,17 @@ THINK_SECONDS = 0.3
 DEADLINE_SECONDS = 20
 
 
+SPECULATIVE = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                          "prompt_lookup_min": 1, "adaptive": False})
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
     servers = [ServerProcess(tiny_server_flags(tiny_model_dir, "--engine-core", core,
                                                "--kv-events-config", kv_events_config(),
-                                               kv_blocks=512))
-               for core in ("process", "thread")]
+                                               *extra, kv_blocks=512))
+               for core, extra in (("process", ()),
+                                   ("thread", ("--speculative-config", SPECULATIVE)))]
     for server in servers:  # both load at once
         server.start()
     for server in servers:
@@ -130,8 +137,18 @@ def test_round_robin_alternates_and_errors_pass_through(tiny_model_dir, replicas
     urls = [replica.base_url for replica in replicas]
     with running_router(tiny_model_dir, replicas, "round-robin") as router, \
             httpx.Client(base_url=router.base_url, timeout=60) as client:
-        chosen = [_complete(client, "The same prompt every time.")[0] for _ in range(4)]
-        assert chosen == urls + urls
+        answers = [_complete(client, "The same prompt every time.", max_tokens=24)
+                   for _ in range(4)]
+        assert [replica for replica, _ in answers] == urls + urls
+        assert len({text for _, text in answers}) == 1  # drafts or not, the same tokens
+        body = {"prompt": "one two one two one two one two", "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True}
+        usage = {}
+        for _ in range(2):  # one goes to each replica
+            response = client.post("/v1/completions", json=body)
+            usage[response.headers["x-kvserve-replica"]] = response.json()["usage"]
+        details = usage[urls[1]]["completion_tokens_details"]  # the speculator's
+        assert details["accepted_prediction_tokens"] > 0
         # the replica's own 400 and 404, status and body as it sent them
         bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
