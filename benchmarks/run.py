@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
 import vllm_client  # noqa: E402  (benchmarks/peers/vllm_client.py)
 
+from kvserve.bench.results import DEFAULT_MODEL  # noqa: E402
 from kvserve.bench.run_report import VLLM_CLIENT_KEY  # noqa: E402
 PY = str(ROOT / ".venv" / "bin" / "python")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -113,6 +115,15 @@ SYSTEMS = {
 }
 
 
+def _check_port_free(port: int) -> None:
+    """A server left over from an earlier run on the port would answer for the one started now
+    (and be measured in its place): refuse to go on."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is taken (a server left from an earlier run?): "
+                               "stop it, or pass --port")
+
+
 def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -139,11 +150,12 @@ def _vllm_client(base_url: str, scenario: str, path: Path) -> dict | None:
 
 def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
                clients: tuple[str, ...] = ("kvserve",)) -> dict:
+    _check_port_free(port)
     log = open(out_dir / f"{name}.server.log", "wb")
     started = time.monotonic()
     command = SYSTEMS[name](port)
     if name.startswith("kvserve"):  # the peers read BENCH_MODEL themselves
-        command += ["--model", os.environ.get("BENCH_MODEL", "smollm2-135m-instruct")]
+        command += ["--model", os.environ.get("BENCH_MODEL", DEFAULT_MODEL)]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -155,7 +167,8 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
             path = out_dir / f"{name}-{scenario}.json"
             command = [PY, "-m", "kvserve.cli", "bench", "serve", "--base-url", base_url,
                        "--label", name, "--output-json", str(path), "--no-progress",
-                       "--tokenizer", os.environ.get("BENCH_MODEL", "smollm2-135m-instruct"),
+                       "--model", os.environ.get("BENCH_MODEL", DEFAULT_MODEL),
+                       "--tokenizer", os.environ.get("BENCH_MODEL", DEFAULT_MODEL),
                        *SCENARIOS[scenario]]
             subprocess.run(command, check=False)
             if path.exists():
@@ -190,7 +203,8 @@ def _versions() -> dict:
 
 def measure_roofline(out_dir: Path) -> dict | None:
     path = out_dir / "roofline.json"
-    subprocess.run([PY, "-m", "kvserve.cli", "bench", "roofline", "--output-json", str(path)],
+    subprocess.run([PY, "-m", "kvserve.cli", "bench", "roofline", "--output-json", str(path),
+                    "--model", os.environ.get("BENCH_MODEL", DEFAULT_MODEL)],
                    check=False, capture_output=True)
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -252,6 +266,7 @@ def measure_run(args, header: dict, out_dir: Path) -> dict:
     records = run_all(args.systems.split(","), args.port, out_dir, args.scenarios.split(","),
                       clients)
     saved = records_payload(header, records, written_at, _versions())
+    saved["model"] = os.environ.get("BENCH_MODEL", DEFAULT_MODEL)
     (out_dir / "records.json").write_text(json.dumps(saved, indent=1))
     return saved
 
@@ -264,7 +279,8 @@ def write_run_markdown(saved: dict, out_dir: Path) -> str:
     roof = json.loads(roof_path.read_text()) if roof_path.exists() else None
     machine = machine_line(saved["machine"], kernel_release(), saved["versions"])
     text = run_markdown(saved["records"], f"Benchmarks {saved['written_at'][:10]}", machine,
-                        roof, draw_plots(saved["records"], out_dir))
+                        roof, draw_plots(saved["records"], out_dir),
+                        saved.get("model", DEFAULT_MODEL))
     (out_dir.parent / f"{out_dir.name}.md").write_text(text)
     return text
 

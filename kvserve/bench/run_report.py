@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from kvserve.bench.machine import cpu_label
-from kvserve.bench.results import SavedRun
+from kvserve.bench.results import DEFAULT_MODEL, SavedRun
 from kvserve.bench.roofline import MachineRoof, ModelCost, roof_fractions
 
 SCENARIO_TEXT = (
@@ -29,10 +29,22 @@ TABLE_COLUMNS = (
     ("s4 TTFT p50 ms", "s4", "ttft_s", "p50", 1000),
     ("s5 out tok/s", "s5", "output_throughput", None, 1),
     ("s5 TPOT p50 ms", "s5", "tpot_s", "p50", 1000))
+# the scenarios outside the standard set, shown where a run has them
+EXTRA_COLUMNS = (
+    ("s6 out tok/s", "s6", "output_throughput", None, 1),
+    ("s6 E2E p50 ms", "s6", "e2e_s", "p50", 1000),
+    ("s7 TPOT p50 ms", "s7", "tpot_s", "p50", 1000),
+    ("s8 out tok/s", "s8", "output_throughput", None, 1),
+    ("s8 TPOT p50 ms", "s8", "tpot_s", "p50", 1000),
+    ("s9 TPOT p50 ms", "s9", "tpot_s", "p50", 1000),
+    ("s9 out tok/s", "s9", "output_throughput", None, 1))
 RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
                  ("s2", "output_throughput", None), ("s3", "ttft_s", "p50"),
                  ("s3", "output_throughput", None), ("s4", "output_throughput", None),
-                 ("s5", "output_throughput", None))
+                 ("s5", "output_throughput", None), ("s6", "output_throughput", None),
+                 ("s7", "tpot_s", "p50"), ("s8", "output_throughput", None),
+                 ("s9", "tpot_s", "p50"))
+SPECULATING = ("-ngram", "-suffix", "-draft")  # system-name endings of speculating variants
 # (column title, scenario, concurrency, roof_fractions key); every scenario is 256 in / 128 out
 ROOF_COLUMNS = (("s1 decode", "s1", 1, "output_fraction_of_roof"),
                 ("s1 prefill", "s1", 1, "single_prefill_fraction_of_roof"),
@@ -51,9 +63,17 @@ def machine_line(header: dict, kernel_release: str, versions: dict) -> str:
             f"{'yes' if header.get('native_bf16') else 'no'}. Versions: {json.dumps(versions)}.")
 
 
-def configuration_line(roof: dict | None) -> str:
+def configuration_line(roof: dict | None, model: str = DEFAULT_MODEL) -> str:
     fmt = (roof or {}).get("weight_format") or {"dtype": "?", "quantization": "?"}
     isa_level = (roof or {}).get("cpu", {}).get("isa_level", "?")
+    if model != DEFAULT_MODEL:
+        return (f"Model: {model}, its bundled GGUF for every system. Configurations: kvserve = "
+                f"defaults on this CPU ({fmt['dtype']}, `--quantization auto` = "
+                f"{fmt['quantization']}, weights taken from the GGUF's; fused C++ CPU kernels "
+                f"built for {isa_level}, paged attention); kvserve-kv512m = a 512 MiB KV pool "
+                "(-nohybrid: one block table for every layer, `--disable-hybrid-kv-cache-"
+                "manager`); llama.cpp = the same GGUF, unified KV; vLLM-CPU = bf16 HF directory "
+                "made from the GGUF.")
     return ("Configurations: kvserve = defaults on this CPU (" + fmt["dtype"] + ", "
             "`--quantization auto` = " + fmt["quantization"] + "; int4 = weights recovered "
             "exactly from the Q4_1 GGUF with an int8 LM head; w4a8 = the same weights with "
@@ -65,11 +85,13 @@ def configuration_line(roof: dict | None) -> str:
 
 
 def scenario_table(records: list[dict]) -> list[str]:
-    titles = ["system", "cold start s"] + [column[0] for column in TABLE_COLUMNS]
+    present = {scenario for record in records for scenario in record["scenarios"]}
+    columns = TABLE_COLUMNS + tuple(c for c in EXTRA_COLUMNS if c[1] in present)
+    titles = ["system", "cold start s"] + [column[0] for column in columns]
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for record in records:
         cells = [record["system"], f"{record.get('cold_start_s', float('nan')):.1f}"]
-        for _, scenario, key, percentile, scale in TABLE_COLUMNS:
+        for _, scenario, key, percentile, scale in columns:
             summary = record["scenarios"].get(scenario)
             cells.append(f"{_value(summary, key, percentile) * scale:.1f}" if summary else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -98,6 +120,39 @@ def _ratio_parts(ours: dict, peer: dict) -> list[str]:
             parts.append(f"{scenario} {key.replace('_s', '')}"
                          f"{' ' + percentile if percentile else ''}: {ratio:.2f}x")
     return parts
+
+
+def speculation_lines(records: list[dict]) -> list[str]:
+    """Each speculating variant beside its base system (the name without the ending):
+    TPOT speed-up and throughput ratio per scenario, and the drafts the server accepted."""
+    by_name = {record["system"]: record for record in records}
+    lines = []
+    for record in records:
+        ending = next((e for e in SPECULATING if record["system"].endswith(e)), None)
+        base = by_name.get(record["system"][:-len(ending)]) if ending else None
+        if base is None:
+            continue
+        parts = []
+        for scenario, summary in record["scenarios"].items():
+            plain = base["scenarios"].get(scenario)
+            if not plain:
+                continue
+            speedup = _value(plain, "tpot_s", "p50") / _value(summary, "tpot_s", "p50")
+            part = (f"{scenario} TPOT p50 {speedup:.2f}x, out tok/s "
+                    f"{summary['output_throughput'] / plain['output_throughput']:.2f}x")
+            server = summary.get("server") or {}
+            if server.get("spec_decode_num_draft_tokens"):
+                part += (f" (accepted {server['spec_decode_num_accepted_tokens']:.0f} of "
+                         f"{server['spec_decode_num_draft_tokens']:.0f} drafts, "
+                         f"{server['spec_decode_mean_accepted_per_step']:.2f} per step)")
+            parts.append(part)
+        if parts:
+            lines.append(f"- {record['system']} over {base['system']}: " + "; ".join(parts))
+    if not lines:
+        return []
+    return ["", "Speculation, each variant over its base system (TPOT: base / variant, higher "
+            "is faster; throughput: variant / base; drafts as the server counted them):",
+            ""] + lines
 
 
 def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
@@ -155,20 +210,22 @@ def vllm_client_lines(records: list[dict]) -> list[str]:
              "to text, seed 7 (s5: 8, its own prompts), `--ignore-eos`, same concurrency and "
              "lengths as below; s4 has no counterpart. Cold start as measured by the run.", ""]
             + scenario_table(measured) + [""] + ratio_lines(measured)
-            + ["", "## Measured with kvserve's client", ""])
+            + speculation_lines(measured) + ["", "## Measured with kvserve's client", ""])
 
 
 def run_markdown(records: list[dict], title: str, machine: str, roof: dict | None = None,
-                 plots: list[str] | None = None) -> str:
+                 plots: list[str] | None = None, model: str = DEFAULT_MODEL) -> str:
     lines = [f"# {title}", "", machine, ""] + vllm_client_lines(records)
     lines += ["Client: `kvserve bench serve` (streaming /v1/completions, ignore_eos, greedy but "
               "s5), loopback, one system at a time. Prompts cut from the Python standard "
-              "library's source. " + SCENARIO_TEXT, "", configuration_line(roof), ""]
+              "library's source. " + SCENARIO_TEXT, "", configuration_line(roof, model), ""]
     lines += scenario_table(records)
     lines += [""] + ratio_lines(records)
+    lines += speculation_lines(records)
     lines += roof_lines(records, roof)
-    failed = ", ".join(f"{r['system']} {k}: {v['failed']}" for r in records
-                       for k, v in r["scenarios"].items() if v["failed"])
+    failed = ", ".join(f"{r['system']} {k}{by}: {v['failed']}" for r in records
+                       for key, by in (("scenarios", ""), (VLLM_CLIENT_KEY, " (vLLM's client)"))
+                       for k, v in (r.get(key) or {}).items() if v.get("failed"))
     lines += ["", f"Failed requests: {failed or 'none'}."]
     if plots:
         lines += ["", "Latency CDFs: " + ", ".join(f"[{Path(p).stem}]({p})" for p in plots)]

@@ -1,5 +1,6 @@
-"""What the servers counted during a benchmark run: their prefix-cache hit rate and, behind a
-`kvserve router`, how well it placed requests. Read from /metrics before and after the run (the
+"""What the servers counted during a benchmark run: their prefix-cache hit rate, their
+speculative drafts and how many were accepted, and, behind a `kvserve router`, how well it placed
+requests. Read from /metrics before and after the run (the
 difference is the run's); behind a router, the replicas' URLs come from its /router/state."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import httpx
 from kvserve.router.replicas import parse_metrics
 
 _PLACEMENT = ("decisions", "best", "chosen_blocks", "best_blocks", "index_exact")
+_SPECULATION = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # vLLM's counters
 
 
 def metrics_urls(base_url: str, explicit: list[str] | None, headers: dict) -> tuple[list[str],
@@ -25,7 +27,8 @@ def metrics_urls(base_url: str, explicit: list[str] | None, headers: dict) -> tu
 
 
 def read(base_url: str, urls: list[str], router: bool, headers: dict) -> dict[str, float]:
-    counts = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
+    counts = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0,
+              **{f"spec_decode_{name}": 0.0 for name in _SPECULATION}}
     for url in urls:
         try:
             values = parse_metrics(httpx.get(url + "/metrics", headers=headers,
@@ -34,6 +37,8 @@ def read(base_url: str, urls: list[str], router: bool, headers: dict) -> dict[st
             continue  # down, or no Prometheus text (a peer server): nothing counted
         counts["prefix_cache_queries"] += values.get("kvserve:prefix_cache_queries_total", 0.0)
         counts["prefix_cache_hits"] += values.get("kvserve:prefix_cache_hits_total", 0.0)
+        for name in _SPECULATION:
+            counts[f"spec_decode_{name}"] += values.get(f"kvserve:spec_decode_{name}_total", 0.0)
     if router:
         values = parse_metrics(httpx.get(base_url + "/metrics", headers=headers,
                                          timeout=10).text)  # the router: must answer
@@ -48,6 +53,11 @@ def run_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
     queries = delta["prefix_cache_queries"]
     delta["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else 0.0
+    drafted = delta.get("spec_decode_num_draft_tokens", 0.0)
+    if drafted:
+        delta["spec_decode_acceptance_rate"] = delta["spec_decode_num_accepted_tokens"] / drafted
+        delta["spec_decode_mean_accepted_per_step"] = \
+            delta["spec_decode_num_accepted_tokens"] / delta["spec_decode_num_drafts"]
     decisions = delta.get("placement_decisions")
     if decisions:
         delta["placement_accuracy"] = delta["placement_best"] / decisions
@@ -63,6 +73,11 @@ def describe(delta: dict[str, float], urls: list[str]) -> str:
     line = (f"prefix-cache hit rate {100 * delta['prefix_cache_hit_rate']:.1f}% "
             f"({delta['prefix_cache_hits']:.0f} of {delta['prefix_cache_queries']:.0f} prompt "
             f"tokens, {len(urls)} server(s))")
+    if delta.get("spec_decode_num_draft_tokens"):
+        line += (f"; speculation: {delta['spec_decode_num_accepted_tokens']:.0f} of "
+                 f"{delta['spec_decode_num_draft_tokens']:.0f} draft tokens accepted "
+                 f"({100 * delta['spec_decode_acceptance_rate']:.1f}%), "
+                 f"{delta['spec_decode_mean_accepted_per_step']:.2f} per step with drafts")
     if delta.get("placement_decisions"):
         line += (f"; placement: the replica holding the most prefix blocks chosen for "
                  f"{delta['placement_best']:.0f} of {delta['placement_decisions']:.0f} requests "
