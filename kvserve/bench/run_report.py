@@ -1,5 +1,5 @@
 """Markdown of a benchmarks/run.py run (machine and ISA level, configurations, the scenario table,
-kvserve / peer ratios, fractions of the roof) and BENCHMARKS.md: the latest run of every CPU
+kvserve / peer ratios, fractions of the roof) and BENCHMARKS.md: the headline run of every CPU
 found under benchmarks/results/, one section and table per CPU.
 """
 
@@ -236,9 +236,10 @@ BENCHMARKS_INTRO = (
     "# Latest benchmarks, one table per CPU\n\n"
     "Written by `make bench` (`benchmarks/run.py`) from `benchmarks/results/`: for each CPU "
     "(model name, family, model number, and the kernel instruction-set level where capped "
-    "below the CPU's best) its latest run. Our machines differ in CPU (AVX-512 with BF16 on "
-    "Zen 4 and Zen 5, AVX2 only on Zen 3), so compare systems within a table, not across "
-    "tables.\n")
+    "below the CPU's best) its headline run: the latest of the default model covering the most "
+    "standard scenarios (one-off runs of other scenarios or models sit beside it). Our "
+    "machines differ in CPU (AVX-512 with BF16 on Zen 4 and Zen 5, AVX2 only on Zen 3), so "
+    "compare systems within a table, not across tables.\n")
 
 
 def _relative_links(text: str, prefix: str) -> str:
