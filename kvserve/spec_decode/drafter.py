@@ -71,8 +71,7 @@ class Drafter:
         for request in requests:
             drafts = self.proposer.propose(request.request_id, request.all_token_ids,
                                            request.num_prompt_tokens)
-            room = request.max_tokens - request.num_output_tokens - 1  # the bonus token's
-            proposals[request] = drafts[:max(0, room)]
+            proposals[request] = drafts[:_room(request)]
         if self.config.adaptive:
             gains = {request: [self.acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
                                ** (j + 1) for j in range(len(drafts))]
@@ -87,8 +86,7 @@ class Drafter:
         """A draft model's proposals: how many each request gets is decided first (drafting
         costs a forward per position), from the acceptance estimates and what a draft token
         costs to make and to verify; then one batched drafting run."""
-        limits = {request: min(self.config.num_speculative_tokens,
-                               max(0, request.max_tokens - request.num_output_tokens - 1))
+        limits = {request: min(self.config.num_speculative_tokens, _room(request))
                   for request in requests}
         if self.config.adaptive:
             gains = {request: [self.acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
@@ -130,3 +128,8 @@ class Drafter:
     def finish(self, request_id: str) -> None:
         self.proposer.finish(request_id)
         self.acceptance.pop(request_id, None)
+
+
+def _room(request) -> int:
+    """Drafts that fit before max_tokens: a step emits its accepted drafts plus one token."""
+    return max(0, request.max_tokens - request.num_output_tokens - 1)
