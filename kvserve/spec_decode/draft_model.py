@@ -60,7 +60,6 @@ class DraftModelProposer:
             quantization=quantization)
         _check_same_vocabulary(source, self.config.vocab_size, target_tokenizer_source,
                                target_vocab_size)
-        self.max_drafts = max_drafts
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_len = self.config.max_position_embeddings
