@@ -14,10 +14,11 @@ The standard scenarios are fixed so numbers compare across time:
   s5: s2 sampled with temperature 0.8, top_p 0.95, as real clients send (other prompts than s2's)
   s6: long context, 8 prompts of 8,000 tokens at once, 32 output tokens (not in the default set;
       --model gemma3-270m with BENCH_CTX=8448 for the peers' context)
-  s7, s8: code the answer copies (speculative decoding's case), 1 stream / 16 at once, 256 / 128
-      (not in the default set)
-  s9: an agent loop (the agentic workload: tool outputs re-read and quoted), 4 sessions x 4
-      turns, one at a time (not in the default set)
+  s7, s8: code edits whose answers repeat most of their input (speculative decoding's case), 16
+      requests 1 at a time / 32 at 16, ~256 / 128, in the model's chat template (not in the
+      default set)
+  s9: an agent loop (the agentic workload: two files read and edited in turn, earlier answers
+      re-sent), 4 sessions x 4 turns, one at a time (not in the default set)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ SCENARIOS = {
            "--input-len", "8000", "--output-len", "32"],
     # speculative decoding's case: code the answer copies (the edit workload), one stream
     # and 16 at once; read beside s1/s2, where drafts rarely match
-    "s7": ["--workload", "code-edit", "--num-prompts", "6", "--max-concurrency", "1",
+    "s7": ["--workload", "code-edit", "--num-prompts", "16", "--max-concurrency", "1",
            "--input-len", "256", "--output-len", "128"],
     "s8": ["--workload", "code-edit", "--num-prompts", "32", "--max-concurrency", "16",
            "--input-len", "256", "--output-len", "128"],

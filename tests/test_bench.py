@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 import pytest
 
@@ -342,6 +343,39 @@ def test_multi_turn_sessions_share_a_system_prompt_and_grow():
     assert second.startswith(first + " answer1") and third.startswith(second + " answer2")
 
 
+def test_agentic_sessions_rerun_two_files_in_the_chat_template_with_earlier_answers():
+    """The agent workload's turns alternate between two tool outputs, go out in the model's
+    chat template with the code fence opened, and carry every earlier answer (fence included)."""
+    import asyncio
+
+    from kvserve.bench.client import run_sessions
+
+    class ChatTokenizer(FakeTokenizer):
+        chat_template = "a template"
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) \
+                + "<assistant>"
+
+    sessions = workloads.agentic_workload(workloads.TextSource(ChatTokenizer(), 0), 2, 4,
+                                          400, 16)
+    turns = sessions[0].user_turns
+    assert turns[0] == turns[2] and turns[1] == turns[3] and turns[0] != turns[1]
+    prompts = []
+
+    class Client:
+        async def complete(self, prompt, max_tokens):
+            prompts.append(prompt)
+            return RequestResult(sent=0.0, first_token=0.1, finished=0.2, output_tokens=1,
+                                 output_text=f"answer{len(prompts)}")
+
+    asyncio.run(run_sessions(Client(), sessions[:1], max_concurrency=1, progress=False))
+    assert prompts[0] == f"<user>{turns[0]}</user><assistant>```python\n"
+    assert prompts[1] == (f"<user>{turns[0]}</user><assistant>```python\nanswer1</assistant>"
+                          f"<user>{turns[1]}</user><assistant>```python\n")
+    assert prompts[3].startswith(prompts[2][:-len("<assistant>```python\n")])
+
+
 def test_server_metrics_hit_rate_and_placement_behind_a_router(monkeypatch):
     import httpx
 
@@ -419,3 +453,24 @@ def test_vllm_client_results_become_our_summary_and_lead_the_report():
     assert "s1 tpot p50: 0.50x" in text[headline:text.index("Measured with kvserve's client")]
     plain = run_markdown([dict(r, **{VLLM_CLIENT_KEY: {}}) for r in records], "t", "machine")
     assert "vLLM's client" not in plain
+
+
+class TemplatedTokenizer(FakeTokenizer):
+    chat_template = "a template"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def test_code_edit_prompts_are_whole_dedented_definitions_in_the_chat_template():
+    """The edit workload pastes code from a definition on, dedented, into one user turn of the
+    model's template (a plain frame without one) and opens the answer's code fence."""
+    for tokenizer, frame in ((TemplatedTokenizer(), "<user>"), (FakeTokenizer(), "User: ")):
+        specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, 0), 4, 2000, 64)
+        for spec in specs:
+            assert spec.prompt.startswith(frame) and spec.prompt.endswith("```python\n")
+            code = spec.prompt.split("```python\n")[1].split("\n```")[0]
+            # a slice with no definition in it (a long docstring) is pasted whole
+            assert code.split("\n")[0].startswith(("def ", "class ")) or "def " not in code
+            assert code == textwrap.dedent(code)
+            assert spec.prompt_tokens == len(spec.prompt) and spec.output_len == 64

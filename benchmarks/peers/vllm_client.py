@@ -44,7 +44,7 @@ VLLM_SCENARIOS = {
     "s5": ["--num-prompts", "64", "--max-concurrency", "32",
            "--random-input-len", "256", "--random-output-len", "128",
            "--temperature", "0.8", "--top-p", "0.95"],
-    "s7": ["--num-prompts", "6", "--max-concurrency", "1", "--temperature", "0",
+    "s7": ["--num-prompts", "16", "--max-concurrency", "1", "--temperature", "0",
            "--custom-output-len", "128"],
     "s8": ["--num-prompts", "32", "--max-concurrency", "16", "--temperature", "0",
            "--custom-output-len", "128"],
@@ -89,7 +89,7 @@ def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
 
 
 # scenarios on our edit workload: the same prompts, written as vLLM's custom dataset
-EDIT_SCENARIOS = {"s7": (6, 256, 128), "s8": (32, 256, 128)}
+EDIT_SCENARIOS = {"s7": (16, 256, 128), "s8": (32, 256, 128)}
 
 
 def _dataset(scenario: str, out_path: Path) -> list[str]:

@@ -129,13 +129,12 @@ async def run_sessions(client: BenchClient, sessions: list[Session], max_concurr
     bar = tqdm(total=total, desc="turns", disable=not progress)
 
     async def one(session: Session) -> list[RequestResult]:
-        history, results = session.system_prompt, []
+        conversation, results = _Conversation(session), []
         async with limit:
             for turn, user_turn in enumerate(session.user_turns):
-                history += f"\nUser: {user_turn}\nAssistant:"
-                result = await client.complete(history, session.output_len)
+                result = await client.complete(conversation.ask(user_turn), session.output_len)
                 result.turn = turn
-                history += result.output_text
+                conversation.answered(result.output_text)
                 results.append(result)
                 bar.update(1)
         return results
@@ -143,3 +142,29 @@ async def run_sessions(client: BenchClient, sessions: list[Session], max_concurr
     nested = await asyncio.gather(*(one(s) for s in sessions))
     bar.close()
     return [r for results in nested for r in results]
+
+
+class _Conversation:
+    """A session's history as the prompt text of its next turn."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.history = session.system_prompt  # the plain frame's text so far
+        self.messages: list[dict] = (  # the chat template's messages so far
+            [{"role": "system", "content": session.system_prompt}] if session.system_prompt
+            else [])
+
+    def ask(self, user_turn: str) -> str:
+        session = self.session
+        if session.render is None:
+            self.history += f"\nUser: {user_turn}\nAssistant:{session.answer_start}"
+            return self.history
+        self.messages.append({"role": "user", "content": user_turn})
+        return session.render(self.messages) + session.answer_start
+
+    def answered(self, text: str) -> None:
+        if self.session.render is None:
+            self.history += text
+        else:
+            self.messages.append({"role": "assistant",
+                                  "content": self.session.answer_start + text})

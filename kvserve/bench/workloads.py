@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import inspect
 import random
+import re
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
+_EDIT_INSTRUCTION = "Add type hints to this Python code. Change nothing else; answer with " \
+    "the whole code."
+_DEFINITION = re.compile(r"\s*(def|class) ")
 _SOURCE_MODULES = ("textwrap", "argparse", "json.decoder", "collections", "functools",
                    "dataclasses", "logging", "email.message")
 
@@ -25,11 +32,15 @@ class RequestSpec:
 @dataclass
 class Session:
     """Multi-turn: each turn's prompt is the system prompt (shared by every session), the
-    conversation so far and the next user turn."""
+    conversation so far and the next user turn, in a plain "User:/Assistant:" frame, or with
+    `render` (messages -> the chat template's text up to the answer) in the model's chat
+    template; every answer begins with `answer_start`, sent as the prompt's end."""
 
     user_turns: list[str]
     output_len: int
     system_prompt: str = ""
+    render: Callable[[list[dict]], str] | None = None
+    answer_start: str = ""
 
 
 def corpus_tokens(tokenizer) -> list[int]:
@@ -77,32 +88,70 @@ def random_workload(source: TextSource, num_prompts: int, input_len: int, output
 
 
 def code_edit_workload(source: TextSource, num_prompts: int, input_len: int,
-                  output_len: int) -> list[RequestSpec]:
-    """Code to copy: a snippet of the corpus, a line asking for it again, and its start
-    (what code editing, summaries that quote and agents re-reading tool output look like to a
-    model: its output repeats its input, the case speculative decoding from the context
-    serves; favourable to it by design, so read it beside the random scenarios)."""
+                       output_len: int) -> list[RequestSpec]:
+    """A code edit: whole lines of the corpus from a definition on, and an instruction that
+    changes little (add type hints), in the model's chat template where it has one, with the
+    answer's code fence opened. A good answer repeats most of its input, the case speculative
+    decoding from the context serves (favourable to it by design, so read it beside the random scenarios). An earlier
+    version asked a bare completion to "copy" a snippet cut mid-line; SmolLM2 did not copy it
+    but fell into loops, which drafts matched for the wrong reason; with this one about two
+    thirds of its answers' characters are runs copied from the prompt."""
     specs = []
     for _ in range(num_prompts):
-        snippet = source.take(input_len)
-        cue = snippet[:48]  # the copy's start, so the model continues it
-        prompt = f"{snippet}\n\n# The code above, copied exactly:\n{cue}"
-        specs.append(RequestSpec(prompt, input_len + 24, output_len))
+        code = _whole_lines(source.take(input_len + 32))
+        prompt = _as_chat(source.tokenizer, f"{_EDIT_INSTRUCTION}\n\n```python\n{code}\n```",
+                          answer_start="```python\n")
+        specs.append(RequestSpec(prompt, len(source.tokenizer.encode(
+            prompt, add_special_tokens=False)), output_len))
     return specs
+
+
+def _whole_lines(text: str) -> str:
+    """Whole lines of a token slice (its first and last are cut mid-line), from the first
+    `def` or `class` on and while indented at least as far, dedented: code as a user would
+    paste it into an edit request."""
+    lines = text.split("\n")[1:-1] or [text]
+    start = next((i for i, line in enumerate(lines) if _DEFINITION.match(line)), 0)
+    indent = _indent(lines[start])
+    end = next((i for i in range(start + 1, len(lines))
+                if lines[i].strip() and _indent(lines[i]) < indent), len(lines))
+    return textwrap.dedent("\n".join(lines[start:end])).strip("\n")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _as_chat(tokenizer, user_message: str, answer_start: str) -> str:
+    """One user turn in the tokenizer's chat template, as the text a completions request
+    sends (every server under test tokenizes its special tokens), and the answer's start; a
+    plain "User:/Assistant:" frame where the model has no template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return f"User: {user_message}\nAssistant: {answer_start}"
+    return _render_chat(tokenizer, [{"role": "user", "content": user_message}]) + answer_start
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
 def agentic_workload(source: TextSource, num_sessions: int, turns: int, user_len: int,
                      output_len: int) -> list[Session]:
-    """An agent's loop: every turn brings a tool's output (a file read, a command's result)
-    and asks the model to quote what matters before acting; the session's tools return one
-    of two outputs, so later turns re-read what earlier ones showed, and the answers quote
-    both (speculative decoding's second case: drafts from the context and earlier turns)."""
+    """An agent editing code: every turn brings a tool's output (a file read) and asks for the
+    file with type hints added; the session's tool returns one of two files, so later turns
+    re-read what earlier ones showed and the answers repeat both the file and earlier answers
+    (speculative decoding's second case: drafts from the context and earlier turns). In the
+    model's chat template with the answer's code fence opened, as the edit workload; an
+    earlier version asked a bare "User:/Assistant:" frame to quote cut-off text, and SmolLM2
+    answered with loops instead."""
+    render = (partial(_render_chat, source.tokenizer)
+              if getattr(source.tokenizer, "chat_template", None) is not None else None)
     sessions = []
     for _ in range(num_sessions):
-        outputs = [source.take(user_len), source.take(user_len)]
-        sessions.append(Session([f"Tool output:\n{outputs[turn % 2]}\n\nQuote the tool "
-                                 f"output above line by line, then say what to do next."
-                                 for turn in range(turns)], output_len))
+        files = [_whole_lines(source.take(user_len + 32)) for _ in range(2)]
+        sessions.append(Session([f"`read_file` returned:\n\n```python\n{files[turn % 2]}\n```"
+                                 f"\n\n{_EDIT_INSTRUCTION}" for turn in range(turns)],
+                                output_len, render=render, answer_start="```python\n"))
     return sessions
 
 
