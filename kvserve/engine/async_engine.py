@@ -154,6 +154,12 @@ class AsyncEngine:
         return self.engine.prepare_request(request_id, prompt, params, priority,
                                            kv_transfer_params=kv_transfer_params)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """A structured-output request's grammar, compiled off the event loop (`prepare` then
+        finds it ready); an InvalidRequestError when the grammar cannot be used."""
+        if params.structured_outputs is not None:
+            await self.inputs.grammars.attach_async(params)
+
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished; closing the stream early aborts the request."""
         if not self.is_ready:

@@ -26,9 +26,11 @@ import msgspec
 import zmq
 
 from kvserve.engine_config import EngineConfig
+from kvserve.model_source import resolve_model
 from kvserve.kv_transfer.aggregator import merge_reports
 from kvserve.platform import exit_when_parent_dies
 from kvserve.plugins import load_plugins
+from kvserve.tokenizer import load_tokenizer
 from kvserve.protocol.worker import (
     ExecuteStep,
     FromWorker,
@@ -108,12 +110,17 @@ class Worker:
         return KVCacheReady(self.rank, connector.get_handshake_metadata())
 
     def _logits_processors(self) -> list:
-        """The custom logits processors, built once, on the rank that samples."""
+        """The grammar mask (structured output) and the custom logits processors, built once,
+        on the rank that samples."""
         if not self.is_output_rank:
             return []
-        init = ProcessorInit(self.loaded.config.vocab_size, self.config.max_num_seqs,
-                             SAMPLING_DEVICE)
-        return [cls(init) for cls in self.processor_classes]
+        from kvserve.structured_output.processor import GrammarProcessor
+
+        vocab_size = self.loaded.config.vocab_size
+        init = ProcessorInit(vocab_size, self.config.max_num_seqs, SAMPLING_DEVICE)
+        grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
+                                   vocab_size)
+        return [grammar, *(cls(init) for cls in self.processor_classes)]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
         """One step: the connector's loads start, the model runs, the connector's finished

@@ -2,8 +2,8 @@
 
 Every violation becomes a 400 with an OpenAI-style body before anything reaches the engine. An
 unknown field is one (the client must not believe a feature applied when it did not), and so
-is a known field the server does not implement yet (structured outputs, tools) unless its value
-asks for nothing; harmless metadata (user, metadata, store, ...) is accepted.
+is a known field the server does not implement yet (tools) unless its value asks for nothing;
+harmless metadata (user, metadata, store, ...) is accepted.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling_params import MAX_N, SamplingParams
+from kvserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 # chat_template_kwargs may not override what the server itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "chat_template"})
@@ -49,20 +49,12 @@ def _check_unicode(data: Any) -> None:
 
 # fields the server does not implement yet -> the values that ask for nothing (None always does)
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
 }
-STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json",
-                            "guided_regex", "guided_choice", "guided_grammar")
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 
 
@@ -95,6 +87,42 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # accepted; deltas are not padded
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. `strict` or not, the output follows the schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format.json_schema is needed with type "json_schema", '
+                             "and only with it")
+        return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_RequestBody):
 
     model: str | None = None
@@ -124,15 +152,14 @@ class _SamplingFields(_RequestBody):
     kv_transfer_params: dict[str, Any] | None = None
     # arguments for custom logits processors (vLLM's field): SamplingParams.extra_args
     vllm_xargs: dict[str, Any] | None = None
-    # structured outputs: not implemented yet (a 400 unless the value asks for nothing)
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-
-    _structured_outputs = field_validator(*STRUCTURED_OUTPUT_FIELDS)(_refuse_not_implemented)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def kv_params(self):
         from kvserve.protocol.kv_transfer_params import parse_kv_transfer_params
@@ -170,7 +197,51 @@ class _SamplingFields(_RequestBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
+            structured_outputs=self.structured_spec(),
         )
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The one constraint the request's structured-output fields ask for, if any."""
+        given = {field: value for field, value in self._structured_fields().items()
+                 if value is not None}
+        if len(given) > 1:
+            raise InvalidRequestError(f"{' and '.join(given)} both constrain the output; send "
+                                      "one of them", param=next(iter(given)))
+        if not given:
+            return None
+        field, spec = next(iter(given.items()))
+        try:
+            return StructuredOutputsParams(**spec)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{field}: {exc}", param=field) from exc
+
+    def structured_field(self) -> str:
+        """The request field that carries the constraint (for errors that name it)."""
+        return next((field for field, value in self._structured_fields().items()
+                     if value is not None), "structured_outputs")
+
+    def _structured_fields(self) -> dict[str, dict[str, Any] | None]:
+        """Each structured-output field as StructuredOutputsParams' arguments (None: unset)."""
+        fmt = self.response_format
+        formats = None
+        if fmt is not None and fmt.type == "json_object":
+            formats = {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            formats = {"json": fmt.json_schema.schema_}
+        body = self.structured_outputs
+        structured = None
+        if body is not None:
+            structured = body.model_dump(by_alias=True, exclude_defaults=True)
+            if isinstance(structured.get("structural_tag"), dict):
+                structured["structural_tag"] = json.dumps(structured["structural_tag"])
+            structured["disable_any_whitespace"] = body.disable_any_whitespace
+        guided = {"guided_json": ("json", self.guided_json),
+                  "guided_regex": ("regex", self.guided_regex),
+                  "guided_choice": ("choice", self.guided_choice),
+                  "guided_grammar": ("grammar", self.guided_grammar)}
+        return {"response_format": formats, "structured_outputs": structured,
+                **{field: {kind: value} if value is not None else None
+                   for field, (kind, value) in guided.items()}}
 
     @property
     def include_usage(self) -> bool:

@@ -31,6 +31,7 @@ async def completions(body: CompletionRequest, raw: Request):
     engine = engine_of(raw)
     response_id = serving.new_id("cmpl")
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    await _compile_grammar(engine, body, params)
     prompts = body.prompts()
     kv_params = body.kv_params()
     if kv_params is not None and len(prompts) != 1:
@@ -52,6 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     engine = engine_of(raw)
     num_top = body.requested_logprobs()
     params = body.sampling_params(body.requested_max_tokens(), num_top)
+    await _compile_grammar(engine, body, params)
     prompt = engine.inputs.render_chat([m.as_template_message() for m in body.messages],
                                        body.add_generation_prompt,
                                        **(body.chat_template_kwargs or {}))
@@ -60,6 +62,16 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     return await _run(job, body, raw, engine)
+
+
+async def _compile_grammar(engine: AsyncEngine, body, params) -> None:
+    """The request's grammar, compiled off the event loop; a grammar that cannot be used is a
+    400 naming the field that carried it."""
+    try:
+        await engine.compile_grammar(params)
+    except InvalidRequestError as exc:
+        field = body.structured_field()
+        raise InvalidRequestError(f"{field}: {exc}", param=field) from exc
 
 
 def _prepare(engine: AsyncEngine, *args):

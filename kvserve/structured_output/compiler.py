@@ -1,0 +1,159 @@
+"""Grammars compiled off the engine loop: a request's structured-output spec is compiled by
+xgrammar on a small thread pool, once per distinct spec (an LRU keyed by the normalised spec,
+bounded in bytes), and travels to the sampling worker in xgrammar's serialized form. A spec
+xgrammar rejects, or one that compiles for longer than the time limit, is an
+InvalidRequestError (a 400) that says why; the event loop and the engine never wait on it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.structured_output.backend import tokenizer_info, xgrammar
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 10.0
+CACHE_BYTES = 64 << 20
+# JSON with free whitespace lets a small model pad forever; a run of more than this many
+# whitespace characters is not allowed (indented output still fits)
+MAX_WHITESPACE_RUN = 16
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """The cache key: the kind, its normalised text and the whitespace option."""
+    kind = spec.kinds()[0]
+    value = getattr(spec, kind)
+    if kind == "json":
+        try:
+            # not sorted: property order is the order the output follows
+            value = json.dumps(json.loads(value), separators=(",", ":"))
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
+                                      param="structured_outputs") from exc
+    text = json.dumps([kind, value, spec.disable_any_whitespace], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = COMPILE_TIMEOUT_S,
+                 cache_bytes: int = CACHE_BYTES, max_workers: int = 2):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.cache_bytes = cache_bytes
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, str] = OrderedDict()  # key -> serialized grammar
+        self._cached_bytes = 0
+        self._pending: dict[str, Future] = {}
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+
+    def warm_up(self) -> Future:
+        """Import xgrammar and build the tokenizer's description in the background (seconds)."""
+        return self._pool.submit(self._xgr_compiler)
+
+    # ---- what the front-end calls ----------------------------------------------------------
+    def attach(self, params: SamplingParams) -> None:
+        """Fill `params.structured_outputs.compiled`, compiling here if it is not cached."""
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return
+        future = self._submit(spec)
+        try:
+            spec.compiled = future.result(self.timeout_s)
+        except FutureTimeout:
+            raise self._too_slow() from None
+
+    async def attach_async(self, params: SamplingParams) -> None:
+        """`attach` without blocking the event loop: the request waits for its grammar, nobody
+        else does."""
+        spec = params.structured_outputs
+        if spec is None or spec.compiled is not None:
+            return
+        future = self._submit(spec)
+        try:
+            spec.compiled = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._too_slow() from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- inside -----------------------------------------------------------------------------
+    def _submit(self, spec: StructuredOutputsParams) -> Future:
+        key = spec_key(spec)
+        spec.key = key
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(cached)
+                return done
+            future = self._pending.get(key)
+            if future is None:  # one compile per key, however many requests wait on it
+                future = self._pool.submit(self._compile, key, spec)
+                self._pending[key] = future
+            return future
+
+    def _compile(self, key: str, spec: StructuredOutputsParams) -> str:
+        try:
+            serialized = compile_spec(self._xgr_compiler(), spec).serialize_json()
+        except Exception as exc:
+            with self._lock:
+                self._pending.pop(key, None)
+            if isinstance(exc, InvalidRequestError):
+                raise
+            # xgrammar's errors (RuntimeError, ValueError, its own) say what is wrong
+            raise InvalidRequestError(f"the {spec.kinds()[0]} grammar cannot be used: {exc}",
+                                      param="structured_outputs") from exc
+        with self._lock:
+            self._pending.pop(key, None)
+            self._cache[key] = serialized
+            self._cached_bytes += len(serialized)
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_bytes -= len(evicted)
+        return serialized
+
+    def _xgr_compiler(self):
+        with self._compiler_lock:  # not the cache's lock: building it takes seconds
+            if self._compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size)
+                self._compiler = xgrammar().GrammarCompiler(info, max_threads=1,
+                                                            cache_enabled=False)
+            return self._compiler
+
+    def _too_slow(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the grammar took longer than {self.timeout_s:g} s to compile; simplify it",
+            param="structured_outputs")
+
+
+def compile_spec(compiler, spec: StructuredOutputsParams):
+    """xgrammar's CompiledGrammar for one spec."""
+    kind = spec.kinds()[0]
+    if kind in ("json", "json_object"):
+        schema = spec.json if kind == "json" else '{"type": "object"}'
+        return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
+                                            max_whitespace_cnt=MAX_WHITESPACE_RUN)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
+        return compiler.compile_grammar(f"root ::= {alternatives}")
+    if kind == "grammar":
+        if "::=" in spec.grammar:  # EBNF / GBNF
+            return compiler.compile_grammar(spec.grammar)
+        return compiler.compile_lark(spec.grammar)
+    return compiler.compile_structural_tag(spec.structural_tag)

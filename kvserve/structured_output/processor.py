@@ -1,0 +1,107 @@
+"""The grammar's mask, applied on the sampling worker as a logits processor: each constrained
+row keeps an xgrammar matcher that follows the row's output tokens, and before every choice
+the row's logits outside what the grammar allows next are set to -inf. Rows without a grammar
+cost nothing. Under speculative decoding the sampler verifies depth by depth, appending each
+emitted token to the row's output first, so the mask at every depth is the grammar's after
+the tokens before it, and a draft the grammar forbids can never be accepted."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvserve.sample.logits_processor import AddedRow, PerRowProcessor
+from kvserve.structured_output.backend import tokenizer_info, xgrammar
+from kvserve.structured_output.bitmask import apply_token_bitmask_
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE = 64  # compiled grammars kept, by key (deserializing one takes milliseconds)
+
+
+@dataclass
+class _RowGrammar:
+    matcher: Any
+    output: list[int]  # the request's own output list (it grows as the request samples)
+    consumed: int = 0  # tokens the matcher has accepted
+    failed: bool = field(default=False)
+
+    def follow(self, request_id: str) -> None:
+        """Feed the matcher what the row emitted since the last step."""
+        while self.consumed < len(self.output) and not self.failed:
+            token = self.output[self.consumed]
+            if not self.matcher.accept_token(token):
+                self.failed = True
+                logger.warning("request %s: token %d is outside its grammar; its output is no "
+                               "longer constrained", request_id, token)
+            self.consumed += 1
+
+
+class GrammarProcessor(PerRowProcessor):
+    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int):
+        """`tokenizer_loader`: the model's tokenizer, loaded only when a first constrained
+        request arrives (xgrammar describes the vocabulary from it)."""
+        super().__init__()
+        self.vocab_size = vocab_size
+        self._tokenizer_loader = tokenizer_loader
+        self._info = None
+        self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None
+        self._rows_sorted: list[int] = []
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def row_state(self, row: AddedRow) -> _RowGrammar | None:
+        spec = row.params.structured_outputs
+        if spec is None:
+            return None
+        if spec.compiled is None:
+            raise ValueError("a structured-output request reached the sampler uncompiled")
+        stop = sorted(row.params.all_stop_token_ids) or None
+        matcher = xgrammar().GrammarMatcher(self._grammar(spec.key, spec.compiled),
+                                            override_stop_tokens=stop)
+        return _RowGrammar(matcher, row.output_token_ids)
+
+    def rows_changed(self) -> None:
+        self._rows_sorted = sorted(self.rows)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = self._rows_sorted
+        bitmask = self._bitmask_rows(len(rows))
+        masked = []
+        for slot, row in enumerate(rows):
+            state = self.rows[row]
+            state.follow(str(row))
+            if state.failed or state.matcher.is_terminated():
+                continue
+            state.matcher.fill_next_token_bitmask(bitmask, slot)
+            masked.append(slot)
+        if masked:
+            apply_token_bitmask_(logits, bitmask, [rows[slot] for slot in masked], masked)
+        return logits
+
+    # ---- inside -----------------------------------------------------------------------------
+    def _grammar(self, key: str | None, serialized: str):
+        grammar = self._grammars.get(key) if key is not None else None
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        if self._info is None:
+            self._info = tokenizer_info(self._tokenizer_loader(), self.vocab_size)
+        grammar = xgrammar().CompiledGrammar.deserialize_json(serialized, self._info)
+        if key is not None:
+            self._grammars[key] = grammar
+            while len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def _bitmask_rows(self, count: int) -> torch.Tensor:
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < count:
+            self._bitmask = torch.empty(max(count, 8), words, dtype=torch.int32)
+        return self._bitmask
