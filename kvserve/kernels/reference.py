@@ -195,6 +195,23 @@ def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(usable, torch.minimum(drawn, last_positive), 0)
 
 
+# byte value -> its 8 bits, lowest first (a little-endian word's bytes are its tokens in order)
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                         mask_rows: torch.Tensor) -> None:
+    """Structured output's mask (csrc/sampling.cpp), in place: logits row rows[i] gets -inf
+    wherever bit (token % 32) of word (token // 32) of bitmask row mask_rows[i] is clear; a row
+    whose mask allows none of its tokens is left alone."""
+    if not len(rows):
+        return
+    vocab = logits.shape[1]
+    allowed = _BYTE_BITS[bitmask[mask_rows].view(torch.uint8).long()].flatten(1)[:, :vocab]
+    allowed[~allowed.any(dim=1)] = True
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 # ---- int4 weight-only GEMM (csrc/int4_gemm.cpp): its weight layout and the reference maths
 
 INT4_GROUP, INT4_PANEL, INT4_CODE_BYTES = 32, 16, 256

@@ -119,7 +119,7 @@ class Worker:
         vocab_size = self.loaded.config.vocab_size
         init = ProcessorInit(vocab_size, self.config.max_num_seqs, SAMPLING_DEVICE)
         grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
-                                   vocab_size)
+                                   vocab_size, self.loaded.model.kernel_ops.apply_token_bitmask_)
         return [grammar, *(cls(init) for cls in self.processor_classes)]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:

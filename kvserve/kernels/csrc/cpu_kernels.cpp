@@ -844,6 +844,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_p_mask_", &kvserve::top_p_mask_,
         "-inf outside each row's top-p nucleus, in place, without sorting the vocabulary",
         py::call_guard<py::gil_scoped_release>());
+  m.def("apply_token_bitmask_", &kvserve::apply_token_bitmask_,
+        "-inf wherever a row's token bitmask bit is clear, in place (structured output)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("draw_rows", &kvserve::draw_rows, "one inverse-CDF draw per row from the softmax of its logits",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_int32", &dequantize_int32, "int32 GEMM output * scales (+ bias) -> dtype",

@@ -255,6 +255,45 @@ int64_t draw_row(const float* row, int64_t vocab, double uniform, std::vector<do
   return chosen;
 }
 
+
+// -inf at every token of `out[0, 32)` whose bit in `bits` is clear (a word of a token bitmask).
+inline void mask_word(float* out, uint32_t bits) {
+#if KVSERVE_VEC == 16
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>(~bits & 0xFFFFu), ninf);
+  _mm512_mask_storeu_ps(out + 16, static_cast<__mmask16>(~bits >> 16), ninf);
+#elif KVSERVE_VEC == 8
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i byte = _mm256_set1_epi32(static_cast<int>((bits >> (8 * k)) & 0xFFu));
+    const __m256i allowed = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bits), lane_bits);
+    const __m256 kept = _mm256_loadu_ps(out + 8 * k);
+    _mm256_storeu_ps(out + 8 * k, _mm256_blendv_ps(ninf, kept, _mm256_castsi256_ps(allowed)));
+  }
+#else
+  for (int j = 0; j < 32; ++j) {
+    if (!((bits >> j) & 1u)) out[j] = kNegInf;
+  }
+#endif
+}
+
+// One row: -inf wherever its bitmask's bit is clear; left alone when the mask allows no token
+// of the row (sampling from nothing but -inf would give NaN).
+void mask_row(float* row, int64_t vocab, const uint32_t* bits) {
+  const int64_t full = vocab / 32, tail = vocab % 32;
+  const uint32_t tail_bits = tail ? (bits[full] & ((1u << tail) - 1u)) : 0u;
+  bool any = tail_bits != 0;
+  for (int64_t w = 0; w < full && !any; ++w) any = bits[w] != 0;
+  if (!any) return;
+  for (int64_t w = 0; w < full; ++w) {
+    if (bits[w] != 0xFFFFFFFFu) mask_word(row + 32 * w, bits[w]);  // most words: all or none
+  }
+  for (int64_t j = 0; j < tail; ++j) {
+    if (!((tail_bits >> j) & 1u)) row[32 * full + j] = kNegInf;
+  }
+}
+
 void check_rows(const at::Tensor& rows, const at::Tensor& per_row, const char* name) {
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat && rows.stride(1) == 1,
               name, ": float32 [R, V] rows expected");
@@ -290,6 +329,34 @@ at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& uniforms) {
     }
   });
   return out;
+}
+
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows,
+                          const at::Tensor& mask_rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask_: float32 [R, V] logits expected");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "apply_token_bitmask_: int32 [M, ceil(V / 32)] bitmask expected");
+  TORCH_CHECK(rows.dim() == 1 && mask_rows.dim() == 1 && rows.scalar_type() == at::kLong &&
+                  mask_rows.scalar_type() == at::kLong && rows.size(0) == mask_rows.size(0) &&
+                  rows.is_contiguous() && mask_rows.is_contiguous(),
+              "apply_token_bitmask_: int64 rows and mask_rows of one length expected");
+  const int64_t count = rows.size(0), vocab = logits.size(1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* mask_row_of = mask_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < logits.size(0) && mask_row_of[i] >= 0 &&
+                    mask_row_of[i] < bitmask.size(0),
+                "apply_token_bitmask_: a row index is out of range");
+  }
+  float* base = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      mask_row(base + row[i] * logits.stride(0), vocab, bits + mask_row_of[i] * bitmask.size(1));
+    }
+  });
 }
 
 }  // namespace kvserve

@@ -18,4 +18,11 @@ void top_p_mask_(at::Tensor& logits, const at::Tensor& top_p);
 // A token of logit -inf is never drawn; a row without a finite logit, or with a NaN, draws 0.
 at::Tensor draw_rows(const at::Tensor& logits, const at::Tensor& uniforms);
 
+// Structured output's mask, in place: logits row rows[i] gets -inf at every token whose bit in
+// bitmask row mask_rows[i] is clear (xgrammar's layout: int32 words, bit j of word w is token
+// 32 w + j). A row whose mask allows none of its tokens is left as it is.
+// kvserve/kernels/reference.py::apply_token_bitmask_ is the torch reference.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows,
+                          const at::Tensor& mask_rows);
+
 }  // namespace kvserve
