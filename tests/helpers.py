@@ -75,6 +75,22 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0,
 
 
 # ---- kernel levels ----------------------------------------------------------------------------
+def ops_of(level: str):
+    """The op set of `level`: "torch" (the reference ops) or a compiled build this machine
+    runs; a build that fails is a test failure, not a skip."""
+    import pytest
+
+    from kvserve.errors import KernelBuildError
+    from kvserve.kernels import compiled_ops, reference
+
+    if level == "torch":
+        return reference
+    try:
+        return compiled_ops(level)
+    except KernelBuildError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
 @contextmanager
 def kernel_level(level: str) -> Iterator[None]:
     """Build what runs inside at this kernel ISA level: KVSERVE_CPU_ISA caps it, and models,

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from kvserve.errors import InvalidRequestError, KernelBuildError
-from kvserve.kernels import compiled_ops, isa, reference
+from kvserve.errors import InvalidRequestError
+from kvserve.kernels import isa, reference
 from kvserve.sample.sampler import Sampler, SamplingRow
 from kvserve.sampling_params import SamplingParams
+from tests.helpers import ops_of
 
 VOCAB = 10
 
@@ -165,12 +166,7 @@ def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
 def ops(request):
     """The sampler's per-row passes (top-p, the draw) as torch ops, then compiled for each
     instruction-set level this machine can execute."""
-    if request.param == "torch":
-        return reference
-    try:
-        return compiled_ops(request.param)
-    except KernelBuildError as error:
-        pytest.fail(str(error), pytrace=False)
+    return ops_of(request.param)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], ops=None) -> torch.Tensor:

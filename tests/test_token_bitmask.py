@@ -7,18 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.errors import KernelBuildError
-from kvserve.kernels import compiled_ops, isa, reference
+from kvserve.kernels import compiled_ops, isa
+from tests.helpers import ops_of
 
 
 @pytest.fixture(scope="module", params=["torch", *isa.machine_levels()])
 def ops(request):
-    if request.param == "torch":
-        return reference
-    try:
-        return compiled_ops(request.param)
-    except KernelBuildError as error:
-        pytest.fail(str(error), pytrace=False)
+    return ops_of(request.param)
 
 
 def _by_loop(logits, bitmask, rows, mask_rows):
