@@ -42,7 +42,9 @@ class StructuredOutputsParams:
     """Constrained output, vLLM's names: exactly one of `json` (a JSON schema, as a dict or
     its text), `json_object` (any JSON object), `regex`, `choice` (one of these strings),
     `grammar` (EBNF/GBNF, or Lark) and `structural_tag` (xgrammar's JSON form). The front-end
-    compiles it (kvserve/structured_output) and fills `compiled` and `key` for the workers."""
+    compiles it once to check it (kvserve/structured_output) and fills `key`; the sampling
+    worker compiles it again from this text (xgrammar's serialized grammars are several times
+    slower to write and read than to compile), cached by `key`."""
 
     json: Any = None
     regex: str | None = None
@@ -51,8 +53,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
-    # filled by the front-end: xgrammar's serialized compiled grammar and its cache key
-    compiled: str | None = field(default=None, repr=False)
+    # filled by the front-end once the grammar compiled: its cache key
     key: str | None = None
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ def grammar_setup():
 
     tokenizer = load_tokenizer(resolve_model(None))
     vocab = tokenizer.vocab_size
-    compiler = GrammarCompiler(tokenizer, vocab)
+    compiler = GrammarCompiler(lambda: tokenizer, vocab)
     yield tokenizer, vocab, compiler
     compiler.shutdown()
 

@@ -28,7 +28,7 @@ class InputProcessor:
         if self._grammars is None:
             from kvserve.structured_output.compiler import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._grammars = GrammarCompiler(lambda: self.tokenizer, self.vocab_size)
         return self._grammars
 
     def shutdown(self) -> None:

@@ -1,28 +1,28 @@
 """Grammars compiled off the engine loop: a request's structured-output spec is compiled by
 xgrammar on a small thread pool, once per distinct spec (an LRU keyed by the normalised spec,
-bounded in bytes), and travels to the sampling worker in xgrammar's serialized form. A spec
-xgrammar rejects, or one that compiles for longer than the time limit, is an
-InvalidRequestError (a 400) that says why; the event loop and the engine never wait on it."""
+bounded in bytes); concurrent requests for one spec share one compile. The front-end compiles
+to check a request (a spec xgrammar rejects, or one that compiles for longer than the time
+limit, is an InvalidRequestError: a 400 that says why), the sampling worker to mask with; the
+event loop never waits on it, and the worker starts its compile when the request arrives, so
+it runs beside the request's prefill."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
-import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.structured_output.backend import tokenizer_info, xgrammar
 
-logger = logging.getLogger(__name__)
-
 COMPILE_TIMEOUT_S = 10.0
-CACHE_BYTES = 64 << 20
+CACHE_BYTES = 256 << 20
 # JSON with free whitespace lets a small model pad forever; a run of more than this many
 # whitespace characters is not allowed (indented output still fits)
 MAX_WHITESPACE_RUN = 16
@@ -44,54 +44,37 @@ def spec_key(spec: StructuredOutputsParams) -> str:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = COMPILE_TIMEOUT_S,
-                 cache_bytes: int = CACHE_BYTES, max_workers: int = 2):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer_loader, vocab_size: int, *,
+                 timeout_s: float = COMPILE_TIMEOUT_S, cache_bytes: int = CACHE_BYTES,
+                 max_workers: int = 2):
+        """`tokenizer_loader`: the model's tokenizer (called once, on the first compile)."""
+        self._tokenizer_loader = tokenizer_loader
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.cache_bytes = cache_bytes
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, str] = OrderedDict()  # key -> serialized grammar
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> CompiledGrammar
         self._cached_bytes = 0
         self._pending: dict[str, Future] = {}
         self._compiler = None
+        self._info = None
         self._compiler_lock = threading.Lock()
 
+    @property
+    def tokenizer_info(self):
+        """xgrammar's description of the vocabulary the grammars are compiled against."""
+        self._xgr_compiler()
+        return self._info
+
     def warm_up(self) -> Future:
-        """Import xgrammar and build the tokenizer's description in the background (seconds)."""
+        """Import xgrammar and describe the vocabulary in the background (seconds)."""
         return self._pool.submit(self._xgr_compiler)
 
-    # ---- what the front-end calls ----------------------------------------------------------
-    def attach(self, params: SamplingParams) -> None:
-        """Fill `params.structured_outputs.compiled`, compiling here if it is not cached."""
-        spec = params.structured_outputs
-        if spec is None or spec.compiled is not None:
-            return
-        future = self._submit(spec)
-        try:
-            spec.compiled = future.result(self.timeout_s)
-        except FutureTimeout:
-            raise self._too_slow() from None
-
-    async def attach_async(self, params: SamplingParams) -> None:
-        """`attach` without blocking the event loop: the request waits for its grammar, nobody
-        else does."""
-        spec = params.structured_outputs
-        if spec is None or spec.compiled is not None:
-            return
-        future = self._submit(spec)
-        try:
-            spec.compiled = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._too_slow() from None
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    # ---- inside -----------------------------------------------------------------------------
-    def _submit(self, spec: StructuredOutputsParams) -> Future:
-        key = spec_key(spec)
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The spec's CompiledGrammar, from the cache or a compile already under way or new;
+        fills `spec.key`. The future raises InvalidRequestError for a spec xgrammar rejects."""
+        key = spec.key or spec_key(spec)
         spec.key = key
         with self._lock:
             cached = self._cache.get(key)
@@ -101,14 +84,41 @@ class GrammarCompiler:
                 done.set_result(cached)
                 return done
             future = self._pending.get(key)
-            if future is None:  # one compile per key, however many requests wait on it
+            if future is None:
                 future = self._pool.submit(self._compile, key, spec)
                 self._pending[key] = future
             return future
 
-    def _compile(self, key: str, spec: StructuredOutputsParams) -> str:
+    # ---- what the front-end calls ----------------------------------------------------------
+    def attach(self, params: SamplingParams) -> None:
+        """Check that the request's grammar compiles (here, waiting for it)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
         try:
-            serialized = compile_spec(self._xgr_compiler(), spec).serialize_json()
+            self.submit(spec).result(self.timeout_s)
+        except FutureTimeout:
+            raise self._too_slow() from None
+
+    async def attach_async(self, params: SamplingParams) -> None:
+        """`attach` without blocking the event loop: the request waits for its grammar, nobody
+        else does."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        future = self.submit(spec)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._too_slow() from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- inside -----------------------------------------------------------------------------
+    def _compile(self, key: str, spec: StructuredOutputsParams):
+        try:
+            grammar = compile_spec(self._xgr_compiler(), spec)
         except Exception as exc:
             with self._lock:
                 self._pending.pop(key, None)
@@ -119,18 +129,18 @@ class GrammarCompiler:
                                       param="structured_outputs") from exc
         with self._lock:
             self._pending.pop(key, None)
-            self._cache[key] = serialized
-            self._cached_bytes += len(serialized)
+            self._cache[key] = grammar
+            self._cached_bytes += grammar.memory_size_bytes
             while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                 _, evicted = self._cache.popitem(last=False)
-                self._cached_bytes -= len(evicted)
-        return serialized
+                self._cached_bytes -= evicted.memory_size_bytes
+        return grammar
 
     def _xgr_compiler(self):
         with self._compiler_lock:  # not the cache's lock: building it takes seconds
             if self._compiler is None:
-                info = tokenizer_info(self.tokenizer, self.vocab_size)
-                self._compiler = xgrammar().GrammarCompiler(info, max_threads=1,
+                self._info = tokenizer_info(self._tokenizer_loader(), self.vocab_size)
+                self._compiler = xgrammar().GrammarCompiler(self._info, max_threads=1,
                                                             cache_enabled=False)
             return self._compiler
 

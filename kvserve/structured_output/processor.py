@@ -8,7 +8,6 @@ the tokens before it, and a draft the grammar forbids can never be accepted."""
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,11 +15,11 @@ import torch
 
 from kvserve.kernels import reference
 from kvserve.sample.logits_processor import AddedRow, PerRowProcessor
-from kvserve.structured_output.backend import tokenizer_info, xgrammar
+from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.backend import xgrammar
+from kvserve.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-GRAMMAR_CACHE = 64  # compiled grammars kept, by key (deserializing one takes milliseconds)
 
 
 @dataclass
@@ -51,24 +50,31 @@ class GrammarProcessor(PerRowProcessor):
         super().__init__()
         self.vocab_size = vocab_size
         self._apply = apply_token_bitmask_ or reference.apply_token_bitmask_
-        self._tokenizer_loader = tokenizer_loader
-        self._info = None
-        self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self.compiler = GrammarCompiler(tokenizer_loader, vocab_size)
         self._bitmask: torch.Tensor | None = None
         self._rows_sorted: list[int] = []
 
     def is_argmax_invariant(self) -> bool:
         return False
 
+    def prefetch(self, params: SamplingParams) -> None:
+        """Start compiling a new request's grammar (the worker calls this as the request
+        arrives, so the compile runs beside its prefill)."""
+        if params.structured_outputs is not None:
+            self.compiler.submit(params.structured_outputs)
+
     def row_state(self, row: AddedRow) -> _RowGrammar | None:
         spec = row.params.structured_outputs
         if spec is None:
             return None
-        if spec.compiled is None:
-            raise ValueError("a structured-output request reached the sampler uncompiled")
+        try:
+            grammar = self.compiler.submit(spec).result()
+        except Exception:  # the front-end compiled the same spec: not expected
+            logger.exception("a grammar that compiled in the front-end failed on the worker; "
+                             "the request's output is not constrained")
+            return None
         stop = sorted(row.params.all_stop_token_ids) or None
-        matcher = xgrammar().GrammarMatcher(self._grammar(spec.key, spec.compiled),
-                                            override_stop_tokens=stop)
+        matcher = xgrammar().GrammarMatcher(grammar, override_stop_tokens=stop)
         return _RowGrammar(matcher, row.output_token_ids)
 
     def rows_changed(self) -> None:
@@ -91,20 +97,6 @@ class GrammarProcessor(PerRowProcessor):
         return logits
 
     # ---- inside -----------------------------------------------------------------------------
-    def _grammar(self, key: str | None, serialized: str):
-        grammar = self._grammars.get(key) if key is not None else None
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
-        if self._info is None:
-            self._info = tokenizer_info(self._tokenizer_loader(), self.vocab_size)
-        grammar = xgrammar().CompiledGrammar.deserialize_json(serialized, self._info)
-        if key is not None:
-            self._grammars[key] = grammar
-            while len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.popitem(last=False)
-        return grammar
-
     def _bitmask_rows(self, count: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < count:

@@ -72,6 +72,7 @@ class Worker:
         self.rank = rank
         self.is_output_rank = rank == output_rank(config.tensor_parallel_size,
                                                   config.pipeline_parallel_size)
+        self.grammar = None  # structured output's processor, on the rank that samples
         configure_threads(config.num_threads or max(1, (os.cpu_count() or 1) // world_size))
         self.parallel = None
         if world_size > 1:
@@ -118,9 +119,10 @@ class Worker:
 
         vocab_size = self.loaded.config.vocab_size
         init = ProcessorInit(vocab_size, self.config.max_num_seqs, SAMPLING_DEVICE)
-        grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
-                                   vocab_size, self.loaded.model.kernel_ops.apply_token_bitmask_)
-        return [grammar, *(cls(init) for cls in self.processor_classes)]
+        self.grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
+                                        vocab_size,
+                                        self.loaded.model.kernel_ops.apply_token_bitmask_)
+        return [self.grammar, *(cls(init) for cls in self.processor_classes)]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
         """One step: the connector's loads start, the model runs, the connector's finished
@@ -143,6 +145,8 @@ class Worker:
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
             if new.request_id not in self.requests:
                 self.requests[new.request_id] = CachedRequestState.from_new(new)
+                if self.grammar is not None:  # its grammar compiles beside the prefill
+                    self.grammar.prefetch(new.params)
         scheduled = [self._scheduled(item) for item in step.scheduled]
         output = self.runner.execute(RunnerInput(scheduled, step.finished_ids))
         for request_id in step.finished_ids:
@@ -192,6 +196,8 @@ class Worker:
                              item.num_draft_tokens)
 
     def shutdown(self) -> None:
+        if self.grammar is not None:
+            self.grammar.compiler.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         if self.parallel is not None:

@@ -49,13 +49,12 @@ def _check_unicode(data: Any) -> None:
 
 # fields the server does not implement yet -> the values that ask for nothing (None always does)
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
-    "functions": ([],),
+    "functions": ([],),  # OpenAI's deprecated forms of tools and tool_choice
     "function_call": ("none",),
 }
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+LEGACY_FUNCTION_FIELDS = ("functions", "function_call")
+# OpenAI's rule for function names
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 def _refuse_not_implemented(value: Any, info: ValidationInfo) -> Any:
@@ -273,6 +272,46 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("best_of other than n is not supported", param="best_of")
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls follow the parameters schema either way
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history (as the API returned it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
@@ -284,6 +323,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -293,6 +334,10 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -310,14 +355,39 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # tool calling: not implemented yet (a 400 unless the value asks for nothing)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    # tool calling (OpenAI's); the deprecated functions / function_call are not implemented
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
 
-    _tool_calling = field_validator(*TOOL_FIELDS)(_refuse_not_implemented)
+    _legacy_functions = field_validator(*LEGACY_FUNCTION_FIELDS)(_refuse_not_implemented)
+
+    @model_validator(mode="after")
+    def _tool_choice_names_an_offered_tool(self):
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                tool.function.name for tool in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among "
+                             "the tools")
+        return self
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are offered, "none" otherwise."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call (none with tool_choice "none")."""
+        if not self.tools or self.effective_tool_choice() == "none":
+            return []
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -20,6 +20,13 @@ class ServerConfig:
     max_request_body_bytes: int = _opt(16 * 2**20, "larger request bodies get 413")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on SIGTERM")
     disable_log_requests: bool = _opt(False, "do not log each request")
+    enable_auto_tool_choice: bool = _opt(True, "let the model decide whether to call the "
+                                         "offered tools (tool_choice \"auto\", the default "
+                                         "with tools); --no-enable-auto-tool-choice: 400")
+    tool_call_parser: str = _opt("auto", "the model's tool-call format: hermes "
+                                 "(<tool_call> JSON, also kvserve's default tool prompt), "
+                                 "llama3_json, or auto (from the chat template)",
+                                 choices=("auto", "hermes", "llama3_json"))
     restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
                                            "OOM kill), fail its requests and start a new core "
                                            "instead of exiting non-zero")

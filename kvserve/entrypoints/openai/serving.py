@@ -22,6 +22,8 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.llm_engine import PreparedRequest
 from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.tools.formats import ToolFormat
+from kvserve.entrypoints.openai.tools.parser import StreamingToolParser, parse_tool_calls
 from kvserve.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("kvserve.requests")
@@ -40,6 +42,7 @@ class ChoiceCursor:
     text_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
+    tools: StreamingToolParser | None = None  # when the request offered tools
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Job:
     echo_texts: list[str] = field(default_factory=list)
     log_requests: bool = True
     num_top: int = 0  # top logprobs per token asked for
+    tool_format: ToolFormat | None = None  # the model's tool-call format, when tools were offered
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -197,14 +201,27 @@ def completion_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any
 def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
     choices = [{
         "index": sample.index,
-        "message": {"role": "assistant", "content": sample.text},
+        **_chat_message(job, sample),
         "logprobs": _chat_logprobs(sample, 0, job.num_top),
-        "finish_reason": sample.finish_reason,
         "stop_reason": sample.stop_reason,
     } for sample in outputs[0].outputs]
     return _with_kv_handle({"id": job.response_id, "object": "chat.completion",
                             "created": job.created, "model": job.model, "choices": choices,
                             "usage": usage(outputs)}, outputs)
+
+
+def _chat_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
+    """The choice's message and finish reason: its text, or with tools its calls (and the text
+    around them, None when there is none)."""
+    if job.tool_format is None:
+        return {"message": {"role": "assistant", "content": sample.text},
+                "finish_reason": sample.finish_reason}
+    parsed = parse_tool_calls(sample.text, job.tool_format)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content.strip() or None}
+    if parsed.calls:
+        message["tool_calls"] = parsed.calls
+    return {"message": message,
+            "finish_reason": _tool_finish_reason(sample, bool(parsed.calls))}
 
 
 def _with_kv_handle(body: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -239,9 +256,9 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
                 finals[prompt_index] = output
             for sample in output.outputs:
                 index = job.choice_index(prompt_index, sample.index)
-                cursor = cursors.setdefault(index, ChoiceCursor())
-                chunk = _delta_chunk(job, prompt_index, sample, cursor)
-                if chunk is not None:
+                cursor = cursors.setdefault(index, ChoiceCursor(tools=(
+                    StreamingToolParser(job.tool_format) if job.tool_format else None)))
+                for chunk in _delta_chunks(job, prompt_index, sample, cursor):
                     yield _sse({**base, "choices": [chunk]})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(
@@ -251,6 +268,32 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
         logger.warning("stream %s failed: %s", job.response_id, exc)
         yield _sse(engine_error_body(exc)[1])
         yield _sse("[DONE]")
+
+
+def _delta_chunks(job: Job, prompt_index: int, sample: CompletionOutput,
+                  cursor: ChoiceCursor) -> list[dict[str, Any]]:
+    """This output's chunks for one choice: one, or with tools, one per delta the tool parser
+    gives (content, each call's name, its arguments), the finish reason on the last."""
+    if cursor.tools is None:
+        chunk = _delta_chunk(job, prompt_index, sample, cursor)
+        return [chunk] if chunk is not None else []
+    if cursor.finished:
+        return []
+    index = job.choice_index(prompt_index, sample.index)
+    finished = sample.finish_reason is not None
+    chunks = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+              for delta in cursor.tools.feed(sample.text, finished)]
+    cursor.text_sent, cursor.tokens_sent = len(sample.text), len(sample.token_ids)
+    if finished:
+        cursor.finished = True
+        chunks.append({"index": index, "delta": {}, "logprobs": None,
+                       "finish_reason": _tool_finish_reason(sample, cursor.tools.called),
+                       "stop_reason": sample.stop_reason})
+    return chunks
+
+
+def _tool_finish_reason(sample: CompletionOutput, called: bool) -> str | None:
+    return "tool_calls" if called and sample.finish_reason == "stop" else sample.finish_reason
 
 
 def _delta_chunk(job: Job, prompt_index: int, sample: CompletionOutput,

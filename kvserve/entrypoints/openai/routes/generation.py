@@ -3,6 +3,7 @@ processor, then stream or collect (`serving` shapes the responses)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -17,7 +18,11 @@ from kvserve.entrypoints.openai.routes.context import (
     engine_of,
     model_name,
 )
+from kvserve.entrypoints.openai.tools.formats import choose_format, template_takes_tools
+from kvserve.entrypoints.openai.tools.grammar import tool_structural_tag
+from kvserve.entrypoints.openai.tools.prompt import template_messages
 from kvserve.errors import InvalidRequestError
+from kvserve.sampling_params import StructuredOutputsParams
 
 router = APIRouter()
 
@@ -53,24 +58,53 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     engine = engine_of(raw)
     num_top = body.requested_logprobs()
     params = body.sampling_params(body.requested_max_tokens(), num_top)
-    await _compile_grammar(engine, body, params)
-    prompt = engine.inputs.render_chat([m.as_template_message() for m in body.messages],
-                                       body.add_generation_prompt,
-                                       **(body.chat_template_kwargs or {}))
+    messages = [m.as_template_message() for m in body.messages]
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    tool_format = None
+    if body.offered_tools():
+        tool_format, messages, extra = await _plan_tools(engine, body, config_of(raw), params,
+                                                         messages)
+        template_kwargs.update(extra)
+    await _compile_grammar(engine, body, params, "tools" if tool_format else None)
+    prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
     response_id = serving.new_id("chatcmpl")
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params())]
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
+    job.tool_format = tool_format
     return await _run(job, body, raw, engine)
 
 
-async def _compile_grammar(engine: AsyncEngine, body, params) -> None:
+async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, params,
+                      messages: list[dict]):
+    """(the model's tool format, the messages and template variables that describe the tools,
+    ) with `params` constrained to calls that parse; a 400 for what cannot be combined."""
+    choice = body.effective_tool_choice()
+    if choice == "auto" and not config.enable_auto_tool_choice:
+        raise InvalidRequestError('tool_choice "auto" needs a server started with '
+                                  "--enable-auto-tool-choice", param="tool_choice")
+    if params.structured_outputs is not None:
+        raise InvalidRequestError(f"tools and {body.structured_field()} both constrain the "
+                                  "output; send one of them", param="tools")
+    template = engine.inputs.tokenizer.chat_template
+    tool_format = choose_format(config.tool_call_parser, template)
+    tools = body.offered_tools()
+    # xgrammar's first import takes seconds: off the event loop
+    tag = await asyncio.to_thread(tool_structural_tag, tools, choice,
+                                  body.parallel_tool_calls is not False, tool_format)
+    params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
+    messages, extra = template_messages(messages, tools, tool_format,
+                                        template_takes_tools(template))
+    return tool_format, messages, extra
+
+
+async def _compile_grammar(engine: AsyncEngine, body, params, field: str | None = None) -> None:
     """The request's grammar, compiled off the event loop; a grammar that cannot be used is a
     400 naming the field that carried it."""
     try:
         await engine.compile_grammar(params)
     except InvalidRequestError as exc:
-        field = body.structured_field()
+        field = field or body.structured_field()
         raise InvalidRequestError(f"{field}: {exc}", param=field) from exc
 
 
