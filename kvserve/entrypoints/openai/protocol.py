@@ -364,16 +364,17 @@ class ChatCompletionRequest(_SamplingFields):
 
     _legacy_functions = field_validator(*LEGACY_FUNCTION_FIELDS)(_refuse_not_implemented)
 
-    @model_validator(mode="after")
-    def _tool_choice_names_an_offered_tool(self):
-        choice = self.tool_choice
-        if choice is not None and choice != "none" and not self.tools:
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_an_offered_tool(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []
+        if choice is not None and choice != "none" and not tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {
-                tool.function.name for tool in self.tools}:
+                tool.function.name for tool in tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among "
                              "the tools")
-        return self
+        return choice
 
     def effective_tool_choice(self) -> str | dict[str, Any]:
         """OpenAI's default: "auto" when tools are offered, "none" otherwise."""
