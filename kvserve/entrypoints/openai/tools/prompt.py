@@ -1,8 +1,8 @@
 """The conversation as the chat template receives it when tools are offered: the template's own
-tool support where it has one, else kvserve's default prompt (docs/architecture.md, "Structured output and tool calling"): a
-system message listing the tools in Hermes' format, earlier calls written back as `<tool_call>`
-blocks and tool results as user turns in `<tool_response>` blocks (templates such as Gemma's
-accept only alternating user and assistant turns)."""
+tool support where it has one, else kvserve's default prompt (docs/architecture.md, "Structured
+output and tool calling"): a system message listing the tools in Hermes' format, earlier calls
+written back as `<tool_call>` blocks and tool results as user turns in `<tool_response>` blocks
+(templates such as Gemma's accept only alternating user and assistant turns)."""
 
 from __future__ import annotations
 
