@@ -19,6 +19,8 @@ The standard scenarios are fixed so numbers compare across time:
       default set)
   s9: an agent loop (the agentic workload: two files read and edited in turn, earlier answers
       re-sent), 4 sessions x 4 turns, one at a time (not in the default set)
+  s10, s11: structured output: s1 and s2 with every output token constrained by a JSON schema
+      (not in the default set; read beside s1 and s2 of the same run)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
 import vllm_client  # noqa: E402  (benchmarks/peers/vllm_client.py)
 
+from kvserve.bench import workloads  # noqa: E402
 from kvserve.bench.results import DEFAULT_MODEL  # noqa: E402
 from kvserve.bench.run_report import VLLM_CLIENT_KEY  # noqa: E402
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -66,11 +69,19 @@ SCENARIOS = {
            "--input-len", "256", "--output-len", "128"],
     "s9": ["--workload", "agentic", "--num-prompts", "4", "--turns", "4",
            "--max-concurrency", "1", "--input-len", "192", "--output-len", "128"],
+    # structured output (the JSON schema of kvserve/bench/workloads.py's BENCH_JSON_SCHEMA on
+    # every request; each server's own field for it): s1's and s2's shapes, read beside them
+    "s10": ["--workload", "random", "--num-prompts", "6", "--max-concurrency", "1",
+            "--input-len", "256", "--output-len", "128"],
+    "s11": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
+            "--input-len", "256", "--output-len", "128"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",
            "--top-p", "0.95", "--seed", "5"],
 }
+
+STRUCTURED_SCENARIOS = ("s10", "s11")
 
 SYSTEMS = {
     "kvserve": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
@@ -141,10 +152,18 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout: float) -> fl
     raise TimeoutError(f"{base_url} not healthy after {timeout}s")
 
 
-def _vllm_client(base_url: str, scenario: str, path: Path) -> dict | None:
+def _extra_body(system: str, scenario: str) -> list[str]:
+    """s10/s11's constraint, in the field this system reads."""
+    if scenario not in STRUCTURED_SCENARIOS:
+        return []
+    return ["--extra-body", json.dumps(workloads.structured_body(system))]
+
+
+def _vllm_client(base_url: str, scenario: str, path: Path,
+                 extra: list[str] | None = None) -> dict | None:
     """vLLM's client on one scenario; a failure is reported, not fatal."""
     try:
-        return vllm_client.run(base_url, scenario, path)
+        return vllm_client.run(base_url, scenario, path, extra or [])
     except Exception as exc:
         print(f"vllm bench serve, {scenario}: {exc}", file=sys.stderr)
         return None
@@ -171,12 +190,14 @@ def run_system(name: str, port: int, out_dir: Path, scenarios: list[str],
                        "--label", name, "--output-json", str(path), "--no-progress",
                        "--model", os.environ.get("BENCH_MODEL", DEFAULT_MODEL),
                        "--tokenizer", os.environ.get("BENCH_MODEL", DEFAULT_MODEL),
-                       *SCENARIOS[scenario]]
+                       *SCENARIOS[scenario], *_extra_body(name, scenario)]
             subprocess.run(command, check=False)
             if path.exists():
                 record["scenarios"][scenario] = json.loads(path.read_text())["summary"]
             if "vllm" in clients:
-                measured = _vllm_client(base_url, scenario, out_dir / f"{name}-{scenario}.vllm.json")
+                measured = _vllm_client(base_url, scenario,
+                                        out_dir / f"{name}-{scenario}.vllm.json",
+                                        _extra_body(name, scenario))
                 if measured is not None:
                     record.setdefault(VLLM_CLIENT_KEY, {})[scenario] = measured
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 
@@ -128,7 +129,7 @@ def _body(args) -> dict:
     from kvserve.bench.client import BenchClient
 
     client = BenchClient("http://127.0.0.1:1", "m", temperature=args.temperature,
-                         top_p=args.top_p)
+                         top_p=args.top_p, extra_body=args.extra_body)
     try:
         return client.request_body("hello", 16)
     finally:
@@ -139,7 +140,7 @@ def test_s5_is_s2_sampled_on_its_own_prompts_and_its_body_carries_temperature_an
     """Its own seed: on s2's prompts it ran on the prefix cache s2 had just filled."""
     scenarios = _run_script().SCENARIOS
     # the standard five, then the ones run on request (long context, speculative decoding)
-    assert sorted(scenarios) == ["s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "s9"]
+    assert sorted(scenarios, key=lambda s: int(s[1:])) == [f"s{i}" for i in range(1, 12)]
     assert [a for a in scenarios["s5"] if a not in scenarios["s2"]] == [
         "--temperature", "0.8", "--top-p", "0.95", "--seed", "5"]
     assert "--seed" not in scenarios["s2"]  # s2 keeps the default seed, 0
@@ -440,7 +441,8 @@ def test_vllm_client_results_become_our_summary_and_lead_the_report():
     assert ours["tpot_s"]["p50"] == pytest.approx(0.0105)  # 10 ms * 1.05
     assert ours["output_throughput"] == 300.0 and ours["completed"] == 6
     # s4 and s9 (multi-turn): none in vLLM's datasets; s7/s8 are our prompts as its custom one
-    assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5", "s6", "s7", "s8"}
+    assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5", "s6", "s7", "s8", "s10",
+                                               "s11"}
     assert vllm_client.SCENARIO_SEEDS.get("s5", vllm_client.SEED) != vllm_client.SEED
     peer = vllm_client.summary(_vllm_result(400.0, 20.0, 150.0))
     records = [{"system": "kvserve", "cold_start_s": 5.0, "scenarios": {"s1": ours},
@@ -474,3 +476,30 @@ def test_code_edit_prompts_are_whole_dedented_definitions_in_the_chat_template()
             assert code.split("\n")[0].startswith(("def ", "class ")) or "def " not in code
             assert code == textwrap.dedent(code)
             assert spec.prompt_tokens == len(spec.prompt) and spec.output_len == 64
+
+
+def test_structured_scenarios_constrain_every_request_in_each_servers_own_field():
+    """s10/s11 are s1/s2 with the benchmark's JSON schema in every body: llama.cpp's server
+    reads `json_schema`, kvserve and vLLM `structured_outputs`; the report sets each beside
+    the free-text scenario of its shape."""
+    from kvserve.bench.run_report import structured_lines
+
+    run = _run_script()
+    assert run.SCENARIOS["s10"] == run.SCENARIOS["s1"] and run.SCENARIOS["s11"] == \
+        run.SCENARIOS["s2"]
+    assert run._extra_body("kvserve", "s2") == []
+    kvserve_body = json.loads(run._extra_body("kvserve-ngram", "s10")[1])
+    assert kvserve_body == {"structured_outputs": {"json": workloads.BENCH_JSON_SCHEMA}}
+    assert json.loads(run._extra_body("llama.cpp", "s11")[1]) == {
+        "json_schema": workloads.BENCH_JSON_SCHEMA}
+    body = _body(_bench_serve_args([*run.SCENARIOS["s10"], *run._extra_body("kvserve", "s10")]))
+    assert body["structured_outputs"] == kvserve_body["structured_outputs"]
+
+    def summary(tpot, throughput):
+        return {"tpot_s": {"p50": tpot}, "output_throughput": throughput}
+
+    lines = structured_lines([{"system": "kvserve", "scenarios": {
+        "s1": summary(0.010, 90.0), "s10": summary(0.0102, 88.0),
+        "s2": summary(0.050, 600.0), "s11": summary(0.051, 585.0)}}])
+    assert lines[-1] == ("- kvserve: s10/s1 TPOT p50 1.020x, out tok/s 0.978x; s11/s2 TPOT p50 "
+                         "1.020x, out tok/s 0.975x")

@@ -51,6 +51,9 @@ VLLM_SCENARIOS = {
     "s6": ["--num-prompts", "8", "--max-concurrency", "8", "--temperature", "0",
            "--random-input-len", "8000", "--random-output-len", "32"],
 }
+# structured output: s1's and s2's shapes, constrained by the caller's --extra-body
+VLLM_SCENARIOS["s10"] = VLLM_SCENARIOS["s1"]
+VLLM_SCENARIOS["s11"] = VLLM_SCENARIOS["s2"]
 
 
 # `vllm bench serve` itself: its console entry point looks up a distribution named "vllm",
@@ -71,9 +74,11 @@ def served_model(base_url: str) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
-def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
-    """Run one scenario with vLLM's client; our summary dict, or None when vLLM's client is
-    not installed or the scenario has no counterpart."""
+def run(base_url: str, scenario: str, out_path: Path,
+        extra: list[str] = ()) -> dict | None:
+    """Run one scenario with vLLM's client (`extra`: more of its arguments, e.g. s10/s11's
+    --extra-body); our summary dict, or None when vLLM's client is not installed or the
+    scenario has no counterpart."""
     if scenario not in VLLM_SCENARIOS or not available():
         return None
     command = [str(VLLM_PYTHON), "-c", _BENCH_SERVE, "--backend", "openai", "--base-url",
@@ -83,7 +88,7 @@ def run(base_url: str, scenario: str, out_path: Path) -> dict | None:
                "--seed", str(SCENARIO_SEEDS.get(scenario, SEED)),
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
                "--save-result", "--result-dir", str(out_path.parent),
-               "--result-filename", out_path.name, *VLLM_SCENARIOS[scenario]]
+               "--result-filename", out_path.name, *VLLM_SCENARIOS[scenario], *extra]
     subprocess.run(command, check=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
     return summary(json.loads(out_path.read_text()))
 

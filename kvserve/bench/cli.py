@@ -48,6 +48,9 @@ def add_bench_parser(commands) -> None:
                        help="sent in every request body (default 0: greedy)")
     serve.add_argument("--top-p", type=float, default=None,
                        help="sent in every request body when given")
+    serve.add_argument("--extra-body", type=json.loads, default=None,
+                       help="JSON merged into every request body, as vLLM's bench serve has it "
+                       '(e.g. \'{"structured_outputs": {"json": {...}}}\')')
     serve.add_argument("--slo-ttft-ms", type=float, default=None)
     serve.add_argument("--slo-tpot-ms", type=float, default=None)
     serve.add_argument("--slo-e2e-ms", type=float, default=None)
@@ -132,7 +135,8 @@ async def _drive(args, specs):
     from kvserve.bench.client import BenchClient, run_requests, run_sessions
 
     client = BenchClient(args.base_url, args.model, args.api_key,
-                         temperature=args.temperature, top_p=args.top_p)
+                         temperature=args.temperature, top_p=args.top_p,
+                         extra_body=args.extra_body)
     try:
         start = client.now()
         if args.workload in ("multi-turn", "agentic"):

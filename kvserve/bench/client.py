@@ -18,11 +18,13 @@ from kvserve.bench.workloads import RequestSpec, Session
 
 class BenchClient:
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
-                 timeout: float = 600.0, temperature: float = 0.0, top_p: float | None = None):
+                 timeout: float = 600.0, temperature: float = 0.0, top_p: float | None = None,
+                 extra_body: dict | None = None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.temperature = temperature
         self.top_p = top_p  # None: not sent (the server's default, 1.0)
+        self.extra_body = extra_body or {}  # merged into every body (vLLM's --extra-body)
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
                                       timeout=timeout,
                                       limits=httpx.Limits(max_connections=1024,
@@ -72,7 +74,7 @@ class BenchClient:
                 "stream_options": {"include_usage": True}}
         if self.top_p is not None:
             body["top_p"] = self.top_p
-        return body
+        return {**body, **self.extra_body}
 
     def _consume(self, line: str, result: RequestResult) -> int:
         """Parse one SSE line; returns 1 if it carried generated text."""

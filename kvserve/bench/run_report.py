@@ -37,13 +37,18 @@ EXTRA_COLUMNS = (
     ("s8 out tok/s", "s8", "output_throughput", None, 1),
     ("s8 TPOT p50 ms", "s8", "tpot_s", "p50", 1000),
     ("s9 TPOT p50 ms", "s9", "tpot_s", "p50", 1000),
-    ("s9 out tok/s", "s9", "output_throughput", None, 1))
+    ("s9 out tok/s", "s9", "output_throughput", None, 1),
+    ("s10 TPOT p50 ms", "s10", "tpot_s", "p50", 1000),
+    ("s11 out tok/s", "s11", "output_throughput", None, 1))
 RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
                  ("s2", "output_throughput", None), ("s3", "ttft_s", "p50"),
                  ("s3", "output_throughput", None), ("s4", "output_throughput", None),
                  ("s5", "output_throughput", None), ("s6", "output_throughput", None),
                  ("s7", "tpot_s", "p50"), ("s8", "output_throughput", None),
-                 ("s9", "tpot_s", "p50"))
+                 ("s9", "tpot_s", "p50"), ("s10", "tpot_s", "p50"),
+                 ("s11", "output_throughput", None))
+# structured output's scenarios -> the free-text scenario of the same shape
+STRUCTURED = {"s10": "s1", "s11": "s2"}
 SPECULATING = ("-ngram", "-suffix", "-draft")  # system-name endings of speculating variants
 # (column title, scenario, concurrency, roof_fractions key); every scenario is 256 in / 128 out
 ROOF_COLUMNS = (("s1 decode", "s1", 1, "output_fraction_of_roof"),
@@ -155,6 +160,26 @@ def speculation_lines(records: list[dict]) -> list[str]:
             ""] + lines
 
 
+def structured_lines(records: list[dict]) -> list[str]:
+    """Each system's constrained scenarios beside its free-text ones of the same shape."""
+    lines = []
+    for record in records:
+        parts = []
+        for constrained, free in STRUCTURED.items():
+            summary, plain = record["scenarios"].get(constrained), record["scenarios"].get(free)
+            if summary and plain:
+                parts.append(f"{constrained}/{free} TPOT p50 "
+                             f"{_value(summary, 'tpot_s', 'p50') / _value(plain, 'tpot_s', 'p50'):.3f}x, "
+                             f"out tok/s {summary['output_throughput'] / plain['output_throughput']:.3f}x")
+        if parts:
+            lines.append(f"- {record['system']}: " + "; ".join(parts))
+    if not lines:
+        return []
+    return ["", "Structured output, each system's JSON-schema scenario over its free-text one of "
+            "the same shape (TPOT: constrained / free, lower is better; throughput: constrained "
+            "/ free):", ""] + lines
+
+
 def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
     """s1, s2 and s5 output rates as fractions of the roof of the engine's default format."""
     if not roof:
@@ -210,7 +235,8 @@ def vllm_client_lines(records: list[dict]) -> list[str]:
              "to text, seed 7 (s5: 8, its own prompts), `--ignore-eos`, same concurrency and "
              "lengths as below; s4 has no counterpart. Cold start as measured by the run.", ""]
             + scenario_table(measured) + [""] + ratio_lines(measured)
-            + speculation_lines(measured) + ["", "## Measured with kvserve's client", ""])
+            + speculation_lines(measured) + structured_lines(measured)
+            + ["", "## Measured with kvserve's client", ""])
 
 
 def run_markdown(records: list[dict], title: str, machine: str, roof: dict | None = None,
@@ -221,7 +247,7 @@ def run_markdown(records: list[dict], title: str, machine: str, roof: dict | Non
               "library's source. " + SCENARIO_TEXT, "", configuration_line(roof, model), ""]
     lines += scenario_table(records)
     lines += [""] + ratio_lines(records)
-    lines += speculation_lines(records)
+    lines += speculation_lines(records) + structured_lines(records)
     lines += roof_lines(records, roof)
     failed = ", ".join(f"{r['system']} {k}{by}: {v['failed']}" for r in records
                        for key, by in (("scenarios", ""), (VLLM_CLIENT_KEY, " (vLLM's client)"))

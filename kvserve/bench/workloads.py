@@ -22,6 +22,26 @@ _SOURCE_MODULES = ("textwrap", "argparse", "json.decoder", "collections", "funct
                    "dataclasses", "logging", "email.message")
 
 
+# Structured output's benchmark constraint: an array of records too long to finish in 128
+# tokens, so every output token is masked (with ignore_eos the grammar never ends first)
+BENCH_JSON_SCHEMA = {
+    "type": "array", "minItems": 64,
+    "items": {"type": "object", "additionalProperties": False,
+              "required": ["id", "name", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0},
+                             "name": {"type": "string", "maxLength": 24},
+                             "tags": {"type": "array", "maxItems": 3,
+                                      "items": {"type": "string", "maxLength": 12}}}}}
+
+
+def structured_body(server: str) -> dict:
+    """The request fields that constrain a completion to BENCH_JSON_SCHEMA on this server:
+    llama.cpp's server reads `json_schema`; kvserve and vLLM `structured_outputs`."""
+    if server.startswith("llama.cpp"):
+        return {"json_schema": BENCH_JSON_SCHEMA}
+    return {"structured_outputs": {"json": BENCH_JSON_SCHEMA}}
+
+
 @dataclass
 class RequestSpec:
     prompt: str
