@@ -57,18 +57,24 @@ LEGACY_FUNCTION_FIELDS = ("functions", "function_call")
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-def _refuse_not_implemented(value: Any, info: ValidationInfo) -> Any:
-    field = info.field_name
-    if value is None or value in _NOT_IMPLEMENTED[field]:
-        return value
-    harmless = " or ".join(json.dumps(v) for v in _NOT_IMPLEMENTED[field])
-    raise PydanticCustomError(
-        "not_implemented", "{field} is not supported by this server yet; remove it from the "
-        "request" + (f" (or send {harmless}, which asks for nothing)" if harmless else ""),
-        {"field": field})
+def refuse_not_implemented(table: dict[str, tuple[Any, ...]]):
+    """A field validator for the fields of `table` (field -> the values that ask for nothing;
+    None always does): any other value is a 400 that names the field."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        field = info.field_name
+        if value is None or value in table[field]:
+            return value
+        harmless = " or ".join(json.dumps(v) for v in table[field])
+        raise PydanticCustomError(
+            "not_implemented", "{field} is not supported by this server yet; remove it from "
+            "the request" + (f" (or send {harmless}, which asks for nothing)" if harmless
+                             else ""), {"field": field})
+
+    return check
 
 
-class _RequestBody(BaseModel):
+class RequestBody(BaseModel):
     """Base of every request body: unknown fields are refused, strings must be real text."""
 
     model_config = ConfigDict(extra="forbid")
@@ -122,7 +128,7 @@ class StructuredOutputsBody(BaseModel):
     disable_any_whitespace: bool = False
 
 
-class _SamplingFields(_RequestBody):
+class _SamplingFields(RequestBody):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -362,7 +368,8 @@ class ChatCompletionRequest(_SamplingFields):
     functions: Any = None
     function_call: Any = None
 
-    _legacy_functions = field_validator(*LEGACY_FUNCTION_FIELDS)(_refuse_not_implemented)
+    _legacy_functions = field_validator(*LEGACY_FUNCTION_FIELDS)(
+        refuse_not_implemented(_NOT_IMPLEMENTED))
 
     @field_validator("tool_choice")
     @classmethod
@@ -410,7 +417,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(_RequestBody):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -418,6 +425,6 @@ class TokenizeRequest(_RequestBody):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_RequestBody):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -23,6 +23,7 @@ from kvserve.entrypoints.openai.errors import (
     response_for_engine_error,
     validation_message,
 )
+from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.routes import ROUTERS
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import KVServeError
@@ -36,6 +37,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=__version__)
     app.state.engine = engine
     app.state.config = config
+    app.state.responses = ResponseStore(config.max_stored_responses)
     _install_middleware(app, config)
     _install_error_handlers(app)
     for router in ROUTERS:

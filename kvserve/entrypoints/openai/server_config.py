@@ -27,6 +27,9 @@ class ServerConfig:
                                  "(<tool_call> JSON, also kvserve's default tool prompt), "
                                  "llama3_json, or auto (from the chat template)",
                                  choices=("auto", "hermes", "llama3_json"))
+    max_stored_responses: int = _opt(1000, "responses /v1/responses keeps in memory (least "
+                                     "recently used out first) for previous_response_id and "
+                                     "GET /v1/responses/{id}; 0 keeps none")
     restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
                                            "OOM kill), fail its requests and start a new core "
                                            "instead of exiting non-zero")

@@ -69,8 +69,8 @@ def new_id(prefix: str) -> str:
 
 
 # ---- running jobs ------------------------------------------------------------------------
-async def _merged_stream(engine: AsyncEngine, job: Job) -> AsyncIterator[tuple[int,
-                                                                                 RequestOutput]]:
+async def merged_stream(engine: AsyncEngine,
+                        job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of all of the job's engine requests as they come, tagged by prompt index."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -105,7 +105,7 @@ async def collect(engine: AsyncEngine, job: Job, raw: Request) -> list[RequestOu
     finals: dict[int, RequestOutput] = {}
 
     async def consume():
-        async for index, output in _merged_stream(engine, job):
+        async for index, output in merged_stream(engine, job):
             if output.finished:
                 finals[index] = output
 
@@ -251,7 +251,7 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
                 yield _sse({**base, "choices": [{"index": index, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}]})
-        async for prompt_index, output in _merged_stream(engine, job):
+        async for prompt_index, output in merged_stream(engine, job):
             if output.finished:
                 finals[prompt_index] = output
             for sample in output.outputs:
@@ -333,6 +333,13 @@ def sse_response(generator: AsyncIterator[str]) -> StreamingResponse:
 
 def json_response(payload: dict[str, Any]) -> JSONResponse:
     return JSONResponse(payload)
+
+
+def log_received(job: Job, stream: bool) -> None:
+    if job.log_requests:
+        logger.info("%s received: %d prompt(s), %d prompt tokens, n=%d, stream=%s",
+                    job.response_id, len(job.prepared),
+                    sum(len(p.prompt_token_ids) for p in job.prepared), job.n, stream)
 
 
 def log_finish(job: Job, outputs: list[RequestOutput], started: float) -> None:

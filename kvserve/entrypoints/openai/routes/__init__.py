@@ -4,6 +4,6 @@ Routes reach the engine only through its typed client API (`AsyncEngine`), found
 server's options on `app.state` (see `context`).
 """
 
-from kvserve.entrypoints.openai.routes import generation, health, tokenization
+from kvserve.entrypoints.openai.routes import generation, health, responses, tokenization
 
-ROUTERS = (health.router, tokenization.router, generation.router)
+ROUTERS = (health.router, tokenization.router, generation.router, responses.router)

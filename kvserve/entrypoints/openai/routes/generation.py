@@ -55,6 +55,15 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     problem = check_ready_and_model(raw, body.model)
     if problem:
         return problem
+    job = await prepare_chat_job(body, raw, serving.new_id("chatcmpl"))
+    return await _run(job, body, raw, engine_of(raw))
+
+
+async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
+                           response_id: str) -> serving.Job:
+    """A chat request made ready to run: sampling, tools, grammar, the rendered prompt. Also the
+    path /v1/responses takes (it translates its request into a chat one), so both APIs render,
+    constrain and validate alike."""
     engine = engine_of(raw)
     num_top = body.requested_logprobs()
     params = body.sampling_params(body.requested_max_tokens(), num_top)
@@ -67,12 +76,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
         template_kwargs.update(extra)
     await _compile_grammar(engine, body, params, "tools" if tool_format else None)
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
-    response_id = serving.new_id("chatcmpl")
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params())]
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     job.tool_format = tool_format
-    return await _run(job, body, raw, engine)
+    return job
 
 
 async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, params,
@@ -121,11 +129,7 @@ def _prepare(engine: AsyncEngine, *args):
 
 
 async def _run(job, body, raw: Request, engine: AsyncEngine):
-    if job.log_requests:
-        serving.logger.info("%s received: %d prompt(s), %d prompt tokens, n=%d, stream=%s",
-                            job.response_id, len(job.prepared),
-                            sum(len(p.prompt_token_ids) for p in job.prepared), job.n,
-                            body.stream)
+    serving.log_received(job, body.stream)
     if body.stream:
         return serving.sse_response(serving.stream_job(engine, job, body.include_usage))
     started = time.monotonic()

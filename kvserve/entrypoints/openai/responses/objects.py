@@ -1,0 +1,118 @@
+"""Responses API objects: output items (an assistant message, function calls), usage, and the
+response object itself, which echoes the request's settings as OpenAI's does (the `openai`
+client's `Response` model and `output_text` read it)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.entrypoints.openai.responses.protocol import (
+    InputItem,
+    ResponsesRequest,
+    ToolChoiceFunction,
+)
+from kvserve.entrypoints.openai.tools.formats import ToolFormat
+from kvserve.entrypoints.openai.tools.parser import parse_tool_calls
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """An assistant message; text None while it is being streamed (no content part yet)."""
+    content = [] if text is None else [{"type": "output_text", "text": text,
+                                         "annotations": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": content}
+
+
+def function_call_item(item_id: str, call: dict[str, Any], arguments: str,
+                       status: str) -> dict[str, Any]:
+    """A function call from the tool parser's chat-shaped call ({"id", "function"})."""
+    return {"type": "function_call", "id": item_id, "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": arguments, "status": status}
+
+
+def item_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(sample: CompletionOutput, tool_format: ToolFormat | None
+                 ) -> list[dict[str, Any]]:
+    """A whole answer's items: its text as a message, or with tools the text before the first
+    call (stripped; none when empty and calls follow), then one item per call. The streamed
+    items are the same (`stream.OutputStream`)."""
+    status = item_status(sample.finish_reason)
+    if tool_format is None:
+        return [message_item(new_id("msg"), sample.text, status)]
+    parsed = parse_tool_calls(sample.text, tool_format)
+    text = (sample.text[:parsed.first_call_at] if parsed.calls else parsed.content).strip()
+    items = [function_call_item(new_id("fc"), call, call["function"]["arguments"],
+                                "completed") for call in parsed.calls]
+    if text or not items:
+        items.insert(0, message_item(new_id("msg"), text,
+                                     "completed" if items else status))
+    return items
+
+
+def usage(output: RequestOutput) -> dict[str, Any]:
+    input_tokens = len(output.prompt_token_ids)
+    output_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+    # cache_write_tokens: OpenAI bills writes to its explicit prompt cache; none here
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": output.num_cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+@dataclass
+class Turn:
+    """One /v1/responses call: the settings its response object echoes, and the conversation
+    (earlier turns and this input) that a later previous_response_id continues."""
+
+    request: ResponsesRequest
+    response_id: str
+    model: str
+    created_at: int
+    conversation: list[InputItem]
+
+    def body(self, status: str = "in_progress", output: list[dict[str, Any]] | None = None,
+             result: RequestOutput | None = None, error: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+        """The response object; with the finished `result`, its usage and status."""
+        request = self.request
+        finished = result is not None and status != "failed"
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at,
+            "status": status, "error": error,
+            "incomplete_details": ({"reason": "max_output_tokens"}
+                                   if status == "incomplete" else None),
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "model": self.model, "output": output or [],
+            "usage": usage(result) if finished else None,
+            "instructions": request.instructions,
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            "tool_choice": (request.tool_choice.model_dump()
+                            if isinstance(request.tool_choice, ToolChoiceFunction)
+                            else request.tool_choice or "auto"),
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "max_output_tokens": request.max_output_tokens,
+            "previous_response_id": request.previous_response_id,
+            "text": (request.text.model_dump(by_alias=True, exclude_none=True)
+                     if request.text and request.text.format else {"format": {"type": "text"}}),
+            "truncation": "disabled", "store": request.stores, "background": False,
+            "metadata": request.metadata or {}, "user": request.user,
+        }
+
+    def finished(self, output: list[dict[str, Any]], result: RequestOutput) -> dict[str, Any]:
+        status = item_status(result.outputs[0].finish_reason)
+        return self.body(status, output, result)

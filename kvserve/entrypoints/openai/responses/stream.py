@@ -1,0 +1,171 @@
+"""A streamed response as OpenAI's Responses events, in OpenAI's order: response.created and
+.in_progress; per output item .output_item.added, then for a message .content_part.added,
+.output_text.delta..., .output_text.done, .content_part.done, for a function call
+.function_call_arguments.delta and .done; .output_item.done; finally response.completed,
+.incomplete or .failed. Every event carries `type` and a `sequence_number`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.entrypoints.openai.errors import engine_error_body
+from kvserve.entrypoints.openai.responses.objects import (
+    Turn,
+    function_call_item,
+    item_status,
+    message_item,
+    new_id,
+)
+from kvserve.entrypoints.openai.responses.store import ResponseStore
+from kvserve.entrypoints.openai.serving import Job, merged_stream
+from kvserve.entrypoints.openai.tools.formats import ToolFormat
+from kvserve.entrypoints.openai.tools.parser import StreamingToolParser
+
+logger = logging.getLogger("kvserve.requests")
+
+
+@dataclass
+class EventWriter:
+    """SSE frames (`event:` and `data:` lines, as OpenAI sends them), numbered in order."""
+
+    sequence: int = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class OutputStream:
+    """One answer's output items as events, fed its text so far. Without tools the text is one
+    message, streamed as it grows. With tools the tool parser splits it: text before the first
+    call is the message (stripped, as `objects.output_items` strips it: leading whitespace is
+    dropped and trailing whitespace held back until more text follows), each call an item of
+    its own once complete. `items` is the finished output."""
+
+    event: EventWriter
+    tool_format: ToolFormat | None = None
+    items: list[dict[str, Any]] = field(default_factory=list)
+    _message: dict[str, Any] | None = None
+    _text: list[str] = field(default_factory=list)
+    _held: str = ""
+    _sent: int = 0
+    _parser: StreamingToolParser | None = None
+    _call: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.tool_format is not None:
+            self._parser = StreamingToolParser(self.tool_format)
+
+    def feed(self, text: str, finished: bool) -> list[str]:
+        if self._parser is None:
+            delta, self._sent = text[self._sent:], len(text)
+            return self._content(delta)
+        events: list[str] = []
+        for delta in self._parser.feed(text, finished):
+            if "content" in delta:
+                events += self._content(self._trimmed(delta["content"]))
+            else:
+                events += self._tool_call(delta["tool_calls"][0])
+        return events
+
+    def finish(self, finish_reason: str | None) -> list[str]:
+        """Close the open message; an answer with no item at all is an empty message."""
+        if self._message is None and not self.items:
+            return self._open_message() + self._close_message(item_status(finish_reason))
+        return self._close_message(item_status(finish_reason))
+
+    def _trimmed(self, piece: str) -> str:
+        piece = self._held + piece
+        if self._message is None:
+            piece = piece.lstrip()
+        kept = piece.rstrip()
+        self._held = piece[len(kept):]
+        return kept
+
+    def _content(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        events = self._open_message() if self._message is None else []
+        self._text.append(delta)
+        return events + [self.event("response.output_text.delta", **self._where(),
+                                    content_index=0, delta=delta, logprobs=[])]
+
+    def _open_message(self) -> list[str]:
+        self._message = message_item(new_id("msg"), None, "in_progress")
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [self.event("response.output_item.added", output_index=len(self.items),
+                           item=self._message),
+                self.event("response.content_part.added", **self._where(), content_index=0,
+                           part=part)]
+
+    def _close_message(self, status: str) -> list[str]:
+        if self._message is None:
+            return []
+        text = "".join(self._text)
+        item = message_item(self._message["id"], text, status)
+        part = item["content"][0]
+        events = [self.event("response.output_text.done", **self._where(), content_index=0,
+                             text=text, logprobs=[]),
+                  self.event("response.content_part.done", **self._where(), content_index=0,
+                             part=part),
+                  self.event("response.output_item.done", output_index=len(self.items),
+                             item=item)]
+        self.items.append(item)
+        self._message = None
+        return events
+
+    def _tool_call(self, delta: dict[str, Any]) -> list[str]:
+        """The parser gives each call as two deltas: its id and name, then its arguments."""
+        if "id" in delta:
+            events = self._close_message("completed")
+            self._call = function_call_item(new_id("fc"), delta, "", "in_progress")
+            return events + [self.event("response.output_item.added",
+                                        output_index=len(self.items), item=self._call)]
+        arguments = delta["function"]["arguments"]
+        where = {"item_id": self._call["id"], "output_index": len(self.items)}
+        item = {**self._call, "arguments": arguments, "status": "completed"}
+        events = [self.event("response.function_call_arguments.delta", **where,
+                             delta=arguments),
+                  self.event("response.function_call_arguments.done", **where,
+                             arguments=arguments),
+                  self.event("response.output_item.done", output_index=len(self.items),
+                             item=item)]
+        self.items.append(item)
+        self._call = None
+        return events
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._message["id"], "output_index": len(self.items)}
+
+
+async def response_events(engine: AsyncEngine, job: Job, turn: Turn,
+                          store: ResponseStore) -> AsyncIterator[str]:
+    """The whole event stream of one response; stored once complete (with `store`). An engine
+    failure midway ends it with response.failed rather than a cut connection."""
+    event = EventWriter()
+    yield event("response.created", response=turn.body())
+    yield event("response.in_progress", response=turn.body())
+    output = OutputStream(event, job.tool_format)
+    try:
+        result = None
+        async for _, result in merged_stream(engine, job):
+            sample = result.outputs[0]
+            for frame in output.feed(sample.text, sample.finish_reason is not None):
+                yield frame
+        for frame in output.finish(result.outputs[0].finish_reason):
+            yield frame
+    except Exception as exc:  # engine failure mid-stream: tell the client, then end
+        logger.warning("stream %s failed: %s", job.response_id, exc)
+        error = {"code": "server_error", "message": engine_error_body(exc)[1]["error"][
+            "message"]}
+        yield event("response.failed", response=turn.body("failed", output.items, error=error))
+        return
+    body = turn.finished(output.items, result)
+    store.keep(turn, body)
+    yield event(f"response.{body['status']}", response=body)
