@@ -42,10 +42,7 @@ def body_for(path: str, **fields) -> dict:
 
 
 REFUSED = [  # (path, field, value, the param the 400 names)
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-     "tools"),
-    (CHAT, "tool_choice", "auto", "tool_choice"),
-    (CHAT, "parallel_tool_calls", False, "parallel_tool_calls"),
+    (CHAT, "tool_choice", "auto", "tool_choice"),  # without tools
     (CHAT, "functions", [{"name": "f", "parameters": {}}], "functions"),
     (CHAT, "function_call", "auto", "function_call"),
     (CHAT, "echo", True, "echo"),  # vLLM's chat echo: not implemented
