@@ -153,3 +153,70 @@ def test_verifying_drafts_masks_every_depth(grammar_setup):
     logits[0, forbidden] = 1e4  # the raw argmax at depth 0, outside the grammar
     rejected = _sampler(tokenizer, vocab).verify(logits, [fresh_row()], [[forbidden]]).token_ids
     assert rejected == [[plain[0]]]
+
+
+# ---- grammar-aware drafts (the engine core's side) ------------------------------------------
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer"},
+                         "city": {"type": "string", "enum": ["Paris", "Rome"]}}}
+
+
+def _grammar_drafts(tokenizer, vocab):
+    from kvserve.structured_output.drafts import GrammarDrafts
+
+    return GrammarDrafts(lambda: tokenizer, vocab, max_drafts=8)
+
+
+def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup):
+    """After a field's value the grammar forces the next key: that span is the draft, and it is
+    the tokenizer's tokens for it; where nothing is forced the proposer's drafts are cut at the
+    first token the grammar forbids."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    tokenizer, vocab, _ = grammar_setup
+    drafts = _grammar_drafts(tokenizer, vocab)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    drafts.compiler.submit(spec).result()
+    text = '{"name": "Bob", "age": 7, "city": "Paris"}'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prefix = tokenizer.encode('{"name": "Bob",', add_special_tokens=False)
+    assert ids[:len(prefix)] == prefix
+    span, forced = drafts.drafts("r", spec, prefix, proposed=[])
+    assert forced and tokenizer.decode(span) == ' "age": '
+    assert span == ids[len(prefix):len(prefix) + len(span)]
+    inside_name = tokenizer.encode('{"name": "B', add_special_tokens=False)
+    free_text = tokenizer.encode('ob is', add_special_tokens=False)
+    cut, forced = drafts.drafts("s", spec, inside_name, proposed=free_text)
+    assert not forced and cut == free_text  # anything goes inside a string
+    digits, forced = drafts.drafts("r", spec, ids[:ids.index(tokenizer.encode(
+        " 7", add_special_tokens=False)[-1])], proposed=tokenizer.encode(
+            "x1", add_special_tokens=False))
+    assert not forced and digits == []  # "x" cannot start an integer
+    drafts.finish("r")
+    drafts.shutdown()
+
+
+@pytest.mark.slow
+def test_constrained_greedy_tokens_equal_with_and_without_drafts():
+    """The real model in float32, a JSON schema, speculation on (every draft used: adaptive
+    off) and off: the same tokens; forced spans were drafted and most were accepted."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=spec)
+    outputs = {}
+    for name, speculative in (("off", None), ("on", {"method": "ngram",
+                                                     "num_speculative_tokens": 8,
+                                                     "adaptive": False})):
+        llm = LLM(dtype="float32", engine_core="thread", speculative_config=speculative)
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in
+                   ("Describe a person as JSON.", "Who lives in Rome? Answer in JSON.")]
+        outputs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.llm_engine.shutdown()
+    assert [o.token_ids for o in outputs["on"]] == [o.token_ids for o in outputs["off"]]
+    drafted = sum(o.num_draft_tokens for o in outputs["on"])
+    accepted = sum(o.num_accepted_tokens for o in outputs["on"])
+    assert drafted >= 10 and accepted >= 0.7 * drafted, (accepted, drafted)

@@ -51,6 +51,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.drafter import Drafter
+from kvserve.structured_output.drafts import GrammarDrafts
+from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +242,9 @@ class EngineCore:
         workers verify), with the target's dtype and kernels and a KV pool for as many tokens
         as the target's."""
         if spec.method != "draft_model":
-            return Drafter(spec)
+            return Drafter(spec, grammar=GrammarDrafts(
+                lambda: load_tokenizer(resolve_model(self.config.model)),
+                self.model_config.vocab_size, spec.num_speculative_tokens))
         config = self.config
         proposer = DraftModelProposer(
             spec.model, spec.num_speculative_tokens,
@@ -282,6 +286,8 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
             request.kv_transfer_params))
+        if self.drafter is not None and self.drafter.grammar is not None:
+            self.drafter.grammar.prefetch(request.params.structured_outputs)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests wherever they are; their blocks are free at once."""
@@ -529,6 +535,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.kv_events.close()
+        if self.drafter is not None and self.drafter.grammar is not None:
+            self.drafter.grammar.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()
