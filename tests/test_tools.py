@@ -226,3 +226,46 @@ def test_tool_requests_that_cannot_be_served_are_400s(client, fields, param):
     response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(param), response.json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_an_openai_agents_loop_with_two_tools_runs_to_completion(client, api):
+    """The `openai-agents` SDK over /v1/responses (its default) and over chat completions: the
+    first turn must call a tool (tool_choice "required"; the SDK then resets it to auto), the
+    tools run, their results go back, and the loop ends with a final answer."""
+    import asyncio
+
+    import agents
+    _, server = client
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append("get_weather")
+        return f"18 C and sunny in {city}"
+
+    @agents.function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append("add")
+        return a + b
+
+    async def run():
+        model_class = (agents.OpenAIResponsesModel if api == "responses"
+                       else agents.OpenAIChatCompletionsModel)
+        model = model_class(model="smol", openai_client=openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused"))
+        agent = agents.Agent(name="helper", instructions="Use the tools to answer.",
+                             tools=[get_weather, add], model=model,
+                             model_settings=agents.ModelSettings(
+                                 tool_choice="required", temperature=0, max_tokens=96))
+        return await agents.Runner.run(agent, "What is the weather in Paris, and what is "
+                                       "2 + 3?", max_turns=6)
+
+    result = asyncio.run(run())
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert calls and kinds.count("ToolCallItem") == kinds.count("ToolCallOutputItem") >= 1
+    assert kinds[-1] == "MessageOutputItem" and isinstance(result.final_output, str)
