@@ -29,14 +29,14 @@ class _RowGrammar:
     consumed: int = 0  # tokens the matcher has accepted
     failed: bool = field(default=False)
 
-    def follow(self, request_id: str) -> None:
+    def follow(self, row: int) -> None:
         """Feed the matcher what the row emitted since the last step."""
         while self.consumed < len(self.output) and not self.failed:
             token = self.output[self.consumed]
             if not self.matcher.accept_token(token):
                 self.failed = True
-                logger.warning("request %s: token %d is outside its grammar; its output is no "
-                               "longer constrained", request_id, token)
+                logger.warning("batch row %d: token %d is outside its grammar; the row's "
+                               "output is no longer constrained", row, token)
             self.consumed += 1
 
 
@@ -86,7 +86,7 @@ class GrammarProcessor(PerRowProcessor):
         masked = []
         for slot, row in enumerate(rows):
             state = self.rows[row]
-            state.follow(str(row))
+            state.follow(row)
             if state.failed or state.matcher.is_terminated():
                 continue
             state.matcher.fill_next_token_bitmask(bitmask, slot)
