@@ -152,6 +152,10 @@ class SamplingParams:
             (self.seed is None or fits_int64(self.seed), "seed", "seed must fit in 64 bits"),
             (self.extra_args is None or _plain_data(self.extra_args), "extra_args",
              "extra_args must be a dict with string keys and JSON-like values"),
+            # once a grammar is complete only EOS may follow; min_tokens would forbid it too
+            (self.structured_outputs is None or not self.min_tokens, "min_tokens",
+             "min_tokens cannot be combined with structured output: the grammar decides where "
+             "the output ends"),
         ]
         for ok, param, message in checks:
             if not ok:

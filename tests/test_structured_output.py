@@ -197,6 +197,42 @@ def test_a_grammar_xgrammar_rejects_is_an_invalid_request(grammars, spec, says):
         assert refused.value.param == "structured_outputs"
 
 
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 3}}, "contains"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+])
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused(grammars, schema, keyword):
+    """xgrammar accepts these and ignores them (uniqueItems gave ["fantasy", "fantasy"]): a
+    400 naming the keyword, never output that silently breaks the schema. A property that
+    merely has such a name, or uniqueItems false, is fine."""
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(InvalidRequestError, match=f"'{keyword}'"):
+        grammars.attach(params)
+    harmless = {"type": "object", "properties": {"if": {"type": "string"}, "not": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": False}}}
+    grammars.attach(SamplingParams(structured_outputs=StructuredOutputsParams(json=harmless)))
+
+
+def test_min_tokens_with_a_grammar_is_refused():
+    """Once a grammar is complete only EOS may follow, which min_tokens forbids: every logit
+    -inf, token 0, then unconstrained text ("no\n\nThe 2017"). Refused instead."""
+    with pytest.raises(InvalidRequestError, match="min_tokens") as refused:
+        SamplingParams(min_tokens=4, structured_outputs=StructuredOutputsParams(choice=["no"]))
+    assert refused.value.param == "min_tokens"
+
+
+def test_an_error_message_reads_cleanly(grammars):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(
+        grammar="root ::= undefined_rule"))
+    with pytest.raises(InvalidRequestError) as refused:
+        grammars.attach(params)
+    message = str(refused.value)
+    assert message.startswith("the grammar cannot be used: ") and "/project/" not in message
+
 # ---- the real model, offline ------------------------------------------------------------------
 def _prompt(tokenizer, entry) -> str:
     schema = entry["schema"]

@@ -219,6 +219,7 @@ def test_a_tool_result_goes_back_into_the_conversation(client):
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tool_choice": "required", "min_tokens": 4}, "min_tokens"),
 ])
 def test_tool_requests_that_cannot_be_served_are_400s(client, fields, param):
     _, server = client

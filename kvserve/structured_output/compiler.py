@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,17 +29,50 @@ CACHE_BYTES = 256 << 20
 MAX_WHITESPACE_RUN = 16
 
 
+# JSON-schema keywords xgrammar 0.2.8 accepts and does not enforce (checked one by one): a
+# schema that uses them is a 400, never output that silently breaks them
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if",
+                       "then", "else", "dependentRequired", "dependentSchemas")
+
+
+def unenforced_keyword(schema) -> str | None:
+    """The first keyword in `schema` (anywhere in it) that the grammar would not enforce."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for keyword in UNENFORCED_KEYWORDS:
+                if keyword in node and not (keyword == "uniqueItems" and not node[keyword]):
+                    if keyword in ("if", "then", "else", "not", "contains") and not isinstance(
+                            node[keyword], (dict, bool)):
+                        continue  # a property named so, not the keyword
+                    return keyword
+            properties = node.get("properties")
+            stack.extend(v for k, v in node.items() if k != "properties")
+            if isinstance(properties, dict):
+                stack.extend(properties.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 def spec_key(spec: StructuredOutputsParams) -> str:
     """The cache key: the kind, its normalised text and the whitespace option."""
     kind = spec.kinds()[0]
     value = getattr(spec, kind)
     if kind == "json":
         try:
-            # not sorted: property order is the order the output follows
-            value = json.dumps(json.loads(value), separators=(",", ":"))
+            schema = json.loads(value)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
                                       param="structured_outputs") from exc
+        keyword = unenforced_keyword(schema)
+        if keyword is not None:
+            raise InvalidRequestError(f"the JSON schema uses {keyword!r}, which this server's "
+                                      "grammar engine does not enforce",
+                                      param="structured_outputs")
+        # not sorted: property order is the order the output follows
+        value = json.dumps(schema, separators=(",", ":"))
     text = json.dumps([kind, value, spec.disable_any_whitespace], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -124,8 +158,11 @@ class GrammarCompiler:
                 self._pending.pop(key, None)
             if isinstance(exc, InvalidRequestError):
                 raise
-            # xgrammar's errors (RuntimeError, ValueError, its own) say what is wrong
-            raise InvalidRequestError(f"the {spec.kinds()[0]} grammar cannot be used: {exc}",
+            # xgrammar's errors (RuntimeError, ValueError, its own) say what is wrong, after a
+            # "[time] /project/cpp/file.cc:line:" prefix of its build's
+            kind = spec.kinds()[0].replace("_", " ")
+            what = "grammar" if kind == "grammar" else f"{kind} grammar"
+            raise InvalidRequestError(f"the {what} cannot be used: {_xgrammar_message(exc)}",
                                       param="structured_outputs") from exc
         with self._lock:
             self._pending.pop(key, None)
@@ -148,6 +185,10 @@ class GrammarCompiler:
         return InvalidRequestError(
             f"the grammar took longer than {self.timeout_s:g} s to compile; simplify it",
             param="structured_outputs")
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(exc).strip())
 
 
 def compile_spec(compiler, spec: StructuredOutputsParams):

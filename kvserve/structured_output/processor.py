@@ -32,6 +32,9 @@ class _RowGrammar:
     def follow(self, row: int) -> None:
         """Feed the matcher what the row emitted since the last step."""
         while self.consumed < len(self.output) and not self.failed:
+            if self.matcher.is_terminated():  # what follows (ignore_eos) is not its business
+                self.consumed = len(self.output)
+                return
             token = self.output[self.consumed]
             if not self.matcher.accept_token(token):
                 self.failed = True

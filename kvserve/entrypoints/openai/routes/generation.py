@@ -94,6 +94,9 @@ async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, 
     if params.structured_outputs is not None:
         raise InvalidRequestError(f"tools and {body.structured_field()} both constrain the "
                                   "output; send one of them", param="tools")
+    if params.min_tokens:  # as with any grammar: it decides where the output ends
+        raise InvalidRequestError("min_tokens cannot be combined with tools",
+                                  param="min_tokens")
     template = engine.inputs.tokenizer.chat_template
     tool_format = choose_format(config.tool_call_parser, template)
     tools = body.offered_tools()
