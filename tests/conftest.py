@@ -42,6 +42,19 @@ def isa_level(request):
 
 
 @pytest.fixture(scope="session")
+def smol_server(tmp_path_factory):
+    """One real-model server (SmolLM2, served as "smol") shared by the test files that only
+    talk to it over HTTP (tools, the Responses API): one model load instead of one each."""
+    from kvserve.testing.server import ServerProcess
+
+    log = tmp_path_factory.mktemp("smol-server") / "server.log"
+    with ServerProcess(["--max-model-len", "2048", "--served-model-name", "smol"],
+                       log_path=log) as server:
+        yield server
+    assert server.exit_code == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
 def smollm_source():
     return resolve_model("smollm2-135m-instruct")
 

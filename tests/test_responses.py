@@ -30,7 +30,6 @@ from kvserve.entrypoints.openai.serving import Job
 from kvserve.entrypoints.openai.tools.formats import HERMES
 from kvserve.errors import RequestFailedError
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.testing.server import ServerProcess
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers",
        "parameters": {"type": "object", "properties": {
@@ -289,12 +288,8 @@ def test_output_calls_continue_as_function_call_items():
 
 # ---- end to end on the real model -------------------------------------------------------
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    log = tmp_path_factory.mktemp("responses-server") / "server.log"
-    flags = ["--max-model-len", "2048", "--served-model-name", "smol"]
-    with ServerProcess(flags, log_path=log) as server:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused"), server
-    assert server.exit_code == 0, log.read_text()[-3000:]
+def client(smol_server):
+    return openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused"), smol_server
 
 
 ASK = "What is 2 plus 3? Use the add tool."

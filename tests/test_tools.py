@@ -15,7 +15,6 @@ from kvserve.entrypoints.openai.tools.formats import HERMES, LLAMA3_JSON, choose
 from kvserve.entrypoints.openai.tools.grammar import tool_structural_tag
 from kvserve.entrypoints.openai.tools.parser import StreamingToolParser, parse_tool_calls
 from kvserve.entrypoints.openai.tools.prompt import template_messages
-from kvserve.testing.server import ServerProcess
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -140,12 +139,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools-server") / "server.log"
-    flags = ["--max-model-len", "2048", "--served-model-name", "smol"]
-    with ServerProcess(flags, log_path=log) as server:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused"), server
-    assert server.exit_code == 0, log.read_text()[-3000:]
+def client(smol_server):
+    return openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused"), smol_server
 
 
 def _valid_calls(message) -> list[tuple[str, dict]]:
