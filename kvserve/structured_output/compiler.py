@@ -35,24 +35,27 @@ UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", 
                        "then", "else", "dependentRequired", "dependentSchemas")
 
 
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_DATA = ("const", "enum", "default", "examples")  # values, not schemas
+
+
 def unenforced_keyword(schema) -> str | None:
     """The first keyword in `schema` (anywhere in it) that the grammar would not enforce."""
     stack = [schema]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
-            for keyword in UNENFORCED_KEYWORDS:
-                if keyword in node and not (keyword == "uniqueItems" and not node[keyword]):
-                    if keyword in ("if", "then", "else", "not", "contains") and not isinstance(
-                            node[keyword], (dict, bool)):
-                        continue  # a property named so, not the keyword
-                    return keyword
-            properties = node.get("properties")
-            stack.extend(v for k, v in node.items() if k != "properties")
-            if isinstance(properties, dict):
-                stack.extend(properties.values())
-        elif isinstance(node, list):
+        if isinstance(node, list):
             stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node and node[keyword] is not False:  # uniqueItems: false is fine
+                return keyword
+        for key, value in node.items():
+            if key in _NAMED_SCHEMAS and isinstance(value, dict):
+                stack.extend(value.values())  # the names are the user's, not keywords
+            elif key not in _DATA:
+                stack.append(value)
     return None
 
 
