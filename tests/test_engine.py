@@ -221,3 +221,24 @@ def test_engine_tokens_equal_the_reference_run_at_every_level(isa_level, tiny_mo
     assert tokens == expected_tokens
     assert len(logprobs) == len(expected_logprobs) > 0
     assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_a_finished_requests_id_can_be_used_again(tiny_model_dir, engine_core):
+    """vLLM lets an id come back once its request finished. The old one's cleanup and the new
+    one reach the workers in the same step: the core's step encoder and the worker forget the
+    old one first (the worker raised KeyError and the engine died)."""
+    from kvserve import LLM
+
+    llm = LLM(model=str(tiny_model_dir), engine_core=engine_core, dtype="float32")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    answers = []
+    try:
+        for _ in range(3):
+            engine.add_request("again", {"prompt_token_ids": [5, 6, 7]}, params)
+            while engine.has_unfinished_requests():
+                answers += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    finally:
+        engine.shutdown()
+    assert len(answers) == 3 and answers[0] == answers[1] == answers[2]

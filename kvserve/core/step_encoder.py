@@ -20,6 +20,9 @@ class StepEncoder:
 
     def encode(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
         new_requests, scheduled = [], []
+        # first: a new request may reuse the id of one that finished in the step before
+        for request_id in scheduler_output.finished_ids:
+            self._sent_blocks.pop(request_id, None)
         for item in scheduler_output.scheduled:
             request = item.request
             sent = self._sent_blocks.get(request.request_id)
@@ -33,8 +36,6 @@ class StepEncoder:
             scheduled.append(ScheduledData(request.request_id, item.token_ids,
                                            item.start_position, blocks, item.sample, reset,
                                            others, item.num_draft_tokens))
-        for request_id in scheduler_output.finished_ids:
-            self._sent_blocks.pop(request_id, None)
         return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
                            encode_connector_metadata(scheduler_output.kv_connector_metadata))
 

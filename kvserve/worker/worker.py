@@ -119,9 +119,9 @@ class Worker:
 
         vocab_size = self.loaded.config.vocab_size
         init = ProcessorInit(vocab_size, self.config.max_num_seqs, SAMPLING_DEVICE)
+        ops = self.loaded.model.kernel_ops  # None: torch's ops throughout
         self.grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
-                                        vocab_size,
-                                        self.loaded.model.kernel_ops.apply_token_bitmask_)
+                                        vocab_size, ops.apply_token_bitmask_ if ops else None)
         return [self.grammar, *(cls(init) for cls in self.processor_classes)]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:
@@ -142,6 +142,9 @@ class Worker:
             self._note_finished(step.finished_ids)
 
     def execute_model(self, step: ExecuteStep) -> StepResult | None:
+        # first: a new request may reuse the id of one that finished in the step before
+        for request_id in step.finished_ids:
+            self.requests.pop(request_id, None)
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
             if new.request_id not in self.requests:
                 self.requests[new.request_id] = CachedRequestState.from_new(new)
@@ -149,8 +152,6 @@ class Worker:
                     self.grammar.prefetch(new.params)
         scheduled = [self._scheduled(item) for item in step.scheduled]
         output = self.runner.execute(RunnerInput(scheduled, step.finished_ids))
-        for request_id in step.finished_ids:
-            self.requests.pop(request_id, None)
         if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
             return None
         for request_id, tokens in output.sampled_token_ids.items():
