@@ -28,6 +28,9 @@ EXPECTED_ROUTES = {
     ("GET", "/health"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/metrics"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    # the Responses API: create, and read or delete a stored response (memory, not files)
+    ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
     # where the engine publishes its KV events (for a router): endpoints and block size only
     ("GET", "/kv_events_info"),
     # FastAPI's generated docs: the schema and two HTML pages, built in memory
