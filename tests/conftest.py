@@ -11,7 +11,7 @@ from kvserve.errors import KernelBuildError
 from kvserve.kernels import compiled_ops, isa
 from kvserve.model_source import resolve_model
 from kvserve.testing.tiny import tiny_config
-from tests.helpers import kernel_level, single_process_reference
+from tests.helpers import gguf_parsed_once, kernel_level, single_process_reference
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 # Kernel choices fixed (the documented limits) so tests do not time kernels; tests/test_autotune.py
@@ -87,18 +87,19 @@ def smollm_fp32_paged(smollm_source):
 def hf_model(smollm_source):
     """HF transformers loading the same GGUF in float32: the reference."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm_source.path.parent), gguf_file=smollm_source.path.name, dtype=torch.float32
-    )
+    with gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm_source.path.parent), gguf_file=smollm_source.path.name,
+            dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(smollm_source):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        str(smollm_source.path.parent), gguf_file=smollm_source.path.name
-    )
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(
+            str(smollm_source.path.parent), gguf_file=smollm_source.path.name)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.tokenizer import load_tokenizer
-from tests.helpers import assert_engine_chunked_and_cached_match, long_text
+from tests.helpers import assert_engine_chunked_and_cached_match, gguf_parsed_once, long_text
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -29,8 +29,9 @@ def gemma():
     source = resolve_model("gemma3-270m")
     ids = load_tokenizer(source).encode(long_text())
     prompts = [ids[start:end] for start, end in PROMPT_SPANS]
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32).eval()
     logits, tokens, margins = [], [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -54,15 +55,27 @@ def assert_tokens_match(got: list[int], expected: list[int], margins: list[float
     assert margins[first] < NEAR_TIE, f"diverged at {first} (HF margin {margins[first]:.4f})"
 
 
+def greedy_and_prefill_logits(loop: PagedLoop, prompts: list[list[int]], new_tokens: int):
+    """`loop.greedy(prompts, new_tokens)`, and the last-position logits of its first step (the
+    prefill of every prompt in one ragged batch): one prefill where a test checks both."""
+    steps, step = [], loop.step
+
+    def recording_step(*args, **kwargs):
+        steps.append(step(*args, **kwargs))
+        return steps[-1]
+
+    loop.step = recording_step
+    return loop.greedy(prompts, new_tokens), steps[0]
+
+
 def test_logits_and_greedy_tokens_match_hf(gemma, isa_level):
     model, config = load_model(gemma["source"], "float32", attention_backend="paged")
     assert config.sliding_windows.count(512) == 15 and config.vocab_size == 262144
     prompts = gemma["prompts"]
-    loop = PagedLoop(model, len(prompts), 4096)
-    got = loop.step(prompts, [len(p) for p in prompts], list(range(len(prompts))))
+    batched, got = greedy_and_prefill_logits(PagedLoop(model, len(prompts), 4096), prompts,
+                                             NEW_TOKENS)
     for ours, theirs in zip(got, gemma["logits"]):
         torch.testing.assert_close(ours.float(), theirs, atol=1e-3, rtol=0)
-    batched = PagedLoop(model, len(prompts), 4096).greedy(prompts, NEW_TOKENS)
     for i, prompt in enumerate(prompts):
         alone = PagedLoop(model, 1, 4096).greedy([prompt], NEW_TOKENS)[0]
         assert batched[i] == alone

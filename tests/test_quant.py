@@ -189,15 +189,22 @@ def test_quantized_model_one_row_equals_batched(mode):
 
 
 @pytest.mark.slow
-# w8a8's int8 GEMMs (torch._int_mm) have no fast path without VNNI: ~4 min on an AVX2-only CPU,
-# 15 on a busy one; seconds with AVX512-VNNI
-@pytest.mark.timeout(1500)
+# w8a8's int8 GEMMs (torch._int_mm) have no fast path without VNNI: ~1 min a window on an
+# AVX2-only CPU, several on a busy one; seconds with AVX512-VNNI
+@pytest.mark.timeout(900)
 def test_perplexity_bounds_on_smollm2(smollm_source):
-    """The stated bounds (benchmarks/results/*-perplexity.md has the full table): int4 and int8
-    within 1% of the unquantized model, w8a8 within 5%, on 4 windows of the held-out text; w4a8
-    within 1% of int4 in decode-sized steps. In
-    the machine's default dtype: bfloat16 where the CPU multiplies bf16 natively, float32
-    elsewhere (emulated bf16 GEMMs are ~100x slower there: no test could wait for them)."""
+    """The stated bounds (benchmarks/results/*-perplexity.md has the full 12-window table): int4
+    and int8 within 1% of the unquantized model, w8a8 within 5%; w4a8 within 1% of int4 in
+    decode-sized steps. On the first 512-token window of the held-out text (511 predictions),
+    in the machine's default dtype: bfloat16 where the CPU multiplies bf16 natively, float32
+    elsewhere (emulated bf16 GEMMs are ~100x slower there: no test could wait for them).
+
+    Measured on that window on Zen 3 (float32): int4 +0.00%, int8 +0.29%, w8a8 +3.27%, and w4a8
+    +0.36% over int4 scored 16 tokens a step. Over the first 4 windows (what this test scored
+    before, ~4 min of w8a8 GEMMs alone on AVX2): +0.00%, +0.10%, +2.69%, and +0.06% over 2
+    windows; w8a8 ranged +0.42% to +4.53% by window. The bounds are unchanged; w8a8's margin is
+    narrower on this window than over 4. In bfloat16 the table's 12 windows give w8a8 +4.05%;
+    this window alone was not measured on a bf16 machine."""
     from kvserve.bench.perplexity import held_out_text, perplexity
     from kvserve.models import load_model
     from kvserve.platform import default_dtype
@@ -209,17 +216,17 @@ def test_perplexity_bounds_on_smollm2(smollm_source):
     for mode in ("none", "int4", "int8", "w8a8"):
         model, _ = load_model(smollm_source, dtype, attention_backend="paged",
                               quantization=mode)
-        results[mode] = perplexity(model, tokens, 512, max_windows=4)["perplexity"]
+        results[mode] = perplexity(model, tokens, 512, max_windows=1)["perplexity"]
     assert results["int4"] <= results["none"] * 1.01
     assert results["int8"] <= results["none"] * 1.01
     assert results["w8a8"] <= results["none"] * 1.05
-    # w4a8 rounds activations in decode-sized steps only: 2 windows scored 16 tokens a step,
-    # against int4 scored the same way (+0.13% measured on Zen 3 over 4 windows)
+    # w4a8 rounds activations in decode-sized steps only: the window scored 16 tokens a step,
+    # against int4 scored the same way
     chunked = {}
     for mode in ("int4", "w4a8"):
         model, _ = load_model(smollm_source, dtype, attention_backend="paged",
                               quantization=mode)
-        chunked[mode] = perplexity(model, tokens, 512, max_windows=2, chunk=16)["perplexity"]
+        chunked[mode] = perplexity(model, tokens, 512, max_windows=1, chunk=16)["perplexity"]
     assert chunked["w4a8"] <= chunked["int4"] * 1.01
 
 

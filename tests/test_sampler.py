@@ -169,6 +169,23 @@ def ops(request):
     return ops_of(request.param)
 
 
+@pytest.fixture(scope="module")
+def once():
+    """`once(key, compute)`: compute() the first time a key is asked for in this module, then
+    its value. For what does not depend on the op set (the sort-based references and the
+    logits they filter), which every op set's run of a test would otherwise recompute: the
+    float64 sorts of 49k- and 262k-token rows were most of those tests' time."""
+    values: dict = {}
+
+    def value(key, compute):
+        if key not in values:
+            values[key] = compute()
+        return values[key]
+
+    yield value
+    values.clear()
+
+
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], ops=None) -> torch.Tensor:
     """The sampler's distributions for rows that all sample: temperature, top-k/top-p, then the
     min-p logits processor."""
@@ -225,17 +242,21 @@ SETTINGS = TYPICAL + [
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
 @pytest.mark.parametrize("spread", [3.0, 1.5, 1.0, 0.3])
-def test_filtered_probs_equal_the_sort_in_float64(vocab, spread, ops):
+def test_filtered_probs_equal_the_sort_in_float64(vocab, spread, ops, once):
     """Each setting alone and all of them in one batch, on peaked to flat rows (flat ones take
     the histogram-sized window or the whole-row fallback): the sort's tokens, bit for bit."""
 
-    logits = model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab)
     params = params_for(SETTINGS)
-    expected = reference_filtered_probs(logits, params, exact=True)
+    logits, expected = once(("float64 sort", vocab, spread), lambda: _float64_sort(
+        model_like_logits(len(SETTINGS), vocab, spread, seed=int(spread * 10) + vocab), params))
     assert_same_distribution(filtered_probs(logits, params, ops), expected)
     for i in range(0, len(SETTINGS), 3 if vocab > 100_000 else 1):
         single = filtered_probs(logits[i:i + 1], params[i:i + 1], ops)
         assert_same_distribution(single, expected[i:i + 1])
+
+
+def _float64_sort(logits: torch.Tensor, params: list[SamplingParams]):
+    return logits, reference_filtered_probs(logits, params, exact=True)
 
 
 @pytest.mark.parametrize("spread", [3.0, 1.5, 1.0])
@@ -250,7 +271,7 @@ def test_typical_settings_equal_the_former_float32_sort(spread, ops):
 
 
 @pytest.mark.parametrize("vocab", [49152, 262144])
-def test_the_float32_sort_differed_only_in_its_rounding(vocab, ops):
+def test_the_float32_sort_differed_only_in_its_rounding(vocab, ops, once):
     """Where the former float32 code kept other tokens (top_p near 1, long tails, 262k rows):
     its softmax of the sorted row summed best first and lost the tail's smallest terms (at 262k
     its probabilities added up to 1.0001), so it cut early. The kept sets are nested, and they
@@ -260,10 +281,9 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab, ops):
     params = params_for(SETTINGS)
     differing_rows = 0
     for spread in (3.0, 1.5, 1.0, 0.3):
-        logits = model_like_logits(len(SETTINGS), vocab, spread, seed=5)
+        logits, old, unfiltered = once(("float32 sort", vocab, spread),
+                                       lambda: _former_float32_sort(params, vocab, spread))
         new = filtered_probs(logits, params, ops)
-        old = reference_filtered_probs(logits, params)
-        unfiltered = torch.softmax(logits / torch.tensor([[p.temperature] for p in params]), -1)
         for i in range(len(params)):
             if torch.equal(new[i], old[i]):
                 continue
@@ -274,6 +294,14 @@ def test_the_float32_sort_differed_only_in_its_rounding(vocab, ops):
             both = kept & old_kept
             torch.testing.assert_close(new[i][both], old[i][both], rtol=3e-4, atol=0)
     assert differing_rows > 0  # the case is real: this test would otherwise prove nothing
+
+
+def _former_float32_sort(params: list[SamplingParams], vocab: int, spread: float):
+    """Model-like logits, the former float32 code's distributions of them, and the unfiltered
+    ones."""
+    logits = model_like_logits(len(params), vocab, spread, seed=5)
+    unfiltered = torch.softmax(logits / torch.tensor([[p.temperature] for p in params]), -1)
+    return logits, reference_filtered_probs(logits, params), unfiltered
 
 
 def test_every_window_path_is_taken(monkeypatch):
@@ -335,7 +363,7 @@ def assert_small_rows_equal_the_sort(logits: torch.Tensor, ops) -> None:
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 49152])
-def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab, ops):
+def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab, ops, once):
     """Integer logits tie in big groups, so top-k and top-p cuts fall inside one: as many tokens
     as the sort keeps, with the same probabilities, and of the tied ones the lowest ids (what a
     stable sort keeps; torch's sort, not stable, keeps an arbitrary few)."""
@@ -347,11 +375,19 @@ def test_ties_at_the_cut_keep_the_lowest_token_ids(vocab, ops):
         for p in (1.0, 0.6, 0.3, 0.05):
             params = params_for([(1.0, k, p, 0.0)] * 4)
             new = filtered_probs(logits, params, ops)
-            assert_same_distribution(new, reference_filtered_probs(logits, params, True, True))
-            unstable = reference_filtered_probs(logits, params, exact=True)
-            assert torch.equal((new > 0).sum(dim=-1), (unstable > 0).sum(dim=-1))
+            stable, unstable_kept, unstable_sorted = once(("ties", vocab, k, p),
+                                                          lambda: _tie_references(logits, params))
+            assert_same_distribution(new, stable)
+            assert torch.equal((new > 0).sum(dim=-1), unstable_kept)
             # the same values at other places: the softmax sums them in another order
-            torch.testing.assert_close(new.sort(dim=-1).values, unstable.sort(dim=-1).values)
+            torch.testing.assert_close(new.sort(dim=-1).values, unstable_sorted)
+
+
+def _tie_references(logits: torch.Tensor, params: list[SamplingParams]):
+    """The stable sort's distribution; the unstable one's kept count and sorted values."""
+    unstable = reference_filtered_probs(logits, params, exact=True)
+    return (reference_filtered_probs(logits, params, True, True), (unstable > 0).sum(dim=-1),
+            unstable.sort(dim=-1).values)
 
 
 def test_masked_tokens_and_tiny_vocabularies(ops):

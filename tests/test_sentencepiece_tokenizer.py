@@ -10,6 +10,7 @@ import pytest
 from kvserve.model_source import resolve_model
 from kvserve.tokenizer import load_tokenizer
 from kvserve.tokenizer.sentencepiece_gguf import merges_from_vocabulary
+from tests.helpers import gguf_parsed_once
 
 TEXTS = [
     "Hello world",
@@ -44,8 +45,9 @@ def gemma_tokenizers(gemma_source):
     from transformers import AutoTokenizer
 
     ours = load_tokenizer(gemma_source)
-    theirs = AutoTokenizer.from_pretrained(str(gemma_source.path.parent),
-                                           gguf_file=gemma_source.path.name)
+    with gguf_parsed_once():
+        theirs = AutoTokenizer.from_pretrained(str(gemma_source.path.parent),
+                                               gguf_file=gemma_source.path.name)
     return ours, theirs
 
 
