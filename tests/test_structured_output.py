@@ -130,15 +130,14 @@ def test_one_compile_per_spec_however_many_requests_wait(monkeypatch):
 
     def attach(schema):
         try:
-            grammars.attach(SamplingParams(structured_outputs=StructuredOutputsParams(
-                json=schema)))
+            grammars.submit(StructuredOutputsParams(json=schema)).result(10)
         except BaseException as exc:  # reported by the assertion below
             errors.append(exc)
 
     def attach_async_many():
         async def many():
-            await asyncio.gather(*(grammars.attach_async(SamplingParams(
-                structured_outputs=StructuredOutputsParams(json=one))) for _ in range(8)))
+            await asyncio.gather(*(asyncio.wrap_future(grammars.submit(
+                StructuredOutputsParams(json=one))) for _ in range(8)))
         try:
             asyncio.run(many())
         except BaseException as exc:
@@ -190,10 +189,16 @@ def grammars(tokenizer):
     ({"json": "[1, 2]"}, "object or bool"),
 ])
 def test_a_grammar_xgrammar_rejects_is_an_invalid_request(grammars, spec, says):
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    """The front-end's check (no vocabulary, well under a millisecond) and the compile both
+    refuse it, saying why."""
+    from kvserve.structured_output.compiler import validate
+
+    with pytest.raises(InvalidRequestError, match=says) as refused:
+        validate(StructuredOutputsParams(**spec))
+    assert refused.value.param == "structured_outputs"
     for _ in range(2):  # a failed compile is not cached as a success, nor left pending
         with pytest.raises(InvalidRequestError, match=says) as refused:
-            grammars.attach(params)
+            grammars.submit(StructuredOutputsParams(**spec)).result(30)
         assert refused.value.param == "structured_outputs"
 
 
@@ -205,16 +210,17 @@ def test_a_grammar_xgrammar_rejects_is_an_invalid_request(grammars, spec, says):
     ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
 ])
-def test_schema_keywords_the_grammar_would_not_enforce_are_refused(grammars, schema, keyword):
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword):
     """xgrammar accepts these and ignores them (uniqueItems gave ["fantasy", "fantasy"]): a
     400 naming the keyword, never output that silently breaks the schema. A property that
     merely has such a name, or uniqueItems false, is fine."""
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    from kvserve.structured_output.compiler import validate
+
     with pytest.raises(InvalidRequestError, match=f"'{keyword}'"):
-        grammars.attach(params)
+        validate(StructuredOutputsParams(json=schema))
     harmless = {"type": "object", "properties": {"if": {"type": "string"}, "not": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": False}}}
-    grammars.attach(SamplingParams(structured_outputs=StructuredOutputsParams(json=harmless)))
+    validate(StructuredOutputsParams(json=harmless))
 
 
 def test_min_tokens_with_a_grammar_is_refused():
@@ -225,11 +231,11 @@ def test_min_tokens_with_a_grammar_is_refused():
     assert refused.value.param == "min_tokens"
 
 
-def test_an_error_message_reads_cleanly(grammars):
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(
-        grammar="root ::= undefined_rule"))
+def test_an_error_message_reads_cleanly():
+    from kvserve.structured_output.compiler import validate
+
     with pytest.raises(InvalidRequestError) as refused:
-        grammars.attach(params)
+        validate(StructuredOutputsParams(grammar="root ::= undefined_rule"))
     message = str(refused.value)
     assert message.startswith("the grammar cannot be used: ") and "/project/" not in message
 
@@ -389,6 +395,109 @@ def test_regex_choice_and_grammars_are_followed(llm):
             assert completion.text in check, where
         else:
             assert check.fullmatch(completion.text), where
+
+
+# ---- the engine core's gate: a request waits for its grammar, nobody waits with it -------------
+@pytest.fixture
+def held_compiles(monkeypatch):
+    """Compiles of specs whose schema has the property "held" wait until the event is set
+    (the rest compile as usual): a grammar that takes as long as a test likes."""
+    from kvserve.structured_output import compiler as module
+
+    release, real = threading.Event(), module.compile_spec
+
+    def compile_spec(xgr, spec):
+        if spec.json is not None and '"held"' in spec.json:
+            release.wait(60)
+        return real(xgr, spec)
+
+    monkeypatch.setattr(module, "compile_spec", compile_spec)
+    yield release
+    release.set()
+
+
+def _held_schema(test: str) -> dict:
+    """A schema no other test compiled (the process's compiler caches by spec)."""
+    return {"type": "object", "properties": {"held": {"const": test}}, "required": ["held"]}
+
+
+def _run_until(engine, request_id: str, finished: dict, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while request_id not in finished:
+        assert time.monotonic() < deadline, f"{request_id} did not finish"
+        for output in engine.step(timeout=1):
+            if output.finished:
+                finished[output.request_id] = output
+
+
+@pytest.mark.slow
+def test_a_request_waits_for_its_grammar_out_of_the_batch(llm, held_compiles):
+    """While one request's grammar compiles, a free request arrives after it, runs and
+    finishes; the constrained one waits out of the schedule (no batch stalls on its compile),
+    then runs to a valid answer once the grammar is ready."""
+    from kvserve.core.request import RequestStatus
+
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Reply with a JSON object."}])
+    schema = _held_schema("waits")
+    engine.add_request("constrained", prompt, SamplingParams(
+        temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=schema)))
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                      ignore_eos=True))
+    finished: dict = {}
+    _run_until(engine, "free", finished)
+    assert len(finished["free"].outputs[0].token_ids) == 16
+    waiting = core.scheduler.requests["constrained"]
+    assert waiting.status == RequestStatus.WAITING_FOR_GRAMMAR
+    assert waiting.num_computed_tokens == 0 and core.scheduler.num_waiting == 1
+    held_compiles.set()
+    _run_until(engine, "constrained", finished)
+    answer = finished["constrained"].outputs[0]
+    assert answer.finish_reason == "stop" and json.loads(answer.text) == {"held": "waits"}
+
+
+@pytest.mark.slow
+def test_a_compile_that_fails_or_runs_too_long_fails_only_its_request(llm, held_compiles,
+                                                                      monkeypatch):
+    """A grammar the core cannot compile (here: past the time limit, and one that raises)
+    fails its request with the reason; the engine serves the next request as before; an
+    aborted waiting request leaves nothing behind."""
+    engine, core = llm.llm_engine, llm.llm_engine.engine_core
+    compiler = core.grammar_gate.compiler
+    monkeypatch.setattr(compiler, "timeout_s", 0.5)
+    prompt = "Hello"
+    engine.add_request("slow", prompt, SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json=_held_schema("slow"))))
+    engine.add_request("aborted", prompt, SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json=_held_schema("abort"))))
+    engine.abort_request("aborted")
+    deadline = time.monotonic() + 30
+    failures: list = []
+    while not failures:
+        assert time.monotonic() < deadline, "the slow compile never failed its request"
+        engine.step(timeout=0.5)
+        failures += engine.take_failures()
+    assert [request_id for request_id, _ in failures] == ["slow"]
+    assert "longer than 0.5 s to compile" in str(failures[0][1])
+    held_compiles.set()  # the pool's two threads were busy with them
+
+    from kvserve.structured_output import compiler as module
+
+    def broken(xgr, spec):
+        raise RuntimeError("[12:00:00] /project/cpp/x.cc:1: no memory for the grammar")
+
+    monkeypatch.setattr(module, "compile_spec", broken)
+    engine.add_request("broken", prompt, SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(json=_held_schema("broken"))))
+    finished: dict = {}
+    engine.add_request("after", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    _run_until(engine, "after", finished)
+    failures = engine.take_failures()
+    assert [request_id for request_id, _ in failures] == ["broken"]
+    assert "no memory for the grammar" in str(failures[0][1])
+    assert core.scheduler.compiling == {} and len(core.grammar_gate) == 0
+    assert not core.scheduler.has_unfinished()
 
 
 # ---- over HTTP, through the official client ---------------------------------------------------

@@ -77,15 +77,17 @@ def _constrained(compiler, eos, **spec):
 
     params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(**spec))
     params.all_stop_token_ids = {eos}
-    compiler.attach(params)
+    compiler.submit(params.structured_outputs).result()
     return params
 
 
 def _sampler(tokenizer, vocab):
     from kvserve.sample.sampler import Sampler
+    from kvserve.structured_output.compiler import GrammarCompiler
     from kvserve.structured_output.processor import GrammarProcessor
 
-    return Sampler(0, logits_processors=[GrammarProcessor(lambda: tokenizer, vocab)])
+    return Sampler(0, logits_processors=[GrammarProcessor(GrammarCompiler(lambda: tokenizer,
+                                                                          vocab))])
 
 
 def _run_plain(sampler, rows, steps, vocab, seed):
@@ -163,9 +165,11 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 def _grammar_drafts(tokenizer, vocab):
+    from kvserve.structured_output.compiler import GrammarCompiler
     from kvserve.structured_output.drafts import GrammarDrafts
 
-    return GrammarDrafts(lambda: tokenizer, vocab, max_drafts=8)
+    return GrammarDrafts(GrammarCompiler(lambda: tokenizer, vocab), lambda: tokenizer,
+                         max_drafts=8)
 
 
 def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup):
@@ -194,7 +198,7 @@ def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup):
             "x1", add_special_tokens=False))
     assert not forced and digits == []  # "x" cannot start an integer
     drafts.finish("r")
-    drafts.shutdown()
+    drafts.compiler.shutdown()
 
 
 @pytest.mark.slow

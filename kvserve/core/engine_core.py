@@ -51,13 +51,16 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.drafter import Drafter
+from kvserve.structured_output.compiler import shared_compiler
 from kvserve.structured_output.drafts import GrammarDrafts
+from kvserve.structured_output.gate import GrammarGate
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 WARMUP_REQUEST_ID = "__warmup__"
 LOAD_WAIT_SECONDS = 0.005  # an idle step's wait for a KV load to end
+GRAMMAR_WAIT_SECONDS = 0.01  # an idle step's wait for a grammar compile to end
 HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the connector asks
 
 
@@ -104,6 +107,7 @@ class EngineCore:
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
+        self._grammar_gate: GrammarGate | None = None  # built on the first constrained request
         if self.drafter is not None:
             self._profile_step_costs()
         self.load_seconds = time.perf_counter() - start
@@ -243,8 +247,8 @@ class EngineCore:
         as the target's."""
         if spec.method != "draft_model":
             return Drafter(spec, grammar=GrammarDrafts(
-                lambda: load_tokenizer(resolve_model(self.config.model)),
-                self.model_config.vocab_size, spec.num_speculative_tokens))
+                self._grammar_compiler(), lambda: load_tokenizer(resolve_model(self.config.model)),
+                spec.num_speculative_tokens))
         config = self.config
         proposer = DraftModelProposer(
             spec.model, spec.num_speculative_tokens,
@@ -282,15 +286,45 @@ class EngineCore:
                 request.request_id, finish_reason="error",
                 error=f"request id {request.request_id!r} is already in the engine"))
             return
+        spec = request.params.structured_outputs
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
-            request.kv_transfer_params))
-        if self.drafter is not None and self.drafter.grammar is not None:
-            self.drafter.grammar.prefetch(request.params.structured_outputs)
+            request.kv_transfer_params),
+            wait_for_grammar=spec is not None and self.grammar_gate.must_wait(
+                request.request_id, spec))
+
+    @property
+    def grammar_gate(self) -> GrammarGate:
+        """Where constrained requests wait for their grammar (compiled in this process's
+        shared compiler: a worker in this process and the forced-span drafter find it
+        there)."""
+        if self._grammar_gate is None:
+            self._grammar_gate = GrammarGate(self._grammar_compiler())
+        return self._grammar_gate
+
+    def _grammar_compiler(self):
+        return shared_compiler(self.config.model, self.model_config.vocab_size,
+                               lambda: load_tokenizer(resolve_model(self.config.model)))
+
+    def _admit_grammars(self, wait_s: float = 0.0) -> None:
+        """Requests whose grammar compiled join the queue; failed compiles fail theirs. With
+        `wait_s`, first sleep until a compile ends (nothing else to run)."""
+        gate = self._grammar_gate
+        if gate is None or not len(gate):
+            return
+        gate.wait(wait_s)
+        ready, failed = gate.poll()
+        for request_id in ready:
+            self.scheduler.grammar_ready(request_id)
+        for request_id, error in failed:
+            self.fail_request(request_id, "compiling its grammar", error)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests wherever they are; their blocks are free at once."""
+        request_ids = list(request_ids)
+        if self._grammar_gate is not None:
+            self._grammar_gate.discard(request_ids)
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished(self) -> bool:
@@ -332,6 +366,7 @@ class EngineCore:
         """
         self.thread_governor.tick()
         self._take_kv_reports()
+        self._admit_grammars()
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
@@ -340,8 +375,11 @@ class EngineCore:
         if self.drafter is not None and scheduler_output.scheduled:
             self.drafter.cost.observe(scheduler_output.num_batched_tokens,
                                       time.perf_counter() - started)
-        if not scheduler_output.scheduled and self.scheduler.loading:
-            self._take_kv_reports(LOAD_WAIT_SECONDS)  # nothing to run but loads: no busy loop
+        if not scheduler_output.scheduled:  # nothing to run but loads or compiles: no busy loop
+            if self.scheduler.loading:
+                self._take_kv_reports(LOAD_WAIT_SECONDS)
+            elif self.scheduler.compiling:
+                self._admit_grammars(GRAMMAR_WAIT_SECONDS)
         return self._update(scheduler_output, runner_output)
 
     # ---- the KV connector ---------------------------------------------------------------------
@@ -407,9 +445,11 @@ class EngineCore:
                 self.scheduler.mark_in_flight(scheduler_output)
                 if len(queue) < self.executor.max_concurrent_batches:
                     return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
-        if not queue:
-            if self.scheduler.loading:  # nothing to run but loads: no busy loop
+        if not queue:  # nothing to run but loads or compiles: no busy loop
+            if self.scheduler.loading:
                 self._take_kv_reports(LOAD_WAIT_SECONDS, poll=True)
+            elif self.scheduler.compiling:
+                self._admit_grammars(GRAMMAR_WAIT_SECONDS)
             return self._update(SchedulerOutput(), ModelRunnerOutput.empty())
         scheduler_output = queue.popleft()
         runner_output = self.executor.collect()
@@ -535,8 +575,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.kv_events.close()
-        if self.drafter is not None and self.drafter.grammar is not None:
-            self.drafter.grammar.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prompt's KV is being pulled
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured output's grammar compiles
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

@@ -91,6 +91,8 @@ class Scheduler(SchedulerInterface):
             kv_manager.pool.record_evictions()
         self.loading: dict[str, Request] = {}  # loading their KV between steps
         self.held: dict[str, Request] = {}  # finished, blocks kept for the connector (sends)
+        # waiting for their grammar to compile (structured output), with their queue keys
+        self.compiling: dict[str, tuple[tuple, Request]] = {}
         self.load_failures: list[tuple[str, str]] = []  # (id, why) since the engine last looked
         self.waiting: list[tuple[tuple, Request]] = []  # sorted by policy key
         self.running: list[Request] = []
@@ -108,9 +110,20 @@ class Scheduler(SchedulerInterface):
             return (request.priority, request.arrival_time, order)
         return (order,)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, wait_for_grammar: bool = False) -> None:
+        """Queue a request; one that must wait for its grammar stays out of the queue (and
+        keeps its place in it) until `grammar_ready`."""
         self.requests[request.request_id] = request
+        if wait_for_grammar:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.compiling[request.request_id] = (self._key(request), request)
+            return
         bisect.insort(self.waiting, (self._key(request), request), key=lambda item: item[0])
+
+    def grammar_ready(self, request_id: str) -> None:
+        key, request = self.compiling.pop(request_id)
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, (key, request), key=lambda item: item[0])
 
     def _push_front(self, request: Request) -> None:
         """A preempted request goes back ahead of later arrivals (FCFS) or by priority."""
@@ -122,16 +135,16 @@ class Scheduler(SchedulerInterface):
 
     @property
     def num_waiting(self) -> int:
-        """Waiting to be scheduled, those waiting for their KV from a prefill engine included
-        (as vLLM counts them)."""
-        return len(self.waiting) + len(self.loading)
+        """Waiting to be scheduled, those waiting for their KV from a prefill engine or for
+        their grammar included (as vLLM counts them)."""
+        return len(self.waiting) + len(self.loading) + len(self.compiling)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.compiling)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -423,6 +436,8 @@ class Scheduler(SchedulerInterface):
         loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            del self.compiling[request_id]
         elif not request.is_finished and not loading:
             self._remove_waiting(request)
         request.status = status

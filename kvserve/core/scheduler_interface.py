@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 class SchedulerInterface(ABC):
     @abstractmethod
-    def add_request(self, request: Request) -> None:
-        """Queue a new request."""
+    def add_request(self, request: Request, wait_for_grammar: bool = False) -> None:
+        """Queue a new request (one waiting for its grammar stays out of the queue until
+        `grammar_ready`)."""
+
+    def grammar_ready(self, request_id: str) -> None:
+        """A request that waited for its grammar joins the queue."""
+        raise NotImplementedError
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:

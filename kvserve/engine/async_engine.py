@@ -154,11 +154,14 @@ class AsyncEngine:
         return self.engine.prepare_request(request_id, prompt, params, priority,
                                            kv_transfer_params=kv_transfer_params)
 
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """A structured-output request's grammar, compiled off the event loop (`prepare` then
-        finds it ready); an InvalidRequestError when the grammar cannot be used."""
+    async def validate_grammar(self, params: SamplingParams) -> None:
+        """A structured-output request's grammar, checked off the event loop (xgrammar's
+        first import takes seconds); an InvalidRequestError when it cannot be used. The
+        engine core compiles it, holding the request until it is ready."""
         if params.structured_outputs is not None:
-            await self.inputs.grammars.attach_async(params)
+            from kvserve.structured_output.compiler import validate_async
+
+            await validate_async(params.structured_outputs)
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs until finished; closing the stream early aborts the request."""

@@ -20,20 +20,6 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.processor_classes = processor_classes  # custom logits processors: their args
-        self._grammars = None
-
-    @property
-    def grammars(self):
-        """Structured output's grammar compiler (its thread pool starts on first use)."""
-        if self._grammars is None:
-            from kvserve.structured_output.compiler import GrammarCompiler
-
-            self._grammars = GrammarCompiler(lambda: self.tokenizer, self.vocab_size)
-        return self._grammars
-
-    def shutdown(self) -> None:
-        if self._grammars is not None:
-            self._grammars.shutdown()
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs: Any) -> dict:
@@ -85,8 +71,11 @@ class InputProcessor:
         params.all_stop_token_ids = set(params.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             params.all_stop_token_ids.add(self.tokenizer.eos_token_id)
-        if params.structured_outputs is not None:  # the server's async path compiled it
-            self.grammars.attach(params)
+        spec = params.structured_outputs
+        if spec is not None and spec.key is None:  # the server's async path checked it
+            from kvserve.structured_output.compiler import validate
+
+            validate(spec)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ContextLengthExceededError(

@@ -90,7 +90,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the core (and its process, if it has one)."""
-        self.inputs.shutdown()
         self.core.shutdown()
 
     # ---- requests ------------------------------------------------------------------------

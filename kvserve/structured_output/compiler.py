@@ -1,10 +1,12 @@
 """Grammars compiled off the engine loop: a request's structured-output spec is compiled by
 xgrammar on a small thread pool, once per distinct spec (an LRU keyed by the normalised spec,
-bounded in bytes); concurrent requests for one spec share one compile. The front-end compiles
-to check a request (a spec xgrammar rejects, or one that compiles for longer than the time
-limit, is an InvalidRequestError: a 400 that says why), the sampling worker to mask with; the
-event loop never waits on it, and the worker starts its compile when the request arrives, so
-it runs beside the request's prefill."""
+bounded in bytes); concurrent requests for one spec share one compile, and every part of one
+process (the engine core's gate and forced spans, a worker in the core's process) shares one
+compiler per model (`shared_compiler`). The front-end only checks a spec (`validate`: xgrammar
+builds the grammar without the vocabulary, well under a millisecond against seconds for some
+compiles); a spec it rejects is an InvalidRequestError, a 400 that says why. The engine core
+holds a constrained request out of the schedule until its grammar is compiled, so nobody
+waits for it but the request itself."""
 
 from __future__ import annotations
 
@@ -15,11 +17,10 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.backend import tokenizer_info, xgrammar
 
 COMPILE_TIMEOUT_S = 10.0
@@ -126,28 +127,10 @@ class GrammarCompiler:
                 self._pending[key] = future
             return future
 
-    # ---- what the front-end calls ----------------------------------------------------------
-    def attach(self, params: SamplingParams) -> None:
-        """Check that the request's grammar compiles (here, waiting for it)."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        try:
-            self.submit(spec).result(self.timeout_s)
-        except FutureTimeout:
-            raise self._too_slow() from None
-
-    async def attach_async(self, params: SamplingParams) -> None:
-        """`attach` without blocking the event loop: the request waits for its grammar, nobody
-        else does."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        future = self.submit(spec)
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._too_slow() from None
+    def too_slow(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"the grammar took longer than {self.timeout_s:g} s to compile; simplify it",
+            param="structured_outputs")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -161,12 +144,7 @@ class GrammarCompiler:
                 self._pending.pop(key, None)
             if isinstance(exc, InvalidRequestError):
                 raise
-            # xgrammar's errors (RuntimeError, ValueError, its own) say what is wrong, after a
-            # "[time] /project/cpp/file.cc:line:" prefix of its build's
-            kind = spec.kinds()[0].replace("_", " ")
-            what = "grammar" if kind == "grammar" else f"{kind} grammar"
-            raise InvalidRequestError(f"the {what} cannot be used: {_xgrammar_message(exc)}",
-                                      param="structured_outputs") from exc
+            raise _unusable(spec, exc) from exc
         with self._lock:
             self._pending.pop(key, None)
             self._cache[key] = grammar
@@ -184,30 +162,77 @@ class GrammarCompiler:
                                                             cache_enabled=False)
             return self._compiler
 
-    def _too_slow(self) -> InvalidRequestError:
-        return InvalidRequestError(
-            f"the grammar took longer than {self.timeout_s:g} s to compile; simplify it",
-            param="structured_outputs")
+
+def _unusable(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
+    """xgrammar's errors (RuntimeError, ValueError, its own) say what is wrong, after a
+    "[time] /project/cpp/file.cc:line:" prefix of its build's."""
+    kind = spec.kinds()[0].replace("_", " ")
+    what = "grammar" if kind == "grammar" else f"{kind} grammar"
+    message = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(exc).strip())
+    return InvalidRequestError(f"the {what} cannot be used: {message}",
+                               param="structured_outputs")
 
 
-def _xgrammar_message(exc: Exception) -> str:
-    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(exc).strip())
+# ---- the front-end's check ------------------------------------------------------------------
+def validate(spec: StructuredOutputsParams) -> None:
+    """Check a spec as xgrammar reads it, without compiling it against the vocabulary (that
+    part can take seconds; this well under a millisecond, after xgrammar's first import);
+    fills `spec.key`. An InvalidRequestError says what is wrong."""
+    spec.key = spec.key or spec_key(spec)
+    try:
+        build_grammar(spec)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:
+        raise _unusable(spec, exc) from exc
 
 
-def compile_spec(compiler, spec: StructuredOutputsParams):
-    """xgrammar's CompiledGrammar for one spec."""
+async def validate_async(spec: StructuredOutputsParams) -> None:
+    """`validate` off the event loop (xgrammar's first import takes seconds)."""
+    await asyncio.to_thread(validate, spec)
+
+
+def build_grammar(spec: StructuredOutputsParams):
+    """xgrammar's Grammar for one spec: what a compile starts from, without the vocabulary."""
+    grammar = xgrammar().Grammar
     kind = spec.kinds()[0]
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else '{"type": "object"}'
-        return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
-                                            max_whitespace_cnt=MAX_WHITESPACE_RUN)
+        return grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
+                                        max_whitespace_cnt=MAX_WHITESPACE_RUN)
     if kind == "regex":
-        return compiler.compile_regex(spec.regex)
+        return grammar.from_regex(spec.regex)
     if kind == "choice":
-        alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
-        return compiler.compile_grammar(f"root ::= {alternatives}")
+        return grammar.from_ebnf(_choice_ebnf(spec.choice))
     if kind == "grammar":
         if "::=" in spec.grammar:  # EBNF / GBNF
-            return compiler.compile_grammar(spec.grammar)
-        return compiler.compile_lark(spec.grammar)
-    return compiler.compile_structural_tag(spec.structural_tag)
+            return grammar.from_ebnf(spec.grammar)
+        return grammar.from_lark(spec.grammar)
+    return grammar.from_structural_tag(spec.structural_tag)
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+# ---- one compiler per model in a process ------------------------------------------------
+_shared: dict[tuple[str, int], GrammarCompiler] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_compiler(model: str, vocab_size: int, tokenizer_loader) -> GrammarCompiler:
+    """The process's compiler for this model: the engine core's gate, its forced spans and a
+    worker in the same process compile each spec once between them. `tokenizer_loader` is
+    used by the first caller only."""
+    with _shared_lock:
+        compiler = _shared.get((model, vocab_size))
+        if compiler is None:
+            compiler = _shared[(model, vocab_size)] = GrammarCompiler(tokenizer_loader,
+                                                                      vocab_size)
+        return compiler
+
+
+def compile_spec(compiler, spec: StructuredOutputsParams):
+    """xgrammar's CompiledGrammar for one spec: the front-end's grammar, compiled against the
+    vocabulary (what xgrammar's compile_json_schema etc. do in one call)."""
+    return compiler.compile_grammar(build_grammar(spec))

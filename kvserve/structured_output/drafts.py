@@ -29,17 +29,14 @@ class _Follower:
 
 
 class GrammarDrafts:
-    def __init__(self, tokenizer_loader, vocab_size: int, max_drafts: int):
-        self.compiler = GrammarCompiler(tokenizer_loader, vocab_size)
+    def __init__(self, compiler: GrammarCompiler, tokenizer_loader, max_drafts: int):
+        """`compiler`: the engine core's (`shared_compiler`), where the core's gate compiled
+        each request's grammar before the request could run."""
+        self.compiler = compiler
         self.max_drafts = max_drafts
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer = None
         self._followers: dict[str, _Follower] = {}
-
-    def prefetch(self, spec: StructuredOutputsParams | None) -> None:
-        """Start compiling a new request's grammar (it runs while the request prefills)."""
-        if spec is not None:
-            self.compiler.submit(spec)
 
     def drafts(self, request_id: str, spec: StructuredOutputsParams, outputs: list[int],
                proposed: list[int]) -> tuple[list[int], bool]:
@@ -67,19 +64,16 @@ class GrammarDrafts:
     def finish(self, request_id: str) -> None:
         self._followers.pop(request_id, None)
 
-    def shutdown(self) -> None:
-        self.compiler.shutdown()
-
     # ---- inside -----------------------------------------------------------------------------
     def _follower(self, request_id: str, spec: StructuredOutputsParams) -> _Follower | None:
         follower = self._followers.get(request_id)
         if follower is None:
             future = self.compiler.submit(spec)
-            if not future.done():  # still compiling: no drafts this step, nobody waits
+            if not future.done():  # evicted from the cache and compiling again: no drafts yet
                 return None
             try:
                 grammar = future.result()
-            except Exception:  # the front-end compiled it; proposing is only an optimisation
+            except Exception:  # the gate compiled it; proposing is only an optimisation
                 return None
             follower = _Follower(xgrammar().GrammarMatcher(grammar))
             self._followers[request_id] = follower

@@ -44,16 +44,15 @@ class _RowGrammar:
 
 
 class GrammarProcessor(PerRowProcessor):
-    def __init__(self, tokenizer_loader: Callable[[], Any], vocab_size: int,
-                 apply_token_bitmask_: Callable | None = None):
-        """`tokenizer_loader`: the model's tokenizer, loaded only when a first constrained
-        request arrives (xgrammar describes the vocabulary from it). `apply_token_bitmask_`:
-        the runner's kernel op (csrc/sampling.cpp; xgrammar's own CPU one measured ~275 us a
-        row at 49k tokens), torch's reference when None."""
+    def __init__(self, compiler: GrammarCompiler, apply_token_bitmask_: Callable | None = None):
+        """`compiler`: the process's (`shared_compiler`): in the engine core's process the
+        core's gate compiled each request's grammar before the request could run.
+        `apply_token_bitmask_`: the runner's kernel op (csrc/sampling.cpp; xgrammar's own CPU
+        one measured ~275 us a row at 49k tokens), torch's reference when None."""
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size = compiler.vocab_size
         self._apply = apply_token_bitmask_ or reference.apply_token_bitmask_
-        self.compiler = GrammarCompiler(tokenizer_loader, vocab_size)
+        self.compiler = compiler
         self._bitmask: torch.Tensor | None = None
         self._rows_sorted: list[int] = []
 
@@ -61,8 +60,9 @@ class GrammarProcessor(PerRowProcessor):
         return False
 
     def prefetch(self, params: SamplingParams) -> None:
-        """Start compiling a new request's grammar (the worker calls this as the request
-        arrives, so the compile runs beside its prefill)."""
+        """Start compiling a new request's grammar as the request arrives, so that a worker
+        in a process of its own (tensor or pipeline parallel) compiles it beside the
+        prefill; in the core's process it is already compiled."""
         if params.structured_outputs is not None:
             self.compiler.submit(params.structured_outputs)
 
@@ -72,7 +72,7 @@ class GrammarProcessor(PerRowProcessor):
             return None
         try:
             grammar = self.compiler.submit(spec).result()
-        except Exception:  # the front-end compiled the same spec: not expected
+        except Exception:  # the core's gate compiled the same spec: not expected
             logger.exception("a grammar that compiled in the front-end failed on the worker; "
                              "the request's output is not constrained")
             return None

@@ -115,13 +115,16 @@ class Worker:
         on the rank that samples."""
         if not self.is_output_rank:
             return []
+        from kvserve.structured_output.compiler import shared_compiler
         from kvserve.structured_output.processor import GrammarProcessor
 
         vocab_size = self.loaded.config.vocab_size
         init = ProcessorInit(vocab_size, self.config.max_num_seqs, SAMPLING_DEVICE)
         ops = self.loaded.model.kernel_ops  # None: torch's ops throughout
-        self.grammar = GrammarProcessor(lambda: load_tokenizer(resolve_model(self.config.model)),
-                                        vocab_size, ops.apply_token_bitmask_ if ops else None)
+        model = self.config.model
+        compiler = shared_compiler(model, vocab_size,
+                                   lambda: load_tokenizer(resolve_model(model)))
+        self.grammar = GrammarProcessor(compiler, ops.apply_token_bitmask_ if ops else None)
         return [self.grammar, *(cls(init) for cls in self.processor_classes)]
 
     def execute(self, step: ExecuteStep) -> StepResult | None:

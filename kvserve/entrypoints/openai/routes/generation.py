@@ -36,7 +36,7 @@ async def completions(body: CompletionRequest, raw: Request):
     engine = engine_of(raw)
     response_id = serving.new_id("cmpl")
     params = body.sampling_params(body.max_tokens, body.logprobs)
-    await _compile_grammar(engine, body, params)
+    await _validate_grammar(engine, body, params)
     prompts = body.prompts()
     kv_params = body.kv_params()
     if kv_params is not None and len(prompts) != 1:
@@ -74,7 +74,7 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
         tool_format, messages, extra = await _plan_tools(engine, body, config_of(raw), params,
                                                          messages)
         template_kwargs.update(extra)
-    await _compile_grammar(engine, body, params, "tools" if tool_format else None)
+    await _validate_grammar(engine, body, params, "tools" if tool_format else None)
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params())]
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
@@ -109,11 +109,11 @@ async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, 
     return tool_format, messages, extra
 
 
-async def _compile_grammar(engine: AsyncEngine, body, params, field: str | None = None) -> None:
-    """The request's grammar, compiled off the event loop; a grammar that cannot be used is a
+async def _validate_grammar(engine: AsyncEngine, body, params, field: str | None = None) -> None:
+    """The request's grammar, checked off the event loop; a grammar that cannot be used is a
     400 naming the field that carried it."""
     try:
-        await engine.compile_grammar(params)
+        await engine.validate_grammar(params)
     except InvalidRequestError as exc:
         field = field or body.structured_field()
         raise InvalidRequestError(f"{field}: {exc}", param=field) from exc
