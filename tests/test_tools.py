@@ -265,3 +265,51 @@ def test_an_openai_agents_loop_with_two_tools_runs_to_completion(client, api):
     kinds = [type(item).__name__ for item in result.new_items]
     assert calls and kinds.count("ToolCallItem") == kinds.count("ToolCallOutputItem") >= 1
     assert kinds[-1] == "MessageOutputItem" and isinstance(result.final_output, str)
+
+
+@pytest.mark.slow
+def test_a_pydantic_ai_loop_with_two_tools_runs_to_completion(client):
+    """pydantic-ai's `Agent` over chat completions (`OpenAIChatModel` on an OpenAI-compatible
+    provider): both tools run, their results go back, and the loop ends with a text answer.
+    pydantic-ai refuses a static tool_choice "required" (the run could never end), so a per-step
+    settings callable names get_weather on the first request and add on the second, then leaves
+    the choice to the model ("auto") for the answer."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai_compatible import OpenAICompatibleProvider
+    from pydantic_ai.settings import ModelSettings
+    from pydantic_ai.usage import UsageLimits
+
+    _, server = client
+    forced = {1: ["get_weather"], 2: ["add"]}
+    model = OpenAIChatModel("smol", provider=OpenAICompatibleProvider(
+        "kvserve", base_url=server.base_url + "/v1", api_key="unused"))
+    agent = Agent(model, instructions="Use the tools to answer.",
+                  model_settings=lambda ctx: ModelSettings(
+                      tool_choice=forced.get(ctx.run_step, "auto"), temperature=0,
+                      max_tokens=96, parallel_tool_calls=False))
+    calls = []
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append("get_weather")
+        return f"18 C and sunny in {city}"
+
+    @agent.tool_plain
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append("add")
+        return a + b
+
+    result = agent.run_sync("What is the weather in Paris, and what is 2 + 3?",
+                            usage_limits=UsageLimits(request_limit=6))
+    parts = [part for message in result.all_messages() for part in message.parts]
+    called = [part.tool_name for part in parts if isinstance(part, ToolCallPart)]
+    returned = [part.tool_name for part in parts if isinstance(part, ToolReturnPart)]
+    assert calls[:2] == called[:2] == returned[:2] == ["get_weather", "add"], (calls, parts)
+    last = result.all_messages()[-1]
+    assert isinstance(last, ModelResponse) and not last.tool_calls, last
+    assert isinstance(result.output, str) and result.output.strip(), last
+    assert any(isinstance(part, TextPart) for part in last.parts)
