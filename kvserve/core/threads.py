@@ -11,8 +11,8 @@ time the other processes took on our cores, and sets torch's thread count to the
 (at least one, at most the configured count); it changes only after two windows agree, so a
 short burst does not make it flap. docs/performance.md has the figures.
 
-It reads Linux's /proc/stat (per-CPU busy time) and /proc/self/stat (our own): elsewhere, or where
-/proc cannot be read, it does nothing.
+It reads Linux's /proc/stat (per-CPU busy time) and /proc/self/stat (our own), through
+kvserve/kernels/cpu_load.py: elsewhere, or where /proc cannot be read, it does nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from kvserve.kernels.cpu_load import (CpuSample, neighbour_cores, read_cpu_sample,
+                                      ticks_per_second)
+from kvserve.kernels.cpu_load import allowed_cpus as _allowed_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -34,55 +37,9 @@ CHECK_INTERVAL_S = 1.0
 MIN_NEIGHBOUR_CORES = 0.5
 
 
-@dataclass(frozen=True)
-class CpuSample:
-    """Clock ticks: busy time of every CPU we may run on, and this process's own CPU time."""
-    busy_ticks: int
-    own_ticks: int
-    wall: float
-
-
 def env_allows() -> bool:
     return os.environ.get(ADAPTIVE_THREADS_ENV, "1").strip().lower() not in (
         "0", "false", "no", "off")
-
-
-def _allowed_cpus() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
-def read_cpu_sample(cpus: set[int] | None = None) -> CpuSample | None:
-    """One sample from /proc, or None where it cannot be read."""
-    cpus = _allowed_cpus() if cpus is None else cpus
-    try:
-        with open("/proc/stat") as stat:
-            lines = stat.readlines()
-        with open("/proc/self/stat") as own:
-            # fields after the command name (which may hold spaces): utime, stime are 14th, 15th
-            fields = own.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    busy = 0
-    for line in lines:
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
-            continue
-        # user nice system idle iowait irq softirq steal ...: busy = all but idle, iowait, steal
-        ticks = [int(v) for v in rest.split()[:8]]
-        busy += ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]
-    return CpuSample(busy, int(fields[11]) + int(fields[12]), time.monotonic())
-
-
-def neighbour_cores(before: CpuSample, after: CpuSample, ticks_per_second: float) -> float:
-    """Cores' worth of CPU time other processes used between two samples."""
-    elapsed = after.wall - before.wall
-    if elapsed <= 0:
-        return 0.0
-    others = (after.busy_ticks - before.busy_ticks) - (after.own_ticks - before.own_ticks)
-    return max(0.0, others / ticks_per_second / elapsed)
 
 
 def threads_for(max_threads: int, cores: int, others: float) -> int:
@@ -105,7 +62,7 @@ class ThreadGovernor:
         self.threads = max_threads
         self.cores = len(_allowed_cpus())
         self._sample, self._set_threads, self._interval = sample, set_threads, interval_s
-        self._ticks_per_second = float(os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._ticks_per_second = ticks_per_second()
         self._last = sample() if enabled and max_threads > 1 else None
         self._proposed: int | None = None
         self.enabled = self._last is not None
