@@ -60,20 +60,109 @@ def test_llama3_json_calls():
         "a": 1, "b": 2}
 
 
+def _fed_by_character(text: str, tool_format
+                      ) -> tuple[StreamingToolParser, list[tuple[int, dict]]]:
+    """The parser fed `text` a character at a time, and its deltas, each with the length of
+    the text it came at."""
+    parser = StreamingToolParser(tool_format)
+    deltas = []
+    for end in range(1, len(text) + 1):
+        deltas += [(end, d) for d in parser.feed(text[:end], end == len(text))]
+    return parser, deltas
+
+
+def _streamed_calls(deltas: list[tuple[int, dict]]) -> list[dict]:
+    """The calls the client puts together from the tool_calls deltas, by index, as OpenAI's
+    client does: the id, type and name from the first, the arguments concatenated."""
+    calls: dict[int, dict] = {}
+    for _, delta in deltas:
+        for piece in delta.get("tool_calls", []):
+            if piece["index"] not in calls:  # the first: id, type and name
+                calls[piece["index"]] = {"id": piece["id"], "type": piece["type"], "function": {
+                    "name": piece["function"]["name"], "arguments": ""}}
+            else:
+                assert set(piece) == {"index", "function"} and set(piece["function"]) == {
+                    "arguments"}
+            calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    assert list(calls) == list(range(len(calls)))
+    return list(calls.values())
+
+
+def _without_ids(calls: list[dict]) -> list[dict]:
+    return [{k: v for k, v in call.items() if k != "id"} for call in calls]
+
+
 def test_streamed_deltas_rebuild_the_whole_answer():
     """Fed a character at a time: content up to the first call (never a piece of the tag),
-    then each call as an id-and-name delta and an arguments delta, in order."""
-    parser = StreamingToolParser(HERMES)
-    deltas = []
-    for end in range(1, len(TWO_CALLS) + 1):
-        deltas += parser.feed(TWO_CALLS[:end], end == len(TWO_CALLS))
-    content = "".join(d.get("content", "") for d in deltas)
+    then each call, in order, as an id-and-name delta and its arguments."""
+    parser, deltas = _fed_by_character(TWO_CALLS, HERMES)
+    content = "".join(d.get("content", "") for _, d in deltas)
     assert content.strip() == "Let me check." and "<" not in content
-    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-    assert [c["index"] for c in calls] == [0, 0, 1, 1]
-    assert [c["function"].get("name") for c in calls[::2]] == ["get_weather", "add"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
-    assert parser.called
+    calls = _streamed_calls(deltas)
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert parser.called and parser.calls_done == 2
+
+
+@pytest.mark.parametrize("text,tool_format", [
+    (TWO_CALLS, HERMES),
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+     '{"name": "add", "parameters": {"a": 1, "b": 2}}', LLAMA3_JSON)])
+def test_arguments_stream_in_pieces_as_they_are_written(text, tool_format):
+    """As OpenAI sends them: a call's id and name as soon as its header is written (before its
+    arguments are), then its arguments in several pieces, adding up to exactly the arguments
+    the whole parse gives."""
+    _, deltas = _fed_by_character(text, tool_format)
+    whole = parse_tool_calls(text, tool_format).calls
+    assert _without_ids(_streamed_calls(deltas)) == _without_ids(whole) and len(whole) == 2
+    for index, call in enumerate(whole):
+        arguments = call["function"]["arguments"]
+        pieces = [(at, d["tool_calls"][0]) for at, d in deltas
+                  if "tool_calls" in d and d["tool_calls"][0]["index"] == index]
+        named_at, first = pieces[0]
+        assert "id" in first and first["function"] == {"name": call["function"]["name"],
+                                                       "arguments": ""}
+        assert named_at == text.index(arguments) + 1  # the moment the `{` is written
+        assert len(pieces[1:]) > 3 and all("id" not in p for _, p in pieces[1:])
+
+
+def test_arguments_with_nesting_and_quoted_braces_stream_exactly():
+    """Braces, brackets and quotes inside strings (escaped quotes too) do not end the
+    arguments early, nesting does not end them late, and any whitespace in the header will
+    do."""
+    arguments = ('{"q": "a } b { c", "say": "he said \\"hi}\\" ]", "path": "C:\\\\",'
+                 ' "n": [1, [2, {"x": {}}], "]"], "o": {"k": {"l": [{}]}}}')
+    text = f'<tool_call>\n{{ "name" :\n"search",\t"arguments":  {arguments} }}\n</tool_call>'
+    _, deltas = _fed_by_character(text, HERMES)
+    whole = parse_tool_calls(text, HERMES).calls
+    assert whole[0]["function"]["arguments"] == arguments
+    assert _without_ids(_streamed_calls(deltas)) == _without_ids(whole)
+    assert json.loads(arguments)["say"] == 'he said "hi}" ]'
+
+
+def test_a_call_laid_out_otherwise_goes_out_whole_once_parsed():
+    """The name after the arguments, or arguments as a JSON string: no streamable header, so
+    the call goes out as two deltas once it has parsed, as the whole parse gives it."""
+    text = ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>')
+    _, deltas = _fed_by_character(text, HERMES)
+    whole = parse_tool_calls(text, HERMES).calls
+    assert [c["function"]["arguments"] for c in whole] == ['{"a": 1}', '{"a": 2}']
+    assert _without_ids(_streamed_calls(deltas)) == _without_ids(whole)
+    assert len([d for _, d in deltas if "tool_calls" in d]) == 4
+
+
+def test_a_call_cut_off_mid_arguments_keeps_what_was_sent():
+    """max_tokens mid-call: the id, name and arguments so far went out (as OpenAI and vLLM
+    leave them); nothing more comes, and the whole parse keeps the unfinished call as text."""
+    text = TWO_CALLS[:TWO_CALLS.index('"unit"') + 3]
+    parser, deltas = _fed_by_character(text, HERMES)
+    calls = _streamed_calls(deltas)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris", "un'
+    assert len([d for _, d in deltas if "tool_calls" in d]) > 3
+    assert parser.feed(text, True) == [] and parser.called and parser.calls_done == 0
+    assert parse_tool_calls(text, HERMES).calls == []
 
 
 def test_plain_text_streams_whole_when_no_call_comes():

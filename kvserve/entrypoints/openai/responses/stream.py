@@ -46,7 +46,8 @@ class OutputStream:
     message, streamed as it grows. With tools the tool parser splits it: text before the first
     call is the message (stripped, as `objects.output_items` strips it: leading whitespace is
     dropped and trailing whitespace held back until more text follows), each call an item of
-    its own once complete. `items` is the finished output."""
+    its own, opened as soon as its name is known, its arguments streamed as they are written,
+    closed once the call parsed whole. `items` is the finished output."""
 
     event: EventWriter
     tool_format: ToolFormat | None = None
@@ -57,6 +58,7 @@ class OutputStream:
     _sent: int = 0
     _parser: StreamingToolParser | None = None
     _call: dict[str, Any] | None = None
+    _arguments: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.tool_format is not None:
@@ -72,13 +74,17 @@ class OutputStream:
                 events += self._content(self._trimmed(delta["content"]))
             else:
                 events += self._tool_call(delta["tool_calls"][0])
+        if self._call is not None and self._parser.calls_done == self._parser.calls_started:
+            events += self._close_call("completed")
         return events
 
     def finish(self, finish_reason: str | None) -> list[str]:
-        """Close the open message; an answer with no item at all is an empty message."""
-        if self._message is None and not self.items:
-            return self._open_message() + self._close_message(item_status(finish_reason))
-        return self._close_message(item_status(finish_reason))
+        """Close the open message or call (a call cut off by max_tokens is incomplete); an
+        answer with no item at all is an empty message."""
+        status = item_status(finish_reason)
+        if self._message is None and self._call is None and not self.items:
+            return self._open_message() + self._close_message(status)
+        return self._close_message(status) + self._close_call(status)
 
     def _trimmed(self, piece: str) -> str:
         piece = self._held + piece
@@ -121,24 +127,33 @@ class OutputStream:
         return events
 
     def _tool_call(self, delta: dict[str, Any]) -> list[str]:
-        """The parser gives each call as two deltas: its id and name, then its arguments."""
+        """The parser gives a call's id and name first, then its arguments in pieces."""
         if "id" in delta:
-            events = self._close_message("completed")
+            events = self._close_message("completed") + self._close_call("completed")
             self._call = function_call_item(new_id("fc"), delta, "", "in_progress")
+            self._arguments = []
             return events + [self.event("response.output_item.added",
                                         output_index=len(self.items), item=self._call)]
-        arguments = delta["function"]["arguments"]
-        where = {"item_id": self._call["id"], "output_index": len(self.items)}
-        item = {**self._call, "arguments": arguments, "status": "completed"}
-        events = [self.event("response.function_call_arguments.delta", **where,
-                             delta=arguments),
-                  self.event("response.function_call_arguments.done", **where,
+        piece = delta["function"]["arguments"]
+        self._arguments.append(piece)
+        return [self.event("response.function_call_arguments.delta", **self._call_where(),
+                           delta=piece)]
+
+    def _close_call(self, status: str) -> list[str]:
+        if self._call is None:
+            return []
+        arguments = "".join(self._arguments)
+        item = {**self._call, "arguments": arguments, "status": status}
+        events = [self.event("response.function_call_arguments.done", **self._call_where(),
                              arguments=arguments),
                   self.event("response.output_item.done", output_index=len(self.items),
                              item=item)]
         self.items.append(item)
         self._call = None
         return events
+
+    def _call_where(self) -> dict[str, Any]:
+        return {"item_id": self._call["id"], "output_index": len(self.items)}
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self._message["id"], "output_index": len(self.items)}
