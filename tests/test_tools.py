@@ -258,25 +258,32 @@ def test_required_and_named_choices_always_give_valid_calls(client, temperature)
 
 @pytest.mark.slow
 def test_streamed_calls_equal_the_whole_answer(client):
+    """The same call streamed and whole: its name, its arguments' exact text (streamed in
+    pieces as they are written) and every token's logprobs."""
     openai_client, _ = client
-    whole = openai_client.chat.completions.create(
-        model="smol", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
-        temperature=0, parallel_tool_calls=False)
+    ask = dict(model="smol", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
+               temperature=0, parallel_tool_calls=False, logprobs=True, top_logprobs=2)
+    whole = openai_client.chat.completions.create(**ask)
     calls: dict[int, dict] = {}
-    finish = None
-    for chunk in openai_client.chat.completions.create(
-            model="smol", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=96,
-            temperature=0, parallel_tool_calls=False, stream=True):
+    finish, argument_pieces, logprobs = None, 0, []
+    for chunk in openai_client.chat.completions.create(**ask, stream=True):
         choice = chunk.choices[0]
         finish = choice.finish_reason or finish
+        if choice.logprobs is not None:
+            logprobs += choice.logprobs.content or []
         for delta in choice.delta.tool_calls or []:
             entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
             entry["name"] += delta.function.name or ""
             entry["arguments"] += delta.function.arguments or ""
-    expected = [(c.function.name, json.loads(c.function.arguments))
+            argument_pieces += bool(delta.function.arguments)
+    expected = [(c.function.name, c.function.arguments)
                 for c in whole.choices[0].message.tool_calls]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
-    assert len(expected) == 1 and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == expected
+    assert len(expected) == 1 and finish == "tool_calls" and argument_pieces > 1
+    assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in logprobs] == \
+        [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs])
+         for lp in whole.choices[0].logprobs.content]
+    assert len(logprobs) == whole.usage.completion_tokens
 
 
 @pytest.mark.slow

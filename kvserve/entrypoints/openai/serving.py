@@ -273,7 +273,8 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
 def _delta_chunks(job: Job, prompt_index: int, sample: CompletionOutput,
                   cursor: ChoiceCursor) -> list[dict[str, Any]]:
     """This output's chunks for one choice: one, or with tools, one per delta the tool parser
-    gives (content, each call's name, its arguments), the finish reason on the last."""
+    gives (content, each call's name, its arguments), the new tokens' logprobs on the first
+    (an empty delta when the parser holds their text back), the finish reason on the last."""
     if cursor.tools is None:
         chunk = _delta_chunk(job, prompt_index, sample, cursor)
         return [chunk] if chunk is not None else []
@@ -283,6 +284,11 @@ def _delta_chunks(job: Job, prompt_index: int, sample: CompletionOutput,
     finished = sample.finish_reason is not None
     chunks = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
               for delta in cursor.tools.feed(sample.text, finished)]
+    logprobs = _chat_logprobs(sample, cursor.tokens_sent, job.num_top)
+    if logprobs is not None and logprobs["content"]:  # the new tokens', on the first chunk
+        if not chunks:  # the parser holds their text back (a call may be starting)
+            chunks.append({"index": index, "delta": {}, "finish_reason": None})
+        chunks[0]["logprobs"] = logprobs
     cursor.text_sent, cursor.tokens_sent = len(sample.text), len(sample.token_ids)
     if finished:
         cursor.finished = True
