@@ -203,6 +203,80 @@ def test_a_grammar_xgrammar_rejects_is_an_invalid_request(grammars, spec, says):
 
 
 
+def test_bounded_strings_go_to_llguidance_unless_told_otherwise(monkeypatch):
+    """`auto`: JSON schemas with a string bound or pattern (what xgrammar expands: seconds to
+    compile, ms a mask) go to llguidance, the rest to xgrammar; the switch names either, and
+    the cache keeps the two apart."""
+    from kvserve.structured_output.compiler import BACKEND_ENV, choose_backend, spec_key
+
+    bounded = StructuredOutputsParams(json={"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}})
+    free = StructuredOutputsParams(json={"type": "object", "properties": {
+        "maxLength": {"type": "string"}, "note": {"type": "string", "default": "pattern"}}})
+    assert choose_backend(bounded) == "guidance" and choose_backend(free) == "xgrammar"
+    assert choose_backend(StructuredOutputsParams(regex="a{2,9}")) == "xgrammar"
+    auto_key = spec_key(bounded)
+    monkeypatch.setenv(BACKEND_ENV, "xgrammar")
+    assert choose_backend(bounded) == "xgrammar" and spec_key(bounded) != auto_key
+    monkeypatch.setenv(BACKEND_ENV, "guidance")
+    assert choose_backend(free) == choose_backend(StructuredOutputsParams(regex="a")) == \
+        "guidance"
+    assert choose_backend(StructuredOutputsParams(choice=["a", "b"])) == "xgrammar"
+    monkeypatch.setenv(BACKEND_ENV, "outlines")
+    with pytest.raises(ValueError, match="outlines"):
+        choose_backend(bounded)
+
+
+def test_both_backends_mask_nearly_the_same_tokens(grammars, tokenizer):
+    """One bounded schema without free whitespace, walked token by token through the matchers
+    the processor uses. The two masks differ only where the backends read JSON differently:
+    xgrammar lets raw control characters into strings (JSON forbids them; llguidance does
+    not) and any split of text the grammar forces (llguidance only the canonical tokens);
+    llguidance allows escapes (a backslash) inside a bounded string, xgrammar does not. Both
+    end allowing only EOS; a name past its bound is refused."""
+    import torch
+
+    from kvserve.structured_output.guidance import GuidanceGrammar
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"], "additionalProperties": False}
+    grammars_by_backend = {}
+    for backend in ("xgrammar", "guidance"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KVSERVE_STRUCTURED_OUTPUTS_BACKEND", backend)
+            spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            grammars_by_backend[backend] = grammars.submit(spec).result(30)
+    assert isinstance(grammars_by_backend["guidance"], GuidanceGrammar)
+    eos = tokenizer.eos_token_id
+    matchers = {b: grammars.matcher(g, [eos]) for b, g in grammars_by_backend.items()}
+    words = (tokenizer.vocab_size + 31) // 32
+
+    def allowed(matcher) -> set[int]:
+        mask = torch.zeros(1, words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(mask, 0)
+        return {32 * i + j for i, word in enumerate(mask[0].tolist()) for j in range(32)
+                if (word >> j) & 1}
+
+    def control(token: int) -> bool:
+        return any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in tokenizer.decode([token]))
+
+    for token in tokenizer.encode('{"name": "Ada", "n": 12}', add_special_tokens=False):
+        ours, theirs = allowed(matchers["guidance"]), allowed(matchers["xgrammar"])
+        assert token in ours and token in theirs
+        assert all("\\" in tokenizer.decode([t]) for t in ours - theirs)
+        assert len(ours) == 1 or all(control(t) for t in theirs - ours)
+        assert all(matcher.accept_token(token) for matcher in matchers.values())
+    assert allowed(matchers["guidance"]) == allowed(matchers["xgrammar"]) == {eos}
+    assert all(matcher.accept_token(eos) and matcher.is_terminated()
+               for matcher in matchers.values())
+    too_long = grammars.matcher(grammars_by_backend["guidance"], [eos])
+    prefix = tokenizer.encode('{"name": "', add_special_tokens=False)
+    assert all(too_long.accept_token(token) for token in prefix)
+    letters = tokenizer.encode("abcdefghijkl", add_special_tokens=False)
+    assert not all(too_long.accept_token(token) for token in letters)
+
+
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"const": 3}}, "contains"),

@@ -3,6 +3,7 @@ tokenizer description it compiles against, built from kvserve's own tokenizer.""
 
 from __future__ import annotations
 
+import importlib
 import threading
 from functools import lru_cache
 from typing import Any
@@ -10,25 +11,29 @@ from typing import Any
 _import_lock = threading.Lock()
 
 
-def xgrammar() -> Any:
-    """The xgrammar module; a clear error when it is not installed (`make install` installs
-    it with --no-deps: its wheel declares triton)."""
+def lazy_import(name: str, install_hint: str) -> Any:
+    """A grammar backend's module, imported on first use under one lock (imports take
+    seconds); a clear error naming how to install it when it is missing."""
     with _import_lock:
         try:
-            import xgrammar as xgr
+            return importlib.import_module(name)
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError("structured output needs xgrammar: pip install --no-deps "
-                               "xgrammar==0.2.8 apache-tvm-ffi") from exc
-    return xgr
+            raise RuntimeError(f"structured output needs {name}: {install_hint}") from exc
+
+
+def xgrammar() -> Any:
+    """The xgrammar module (`make install` installs it with --no-deps: its wheel declares
+    triton)."""
+    return lazy_import("xgrammar", "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi")
 
 
 def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's TokenizerInfo for this tokenizer and the model's logits width (`vocab_size`
     may exceed the tokenizer's vocabulary; the extra ids are never allowed)."""
-    return _tokenizer_info(_Hashable(tokenizer), vocab_size)
+    return _tokenizer_info(ByIdentity(tokenizer), vocab_size)
 
 
-class _Hashable:
+class ByIdentity:
     """Keys the cache by the tokenizer object's identity."""
 
     def __init__(self, tokenizer):
@@ -38,11 +43,11 @@ class _Hashable:
         return id(self.tokenizer)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Hashable) and other.tokenizer is self.tokenizer
+        return isinstance(other, ByIdentity) and other.tokenizer is self.tokenizer
 
 
 @lru_cache(maxsize=4)
-def _tokenizer_info(key: _Hashable, vocab_size: int):
+def _tokenizer_info(key: ByIdentity, vocab_size: int):
     xgr = xgrammar()
     tokenizer = key.tokenizer
     backend = tokenizer.backend

@@ -1,5 +1,6 @@
 """Grammars compiled off the engine loop: a request's structured-output spec is compiled by
-xgrammar on a small thread pool, once per distinct spec (an LRU keyed by the normalised spec,
+xgrammar (or prepared for llguidance: JSON schemas with bounded strings, `choose_backend`) on
+a small thread pool, once per distinct spec (an LRU keyed by the normalised spec,
 bounded in bytes); concurrent requests for one spec share one compile, and every part of one
 process (the engine core's gate and forced spans, a worker in the core's process) shares one
 compiler per model (`shared_compiler`). The front-end only checks a spec (`validate`: xgrammar
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -21,8 +23,15 @@ from typing import Any
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output import guidance
 from kvserve.structured_output.backend import tokenizer_info, xgrammar
 
+# which grammar engine serves a spec: "auto" (llguidance for JSON schemas with bounded strings,
+# xgrammar for the rest: see guidance.py for the measurements), "xgrammar" or "guidance"
+# (vLLM's --structured-outputs-config backend names)
+BACKEND_ENV = "KVSERVE_STRUCTURED_OUTPUTS_BACKEND"
+BACKENDS = ("auto", "xgrammar", "guidance")
+_BOUNDS = ("maxLength", "minLength", "pattern")
 COMPILE_TIMEOUT_S = 10.0
 CACHE_BYTES = 256 << 20
 # JSON with free whitespace lets a small model pad forever; a run of more than this many
@@ -77,8 +86,37 @@ def spec_key(spec: StructuredOutputsParams) -> str:
                                       param="structured_outputs")
         # not sorted: property order is the order the output follows
         value = json.dumps(schema, separators=(",", ":"))
-    text = json.dumps([kind, value, spec.disable_any_whitespace], sort_keys=True)
+    text = json.dumps([kind, value, spec.disable_any_whitespace, choose_backend(spec)],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def choose_backend(spec: StructuredOutputsParams) -> str:
+    """"guidance" or "xgrammar" for this spec. The same in every process (the front-end, the
+    core and the workers read the same environment), since each compiles it on its own."""
+    chosen = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if chosen not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={chosen!r}: expected one of {', '.join(BACKENDS)}")
+    kind = spec.kinds()[0]
+    if chosen == "guidance":
+        return "guidance" if kind in ("json", "json_object", "regex") else "xgrammar"
+    if chosen == "xgrammar" or kind != "json":
+        return "xgrammar"
+    return "guidance" if _has_bounded_strings(json.loads(spec.json)) else "xgrammar"
+
+
+def _has_bounded_strings(schema) -> bool:
+    """A string length bound or pattern anywhere in the schema: what xgrammar expands."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if any(key in node and isinstance(node[key], (int, str)) for key in _BOUNDS):
+                return True
+            stack.extend(value for key, value in node.items() if key not in _DATA)
+    return False
 
 
 class GrammarCompiler:
@@ -97,6 +135,7 @@ class GrammarCompiler:
         self._pending: dict[str, Future] = {}
         self._compiler = None
         self._info = None
+        self._tokenizer = None
         self._compiler_lock = threading.Lock()
 
     @property
@@ -135,10 +174,25 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def matcher(self, grammar, stop_tokens: list[int] | None = None):
+        """A matcher of the grammar's backend, xgrammar's methods either way."""
+        if isinstance(grammar, guidance.GuidanceGrammar):
+            return guidance.GuidanceMatcher(self.guidance_tokenizer, grammar, stop_tokens or [])
+        return xgrammar().GrammarMatcher(grammar, override_stop_tokens=stop_tokens or None)
+
+    @property
+    def guidance_tokenizer(self):
+        self._xgr_compiler()  # loads the tokenizer
+        return guidance.guidance_tokenizer(self._tokenizer, self.vocab_size)
+
     # ---- inside -----------------------------------------------------------------------------
     def _compile(self, key: str, spec: StructuredOutputsParams):
         try:
-            grammar = compile_spec(self._xgr_compiler(), spec)
+            if choose_backend(spec) == "guidance":
+                grammar = guidance.GuidanceGrammar(build_guidance_grammar(spec))
+                guidance.check(grammar.text, self.guidance_tokenizer)
+            else:
+                grammar = compile_spec(self._xgr_compiler(), spec)
         except Exception as exc:
             with self._lock:
                 self._pending.pop(key, None)
@@ -157,7 +211,8 @@ class GrammarCompiler:
     def _xgr_compiler(self):
         with self._compiler_lock:  # not the cache's lock: building it takes seconds
             if self._compiler is None:
-                self._info = tokenizer_info(self._tokenizer_loader(), self.vocab_size)
+                self._tokenizer = self._tokenizer_loader()
+                self._info = tokenizer_info(self._tokenizer, self.vocab_size)
                 self._compiler = xgrammar().GrammarCompiler(self._info, max_threads=1,
                                                             cache_enabled=False)
             return self._compiler
@@ -175,12 +230,15 @@ def _unusable(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestEr
 
 # ---- the front-end's check ------------------------------------------------------------------
 def validate(spec: StructuredOutputsParams) -> None:
-    """Check a spec as xgrammar reads it, without compiling it against the vocabulary (that
-    part can take seconds; this well under a millisecond, after xgrammar's first import);
-    fills `spec.key`. An InvalidRequestError says what is wrong."""
+    """Check a spec as its backend reads it, without compiling it against the vocabulary
+    (that part can take seconds; this well under a millisecond, after the backend's first
+    import); fills `spec.key`. An InvalidRequestError says what is wrong."""
     spec.key = spec.key or spec_key(spec)
     try:
-        build_grammar(spec)
+        if choose_backend(spec) == "guidance":
+            guidance.check(build_guidance_grammar(spec))
+        else:
+            build_grammar(spec)
     except InvalidRequestError:
         raise
     except Exception as exc:
@@ -209,6 +267,15 @@ def build_grammar(spec: StructuredOutputsParams):
             return grammar.from_ebnf(spec.grammar)
         return grammar.from_lark(spec.grammar)
     return grammar.from_structural_tag(spec.structural_tag)
+
+
+def build_guidance_grammar(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for a spec it serves (JSON schemas, regexes)."""
+    kind = spec.kinds()[0]
+    if kind == "regex":
+        return guidance.regex_grammar(spec.regex)
+    schema = spec.json if kind == "json" else '{"type": "object"}'
+    return guidance.json_schema_grammar(schema, any_whitespace=not spec.disable_any_whitespace)
 
 
 def _choice_ebnf(choices: list[str]) -> str:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.structured_output.backend import xgrammar
 from kvserve.structured_output.compiler import GrammarCompiler
 
 
@@ -75,7 +74,7 @@ class GrammarDrafts:
                 grammar = future.result()
             except Exception:  # the gate compiled it; proposing is only an optimisation
                 return None
-            follower = _Follower(xgrammar().GrammarMatcher(grammar))
+            follower = _Follower(self.compiler.matcher(grammar))
             self._followers[request_id] = follower
         return follower
 

@@ -16,7 +16,6 @@ import torch
 from kvserve.kernels import reference
 from kvserve.sample.logits_processor import AddedRow, PerRowProcessor
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured_output.backend import xgrammar
 from kvserve.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ class GrammarProcessor(PerRowProcessor):
                              "the request's output is not constrained")
             return None
         stop = sorted(row.params.all_stop_token_ids) or None
-        matcher = xgrammar().GrammarMatcher(grammar, override_stop_tokens=stop)
+        matcher = self.compiler.matcher(grammar, stop)
         return _RowGrammar(matcher, row.output_token_ids)
 
     def rows_changed(self) -> None:
