@@ -136,6 +136,7 @@ class GrammarCompiler:
         self._compiler = None
         self._info = None
         self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self._compiler_lock = threading.Lock()
 
     @property
@@ -182,8 +183,7 @@ class GrammarCompiler:
 
     @property
     def guidance_tokenizer(self):
-        self._xgr_compiler()  # loads the tokenizer
-        return guidance.guidance_tokenizer(self._tokenizer, self.vocab_size)
+        return guidance.guidance_tokenizer(self._loaded_tokenizer(), self.vocab_size)
 
     # ---- inside -----------------------------------------------------------------------------
     def _compile(self, key: str, spec: StructuredOutputsParams):
@@ -208,11 +208,18 @@ class GrammarCompiler:
                 self._cached_bytes -= evicted.memory_size_bytes
         return grammar
 
+    def _loaded_tokenizer(self):
+        """The model's tokenizer, loaded once (both backends describe the vocabulary from
+        it; llguidance alone needs no xgrammar compiler)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._tokenizer_loader()
+            return self._tokenizer
+
     def _xgr_compiler(self):
         with self._compiler_lock:  # not the cache's lock: building it takes seconds
             if self._compiler is None:
-                self._tokenizer = self._tokenizer_loader()
-                self._info = tokenizer_info(self._tokenizer, self.vocab_size)
+                self._info = tokenizer_info(self._loaded_tokenizer(), self.vocab_size)
                 self._compiler = xgrammar().GrammarCompiler(self._info, max_threads=1,
                                                             cache_enabled=False)
             return self._compiler
