@@ -172,12 +172,17 @@ def _grammar_drafts(tokenizer, vocab):
                          max_drafts=8)
 
 
-def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup):
-    """After a field's value the grammar forces the next key: that span is the draft, and it is
-    the tokenizer's tokens for it; where nothing is forced the proposer's drafts are cut at the
-    first token the grammar forbids."""
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup, backend,
+                                                            monkeypatch):
+    """After a field's value the grammar forces the next key: that span is the draft, the
+    tokenizer's own tokens for it, less a last token that could merge with what follows;
+    where nothing is forced the proposer's drafts are cut at the first token the grammar
+    forbids, and a forbidden draft leaves the request's matcher usable (llguidance's would
+    stay in an error state after consuming it)."""
     from kvserve.sampling_params import StructuredOutputsParams
 
+    monkeypatch.setenv("KVSERVE_STRUCTURED_OUTPUTS_BACKEND", backend)
     tokenizer, vocab, _ = grammar_setup
     drafts = _grammar_drafts(tokenizer, vocab)
     spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)
@@ -187,16 +192,23 @@ def test_forced_spans_are_drafted_as_the_tokens_of_the_text(grammar_setup):
     prefix = tokenizer.encode('{"name": "Bob",', add_special_tokens=False)
     assert ids[:len(prefix)] == prefix
     span, forced = drafts.drafts("r", spec, prefix, proposed=[])
-    assert forced and tokenizer.decode(span) == ' "age": '
+    assert forced and tokenizer.decode(span) == ' "age":'  # the space may merge with "7"
     assert span == ids[len(prefix):len(prefix) + len(span)]
+    longer = ids[len(prefix):len(prefix) + len(span) + 2]
+    same, forced = drafts.drafts("r", spec, prefix, proposed=longer)
+    assert same == longer and not forced  # the context's drafts go on past the span
     inside_name = tokenizer.encode('{"name": "B', add_special_tokens=False)
     free_text = tokenizer.encode('ob is', add_special_tokens=False)
     cut, forced = drafts.drafts("s", spec, inside_name, proposed=free_text)
     assert not forced and cut == free_text  # anything goes inside a string
-    digits, forced = drafts.drafts("r", spec, ids[:ids.index(tokenizer.encode(
-        " 7", add_special_tokens=False)[-1])], proposed=tokenizer.encode(
-            "x1", add_special_tokens=False))
+    before_age = ids[:ids.index(tokenizer.encode(" 7", add_special_tokens=False)[-1])]
+    digits, forced = drafts.drafts("r", spec, before_age,
+                                   proposed=tokenizer.encode("x1", add_special_tokens=False))
     assert not forced and digits == []  # "x" cannot start an integer
+    after_age = tokenizer.encode('{"name": "Bob", "age": 7,', add_special_tokens=False)
+    assert ids[:len(after_age)] == after_age
+    span, forced = drafts.drafts("r", spec, after_age, proposed=[])
+    assert forced and tokenizer.decode(span).startswith(' "city"')
     drafts.finish("r")
     drafts.compiler.shutdown()
 

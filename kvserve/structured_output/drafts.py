@@ -49,8 +49,10 @@ class GrammarDrafts:
         if follower.broken or follower.matcher.is_terminated():
             return [], False
         matcher = follower.matcher
-        forced = matcher.find_jump_forward_string()
-        candidates = self._encode(forced) if forced else proposed
+        forced = self._forced_tokens(matcher)
+        # the context's drafts where they begin with the forced span: they may go further
+        span = bool(forced) and proposed[:len(forced)] != forced
+        candidates = forced if span else proposed
         kept = []
         for token in candidates[:self.max_drafts]:
             if not matcher.accept_token(token):
@@ -58,7 +60,7 @@ class GrammarDrafts:
             kept.append(token)
         if kept:
             matcher.rollback(len(kept))
-        return kept, bool(forced)
+        return kept, span
 
     def finish(self, request_id: str) -> None:
         self._followers.pop(request_id, None)
@@ -77,6 +79,15 @@ class GrammarDrafts:
             follower = _Follower(self.compiler.matcher(grammar))
             self._followers[request_id] = follower
         return follower
+
+    def _forced_tokens(self, matcher) -> list[int]:
+        """The tokens the grammar forces next. llguidance knows them; for xgrammar, the
+        forced text tokenized, less its last token, which may merge with the free text after
+        it (a key's `name"` before a free-whitespace `:`: the model writes `name`, `":`)."""
+        if hasattr(matcher, "forced_tokens"):
+            return matcher.forced_tokens()
+        text = matcher.find_jump_forward_string()
+        return self._encode(text)[:-1] if text else []
 
     def _encode(self, text: str) -> list[int]:
         if self._tokenizer is None:

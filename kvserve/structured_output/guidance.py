@@ -92,7 +92,10 @@ class GuidanceMatcher:
         if token in self._stop:
             self._terminated = self._matcher.is_accepting()
             return self._terminated
-        return self._matcher.consume_token(token)
+        # not consume_token: a token the grammar forbids would leave llguidance's matcher in
+        # an error state for good, where xgrammar's refuses it and stays usable (the drafter
+        # tries tokens the grammar may forbid)
+        return self._matcher.try_consume_tokens([token]) == 1
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]
@@ -104,6 +107,12 @@ class GuidanceMatcher:
 
     def find_jump_forward_string(self) -> str:
         return self._matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next in the tokenizer's canonical tokenization: the
+        forced text's last token is left out where what follows could merge with it (`name"`
+        forced before a free-whitespace `:` gives `name`, the model writes `":`)."""
+        return self._matcher.compute_ff_tokens()
 
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
