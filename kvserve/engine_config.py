@@ -108,6 +108,18 @@ class EngineConfig:
         "+ r; default 127.0.0.1 and free ports), kv_connector_extra_config {hold_timeout_s, "
         "transfer_timeout_s, load_failure_policy: recompute | fail, transport: tcp | shm, and "
         "a connector's own keys}")
+    kv_offload_ram_bytes: int | None = _opt(
+        None, "KV offload tier in host memory: blocks the prefix cache evicts are kept here "
+        "(least recently used out first) and loaded back instead of recomputed")
+    kv_offload_disk_dir: str | None = _opt(
+        None, "KV offload tier on disk, in this folder: evicted blocks as checksummed files, "
+        "reused after a restart of the same model and settings")
+    kv_offload_disk_bytes: int | None = _opt(
+        None, "the disk tier's size limit (default 16 GiB)")
+    kv_offloading_size: float | None = _opt(
+        None, "vLLM's flag: the host-memory offload tier in GiB (--kv-offload-ram-bytes)")
+    kv_offloading_backend: str = _opt("native", "vLLM's flag; native, the built-in tiers",
+                                      choices=["native"])
     kv_events_config: str | None = _opt(
         None, "vLLM's --kv-events-config JSON: publish which KV blocks this engine caches and "
         "evicts, for `kvserve router --policy kv-aware`, e.g. {\"enable_kv_cache_events\": "
@@ -144,9 +156,7 @@ class EngineConfig:
         check_quantization_device(self.quantization, self.device)
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        from kvserve.kv_transfer.config import kv_transfer_config
-
-        kv_transfer_config(self.kv_role, self.kv_transfer_config)  # a bad one fails here
+        self.transfer_config()  # a bad one fails here
         from kvserve.kv_events import parse_kv_events_config
 
         parse_kv_events_config(self.kv_events_config)
@@ -157,6 +167,25 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")
+
+    def transfer_config(self):
+        """The engine's KV connector settings (kv_transfer/config.py), offload tiers
+        included, or None without a connector."""
+        from kvserve.kv_transfer.config import kv_transfer_config
+
+        return kv_transfer_config(self.kv_role, self.kv_transfer_config, self._offload())
+
+    def _offload(self) -> dict | None:
+        ram = self.kv_offload_ram_bytes
+        if ram is None and self.kv_offloading_size is not None:
+            ram = int(self.kv_offloading_size * 2**30)
+        if not ram and not self.kv_offload_disk_dir:
+            return None
+        # the disk tier's folder is named by it: another model or KV format never reads it
+        identity = "|".join(str(v) for v in (self.model, self.dtype, self.quantization,
+                                            self.kv_cache_dtype, self.streaming_window))
+        return {"ram_bytes": ram or 0, "disk_dir": self.kv_offload_disk_dir,
+                "disk_bytes": self.kv_offload_disk_bytes, "fingerprint": identity}
 
     @property
     def streaming_sink_blocks(self) -> int | None:

@@ -178,7 +178,8 @@ class ZmqEventPublisher:
     SHUTDOWN_SECONDS = 2.0
 
     def __init__(self, config: KVEventsConfig, instance_id: str, block_size: int,
-                 snapshot: Callable[[], list[int]], probe: Callable[[list[int]], int]):
+                 snapshot: Callable[[], list[int]],
+                 probe: Callable[[list[int], str | None], int]):
         self.config = config
         self.instance_id = instance_id
         self.block_size = block_size
@@ -283,7 +284,9 @@ class ZmqEventPublisher:
                     replay.send_multipart((client, b"", seq_bytes(seq), encoder.encode(snapshot)))
                 elif request == PROBE_REQUEST and len(frames) > 3:
                     token_ids = msgspec.msgpack.decode(frames[3], type=list[int])
-                    replay.send_multipart((client, b"", encoder.encode(self._probe(token_ids))))
+                    salt = frames[4].decode() if len(frames) > 4 and frames[4] else None
+                    replay.send_multipart((client, b"",
+                                           encoder.encode(self._probe(token_ids, salt))))
                 elif len(request) == 8:
                     start = seq_from_bytes(request)
                     for seq, payload in list(self._ring):
@@ -414,10 +417,14 @@ class ReplayClient:
             return None
         return seq_from_bytes(frames[0]), self._snapshot_decoder.decode(frames[1])
 
-    def probe(self, token_ids: list[int]) -> int | None:
-        """How many leading full blocks of `token_ids` the engine holds cached."""
+    def probe(self, token_ids: list[int], cache_salt: str | None = None) -> int | None:
+        """How many leading full blocks of `token_ids` (under `cache_salt`) the engine holds
+        cached."""
         deadline = time.monotonic() + self.timeout
-        self._connected().send_multipart((b"", PROBE_REQUEST, msgspec.msgpack.encode(token_ids)))
+        frames = [b"", PROBE_REQUEST, msgspec.msgpack.encode(token_ids)]
+        if cache_salt:
+            frames.append(cache_salt.encode())
+        self._connected().send_multipart(frames)
         frames = self._receive(deadline)
         if not frames:
             return None

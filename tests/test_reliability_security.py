@@ -1,6 +1,7 @@
 """Security: with --api-key every route but /health needs the key (401 otherwise, compared in
 constant time); the default bind is loopback; request bodies are capped (413) even without a
-Content-Length; and no route serves or writes files.
+Content-Length; no route serves or writes files; with a key per tenant, tenants never share
+prefix-cache blocks, and `cache_salt` separates callers within one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.helpers import tiny_server_flags
 
 KEY = "k3y-for-tests"
 GOOD = {"Authorization": f"Bearer {KEY}"}
+OTHER_TENANT = {"Authorization": "Bearer another-tenant's-key"}
 BODY_LIMIT = 4096
 
 # The whole surface. A new route must be added here on purpose (and must not touch files).
@@ -69,7 +71,9 @@ def test_default_bind_is_loopback():
 @pytest.fixture(scope="module")
 def locked_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("locked") / "server.log"
-    flags = tiny_server_flags(tiny_model_dir, "--api-key", KEY, "--max-request-body-bytes",
+    flags = tiny_server_flags(tiny_model_dir, "--api-key", KEY, "--api-key",
+                              OTHER_TENANT["Authorization"].removeprefix("Bearer "),
+                              "--max-request-body-bytes",
                               str(BODY_LIMIT), max_model_len=256)
     with ServerProcess(flags, log_path=log) as process:
         yield process
@@ -133,3 +137,26 @@ def test_model_field_and_paths_never_reach_the_filesystem(locked_server, tmp_pat
                          f"Connection: close\r\n\r\n".encode())
             reply = b"".join(iter(lambda: sock.recv(65536), b""))
         assert b"root:" not in reply and reply.split(b" ")[1] in (b"404", b"400"), reply[:200]
+
+
+def _cached_tokens(server, headers: dict, prompt: str, **fields) -> int:
+    response = httpx.post(server.base_url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": prompt, "max_tokens": 1, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_tenants_and_salts_never_share_prefix_blocks(locked_server):
+    """The same prompt: the second call of a tenant hits its first call's blocks; the other
+    tenant's first call, and another salt within a tenant, hit nothing; a bad salt is a 400."""
+    prompt = "a prompt two tenants both send, long enough for whole blocks. " * 4
+    assert _cached_tokens(locked_server, GOOD, prompt) == 0
+    assert _cached_tokens(locked_server, GOOD, prompt) >= 32
+    assert _cached_tokens(locked_server, OTHER_TENANT, prompt) == 0
+    assert _cached_tokens(locked_server, OTHER_TENANT, prompt) >= 32
+    assert _cached_tokens(locked_server, GOOD, prompt, cache_salt="user-1") == 0
+    assert _cached_tokens(locked_server, GOOD, prompt, cache_salt="user-1") >= 32
+    assert _cached_tokens(locked_server, OTHER_TENANT, prompt, cache_salt="user-1") == 0
+    response = httpx.post(locked_server.base_url + "/v1/completions", headers=GOOD,
+                          json={"prompt": prompt, "max_tokens": 1, "cache_salt": ""})
+    assert response.status_code == 400 and "cache_salt" in response.text

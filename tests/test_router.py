@@ -133,6 +133,25 @@ def test_kv_aware_chat_follows_the_chat_template(tiny_model_dir, replicas):
         assert _placements(router) == {"decisions": 2, "best": 2, "index_exact": 2}
 
 
+def test_kv_aware_hashes_a_cache_salt_as_the_replicas_do(tiny_model_dir, replicas):
+    """A salted session's second turn goes where its first ran, and the router's index knew
+    exactly what that replica holds (the probe asks under the same salt); the same prompt
+    under another salt holds nothing anywhere."""
+    prompt = "Salted session. " + " ".join(f"item{i}" for i in range(40))
+    with running_router(tiny_model_dir, replicas, "kv-aware") as router, \
+            httpx.Client(base_url=router.base_url, timeout=60) as client:
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": "user-7"}
+        first = client.post("/v1/completions", json=body)
+        time.sleep(THINK_SECONDS)
+        body["prompt"] = prompt + first.json()["choices"][0]["text"] + " and more"
+        second = client.post("/v1/completions", json=body)
+        assert second.headers["x-kvserve-replica"] == first.headers["x-kvserve-replica"]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+        other = client.post("/v1/completions", json={**body, "cache_salt": "user-8"})
+        assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _placements(router) == {"decisions": 3, "best": 3, "index_exact": 3}
+
+
 def test_round_robin_alternates_and_errors_pass_through(tiny_model_dir, replicas):
     urls = [replica.base_url for replica in replicas]
     with running_router(tiny_model_dir, replicas, "round-robin") as router, \

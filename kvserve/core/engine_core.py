@@ -139,10 +139,10 @@ class EngineCore:
         if any(window is not None for window in model.sliding_windows):
             raise ValueError("--streaming-window is not built for models with sliding-window "
                              "layers of their own (their windows and the sinks' would mix)")
-        if config.kv_role or config.kv_transfer_config:
-            raise ValueError("--streaming-window and KV transfer (--kv-role / "
-                             "--kv-transfer-config) do not combine: a streaming request's "
-                             "window keys are rotated in place")
+        if config.transfer_config() is not None:
+            raise ValueError("--streaming-window and KV transfer or offload (--kv-role, "
+                             "--kv-transfer-config, --kv-offload-*) do not combine: a "
+                             "streaming request's window keys are rotated in place")
         if not config.enable_chunked_prefill:
             raise ValueError("--streaming-window needs chunked prefill: a prompt longer than "
                              "the window is computed a chunk at a time, the window sliding "
@@ -162,10 +162,8 @@ class EngineCore:
     def _make_kv_connector(self, kv_ready: list[KVCacheReady]):
         """The scheduler side of the engine's KV connector (--kv-role, --kv-transfer-config),
         or None; the workers built theirs already and said what it needs to know."""
-        from kvserve.kv_transfer.config import kv_transfer_config
-
         config = self.config
-        kv_config = kv_transfer_config(config.kv_role, config.kv_transfer_config)
+        kv_config = config.transfer_config()
         if kv_config is None:
             return None
         from kvserve.kv_transfer.base import KVConnectorContext, KVConnectorRole
@@ -173,6 +171,11 @@ class EngineCore:
 
         connector = make_connector(kv_config, KVConnectorRole.SCHEDULER, KVConnectorContext(
             config.block_size, config.tensor_parallel_size, config.pipeline_parallel_size))
+        if len(self.kv_manager.managers) > 1 and getattr(connector, "loads_are_cache_hits",
+                                                         False):
+            raise ValueError("the KV offload tiers keep one block table's blocks; this model's "
+                             "KV layout has several (sliding-window layers): start it with "
+                             "--disable-hybrid-kv-cache-manager to offload its KV")
         connector.set_handshake_metadata([ready.kv_connector_info for ready in kv_ready])
         return connector
 
@@ -290,7 +293,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
-            request.kv_transfer_params),
+            request.kv_transfer_params, request.cache_salt),
             wait_for_grammar=spec is not None and self.grammar_gate.must_wait(
                 request.request_id, spec))
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.protocol.block_hash import salted_root
 from kvserve.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     kv_transfer_params: Any = None  # the KVTransferParams its request carried, if any
+    cache_salt: str | None = None  # prefix blocks are shared only with the same salt
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -58,6 +60,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
+        self.hash_root = salted_root(self.cache_salt)  # the first block's parent hash
         self.times = RequestTimes(arrival=self.arrival_time)
         self.kv_load_attempted = False  # its remote KV was asked for (once: a retry recomputes)
         self.num_external_tokens = 0  # tokens a KV connector is loading for it (asynchronously)

@@ -351,7 +351,10 @@ class Scheduler(SchedulerInterface):
             if error is None:
                 loaded = min(request.num_computed_tokens + request.num_external_tokens,
                              request.num_tokens - 1)
-                request.num_transferred_tokens = loaded - request.num_computed_tokens
+                if getattr(self.connector, "loads_are_cache_hits", False):  # offload tiers
+                    request.num_cached_tokens += loaded - request.num_computed_tokens
+                else:
+                    request.num_transferred_tokens = loaded - request.num_computed_tokens
                 request.num_computed_tokens = loaded
             else:
                 self.load_failures.append((request_id, error))

@@ -53,6 +53,7 @@ class PreparedRequest:
     priority: int
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
+    cache_salt: str | None = None
 
 
 class LLMEngine:
@@ -96,10 +97,12 @@ class LLMEngine:
     def prepare_request(self, request_id: str, prompt: PromptType,
                         params: SamplingParams | None = None, priority: int = 0,
                         arrival_time: float | None = None,
-                        kv_transfer_params: KVTransferParams | None = None) -> PreparedRequest:
+                        kv_transfer_params: KVTransferParams | None = None,
+                        cache_salt: str | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread); raises
         InvalidRequestError if the request is bad. `kv_transfer_params`: disaggregated
-        prefill/decode (kvserve/kv_transfer/)."""
+        prefill/decode (kvserve/kv_transfer/). `cache_salt` (or a prompt dict's, as in
+        vLLM): its prefix blocks are shared only with requests of the same salt."""
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
@@ -108,8 +111,13 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if kv_transfer_params is not None and params.n != 1:
             raise InvalidRequestError("kv_transfer_params needs n = 1", param="n")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string",
+                                      param="cache_salt")
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, max_tokens, priority,
-                               arrival, kv_transfer_params)
+                               arrival, kv_transfer_params, cache_salt)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, priority: int = 0,
@@ -137,7 +145,7 @@ class LLMEngine:
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
                 prepared.priority, prepared.arrival_time,
-                prepared.kv_transfer_params))
+                prepared.kv_transfer_params, prepared.cache_salt))
         sent: list[str] = []
         try:
             for request in requests:

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvserve.kv_transfer.factory import DEFAULT_CONNECTOR, check_connector_name
+from kvserve.kv_transfer.factory import (
+    DEFAULT_CONNECTOR,
+    OFFLOADING_CONNECTOR,
+    check_connector_name,
+)
 
 ROLES = ("prefill", "decode", "both")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -55,9 +59,17 @@ class KVTransferConfig:
         return self.role in ("decode", "both")
 
 
-def kv_transfer_config(role: str | None, config_json: str | None) -> KVTransferConfig | None:
+def kv_transfer_config(role: str | None, config_json: str | None,
+                       offload: dict | None = None) -> KVTransferConfig | None:
     """The engine's KV transfer settings, or None when it takes no part in transfers. `role`
-    (--kv-role) wins over the JSON's kv_role."""
+    (--kv-role) wins over the JSON's kv_role. `offload`: the --kv-offload-* flags' tiers, as
+    the OffloadingConnector's extra config."""
+    if offload is not None:
+        if role is not None or config_json:
+            raise ValueError("the KV offload tiers (--kv-offload-*, --kv-offloading-size) and "
+                             "--kv-role/--kv-transfer-config cannot be combined yet: one KV "
+                             "connector per engine")
+        return KVTransferConfig("both", connector=OFFLOADING_CONNECTOR, extra_config=offload)
     settings: dict = {}
     if config_json:
         try:

@@ -14,8 +14,6 @@ hooks are the base's no-ops: nothing moves during the forward.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -31,6 +29,7 @@ from kvserve.kv_transfer.base import (
 )
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.leases import LeaseTable
+from kvserve.kv_transfer.load_reports import LoadReports
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 from kvserve.protocol.kv_transfer_params import KVTransferParams
 
@@ -88,9 +87,7 @@ class TcpConnector(KVConnectorBase):
         self._context = zmq.Context() if role is KVConnectorRole.WORKER else None
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load") \
             if role is KVConnectorRole.WORKER and config.consumes else None
-        self._finished: queue.Queue[tuple[str, str | None]] = queue.Queue()
-        self._wake = threading.Event()
-        self._load_errors: dict[str, str] = {}
+        self.load_reports = LoadReports()
 
     # ---- scheduler side: the decode engine ---------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
@@ -184,7 +181,7 @@ class TcpConnector(KVConnectorBase):
             self.leases.hold(serve.request_id, serve.block_ids, self.config.hold_timeout_s)
         for load in metadata.loads:
             if load.error:
-                self._report(load.request_id, load.error)
+                self.load_reports.report(load.request_id, load.error)
             else:
                 self._pool.submit(self._load, load)
 
@@ -195,36 +192,21 @@ class TcpConnector(KVConnectorBase):
                       load.remote_request_id, self.kv_caches, load.block_ids,
                       self.config.transfer_timeout_s, self.config.transport == "shm",
                       load.first_block)
-            self._report(load.request_id, None)
+            self.load_reports.report(load.request_id, None)
         except KVTransferError as exc:
-            self._report(load.request_id, str(exc))
+            self.load_reports.report(load.request_id, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported as this request's failed load
             logger.exception("KV load of %s failed", load.request_id)
-            self._report(load.request_id, f"{type(exc).__name__}: {exc}")
-
-    def _report(self, request_id: str, error: str | None) -> None:
-        self._finished.put((request_id, error))
-        self._wake.set()
+            self.load_reports.report(load.request_id, f"{type(exc).__name__}: {exc}")
 
     def get_finished(self, finished_req_ids: list[str]) -> tuple[set[str], set[str]]:
-        self._wake.clear()
-        recving: set[str] = set()
-        while True:
-            try:
-                request_id, error = self._finished.get_nowait()
-            except queue.Empty:
-                break
-            recving.add(request_id)
-            if error is not None:
-                self._load_errors[request_id] = error
-        return set(self.leases.take_releasable()), recving
+        return set(self.leases.take_releasable()), self.load_reports.take_finished()
 
     def get_load_errors(self) -> dict[str, str]:
-        errors, self._load_errors = self._load_errors, {}
-        return errors
+        return self.load_reports.take_errors()
 
     def wait_for_finished(self, timeout_s: float) -> None:
-        self._wake.wait(timeout_s)
+        self.load_reports.wait(timeout_s)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from kvserve.kv_transfer.config import KVTransferConfig
 
 DEFAULT_CONNECTOR = "TcpConnector"
+OFFLOADING_CONNECTOR = "OffloadingConnector"  # the KV offload tiers (vLLM's name)
 # "KVServeConnector": the name it had before connectors were pluggable (configs still say it)
 _ALIASES = {"KVServeConnector": DEFAULT_CONNECTOR}
 _registry: dict[str, str | type] = {
     DEFAULT_CONNECTOR: "kvserve.kv_transfer.connector:TcpConnector",
+    OFFLOADING_CONNECTOR: "kvserve.kv_transfer.offload.connector:OffloadingConnector",
 }
 
 

@@ -33,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     arrival_time: float = 0.0
     # disaggregated prefill/decode: keep the KV for a decode engine, or where to pull it from
     kv_transfer_params: KVTransferParams | None = None
+    cache_salt: str | None = None  # prefix blocks are shared only within one salt
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_WIRE):

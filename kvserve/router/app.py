@@ -36,7 +36,7 @@ from kvserve.router.disagg import PrefillStage
 from kvserve.router.index import KVIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import POLICIES, Candidate, make_policy
-from kvserve.router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptTokenizer
+from kvserve.router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptTokenizer, cache_salt_of
 from kvserve.router.replicas import Replica, ReplicaMonitor
 from kvserve.router.subscriber import EventSubscriber, reachable_endpoint
 
@@ -132,10 +132,10 @@ class Router:
         return next((r.block_size for r in self.replicas.values()
                      if r.role == role and r.healthy and r.block_size), DEFAULT_BLOCK_SIZE)
 
-    def rank(self, token_ids: list[int] | None, role: str | None = None
-             ) -> tuple[list[Candidate], int]:
+    def rank(self, token_ids: list[int] | None, role: str | None = None,
+             cache_salt: str | None = None) -> tuple[list[Candidate], int]:
         """Healthy replicas of `role` (default: those answering clients), best first, and the
-        prompt's full blocks."""
+        prompt's full blocks (hashed under the request's `cache_salt`, as the replicas do)."""
         now = time.monotonic()
         role = role or self.client_role
         healthy = [r for r in self.replicas.values() if r.healthy and r.role == role]
@@ -149,7 +149,8 @@ class Router:
                                                                 self.config.stale_after):
                     by_size.setdefault(replica.block_size, []).append(replica.url)
             for size, names in by_size.items():
-                overlaps.update(self.index.overlaps(block_hashes(token_ids, size), names))
+                overlaps.update(self.index.overlaps(
+                    block_hashes(token_ids, size, cache_salt=cache_salt), names))
         candidates = [Candidate(r.url, overlaps.get(r.url, 0),
                                 r.active_blocks(now, self.config.stale_after)) for r in healthy]
         return self.policies[role].rank(candidates, prompt_blocks), prompt_blocks
@@ -163,13 +164,14 @@ class Router:
             payload = None
         streaming = isinstance(payload, dict) and payload.get("stream") is True
         token_ids = self.prompts.token_ids(path, payload) if self.prompts else None
-        ranked, prompt_blocks = self.rank(token_ids)
+        salt = cache_salt_of(payload)
+        ranked, prompt_blocks = self.rank(token_ids, cache_salt=salt)
         if not ranked:
             self.metrics.unroutable.inc()
             return error_response(503, "no healthy replica behind the router",
                                   code="no_replica", headers={"Retry-After": "1"})
         if self.config.measure_placement and token_ids:
-            await self._measure_placement(ranked[0], token_ids)
+            await self._measure_placement(ranked[0], token_ids, salt)
         self.metrics.prompt_blocks.inc(prompt_blocks)
         self.metrics.predicted_blocks.inc(ranked[0].overlap_blocks)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
@@ -304,11 +306,12 @@ class Router:
         return error_response(503, "no healthy replica behind the router", code="no_replica")
 
     # ---- placement accuracy (benchmarks) -------------------------------------------------
-    async def _measure_placement(self, chosen: Candidate, token_ids: list[int]) -> None:
+    async def _measure_placement(self, chosen: Candidate, token_ids: list[int],
+                                 cache_salt: str | None = None) -> None:
         role = self.replicas[chosen.name].role
         replicas = [r for r in self.replicas.values() if r.healthy and r.role == role
                     and (r.events_info or {}).get("replay_endpoint")]
-        held = await asyncio.gather(*(asyncio.to_thread(self._probe, r, token_ids)
+        held = await asyncio.gather(*(asyncio.to_thread(self._probe, r, token_ids, cache_salt)
                                       for r in replicas))
         actual = {r.url: n for r, n in zip(replicas, held) if n is not None}
         if chosen.name not in actual:
@@ -322,14 +325,15 @@ class Router:
         logger.debug("placement: %s holds %d prefix blocks (index said %d), best %d: %s",
                      chosen.name, actual[chosen.name], chosen.overlap_blocks, best, actual)
 
-    def _probe(self, replica: Replica, token_ids: list[int]) -> int | None:
+    def _probe(self, replica: Replica, token_ids: list[int],
+               cache_salt: str | None = None) -> int | None:
         endpoint = reachable_endpoint(replica.events_info.get("replay_endpoint"), replica.url)
         lock, client = self._probes.get(replica.url, (None, None))
         if client is None or client.endpoint != endpoint:
             lock, client = threading.Lock(), ReplayClient(self._probe_context, endpoint, 1.0)
             self._probes[replica.url] = (lock, client)
         with lock:
-            return client.probe(token_ids)
+            return client.probe(token_ids, cache_salt)
 
     # ---- introspection -------------------------------------------------------------------
     def state(self) -> dict:

@@ -30,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.router.policy import Candidate
-from kvserve.router.prompts import CHAT_PATH
+from kvserve.router.prompts import CHAT_PATH, cache_salt_of
 
 if TYPE_CHECKING:
     from kvserve.router.app import Router
@@ -87,7 +87,7 @@ class PrefillStage:
         router = self.router
         reason = local_prefill_reason(path, payload, token_ids, decode_choice, block_size,
                                       router.config.max_local_prefill_length)
-        ranked, prompt_blocks = router.rank(token_ids, "prefill")
+        ranked, prompt_blocks = router.rank(token_ids, "prefill", cache_salt_of(payload))
         if reason is None and not ranked:
             reason = "no_prefill_replica"
         if reason is not None:

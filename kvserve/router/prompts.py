@@ -45,3 +45,11 @@ class PromptTokenizer:
         except Exception as exc:  # invalid: the replica says why
             logger.debug("cannot tokenize a %s body: %s", path, exc)
             return None
+
+
+def cache_salt_of(payload) -> str | None:
+    """The request's `cache_salt`: replicas hash its blocks under it, so must the router.
+    (Per-tenant salts of a multi-key replica are not known here: such requests route by
+    load.)"""
+    salt = payload.get("cache_salt") if isinstance(payload, dict) else None
+    return salt if isinstance(salt, str) and salt else None

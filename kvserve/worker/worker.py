@@ -212,9 +212,7 @@ class Worker:
 
 def _make_kv_connector(config: EngineConfig, rank: int):
     """This rank's side of the engine's KV connector, or None without one."""
-    from kvserve.kv_transfer.config import kv_transfer_config
-
-    kv_config = kv_transfer_config(config.kv_role, config.kv_transfer_config)
+    kv_config = config.transfer_config()
     if kv_config is None:
         return None
     from kvserve.kv_transfer.base import KVConnectorContext, KVConnectorRole

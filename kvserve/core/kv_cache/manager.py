@@ -24,7 +24,7 @@ from kvserve.core.kv_cache.spec import (
     StreamingSpec,
 )
 from kvserve.core.request import Request
-from kvserve.protocol.block_hash import hash_block_tokens
+from kvserve.protocol.block_hash import hash_block_tokens, salted_root
 
 # a prefix hit: per group, the blocks its table starts with (the null block where a window
 # group needs nothing)
@@ -89,7 +89,7 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def _block_key(self, request: Request, index: int) -> BlockKey:
-        parent = request.block_hashes[index - 1] if index else None
+        parent = request.block_hashes[index - 1] if index else request.hash_root
         start = index * self.block_size
         return (parent, tuple(request.all_token_ids[start:start + self.block_size]), None)
 
@@ -98,15 +98,16 @@ class KVCacheManager:
         once per request: ~2 us, docs/performance.md)."""
         hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
         for index in range(len(hashes), num_tokens // size):
-            hashes.append(hash_block_tokens(hashes[index - 1] if index else None,
+            hashes.append(hash_block_tokens(hashes[index - 1] if index else request.hash_root,
                                             tokens[index * size:(index + 1) * size]))
 
-    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of `token_ids` group 0 holds cached (the ground truth
-        a router's placement is measured against; read-only)."""
+    def num_cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None
+                                 ) -> int:
+        """How many leading full blocks of `token_ids` (under `cache_salt`) group 0 holds
+        cached (the ground truth a router's placement is measured against; read-only)."""
         if not self.enable_prefix_caching:
             return 0
-        size, parent, count = self.block_size, None, 0
+        size, parent, count = self.block_size, salted_root(cache_salt), 0
         while (count + 1) * size <= len(token_ids):
             tokens = tuple(token_ids[count * size:(count + 1) * size])
             block_hash = hash_block_tokens(parent, tokens)

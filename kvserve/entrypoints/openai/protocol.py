@@ -150,6 +150,9 @@ class _SamplingFields(RequestBody):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # prefix-cache isolation (vLLM's field): blocks are shared only between requests that
+    # send the same salt
+    cache_salt: str | None = Field(None, min_length=1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} to a prefill

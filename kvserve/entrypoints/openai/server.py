@@ -25,6 +25,7 @@ from kvserve.entrypoints.openai.errors import (
 )
 from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.routes import ROUTERS
+from kvserve.entrypoints.openai.routes.context import TENANT_SCOPE_KEY
 from kvserve.entrypoints.openai.server_config import ServerConfig
 from kvserve.errors import KVServeError
 
@@ -56,25 +57,30 @@ class GuardMiddleware:
     through untouched (Starlette's BaseHTTPMiddleware wraps `receive` and hides disconnects).
 
     The key is compared as SHA-256 digests with `hmac.compare_digest`: constant time, and the
-    length of the key does not leak either. The body is read here, before any route runs, so a
-    limit holds for chunked uploads without a Content-Length too; it is then replayed to the app.
+    length of the key does not leak either. With several keys (one per tenant), every key is
+    compared, and the request's scope names its tenant (TENANT_SCOPE_KEY, a digest of the key):
+    tenants never share prefix-cache blocks (routes/context.py `cache_salt`). The body is read
+    here, before any route runs, so a limit holds for chunked uploads without a Content-Length
+    too; it is then replayed to the app.
     """
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | tuple[str, ...] | None, max_body_bytes: int):
         self.app = app
-        self.expected = _digest(f"Bearer {api_key}".encode()) if api_key else None
+        self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys(api_key)]
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope.get("path") != "/health":
-            if not hmac.compare_digest(_digest(headers.get(b"authorization", b"")),
-                                       self.expected):
+        if self.expected and scope.get("path") != "/health":
+            tenant = self._tenant(headers.get(b"authorization", b""))
+            if tenant is None:
                 response = error_response(401, "invalid or missing API key: send "
                                           "'Authorization: Bearer <key>'", code="invalid_api_key")
                 return await response(scope, receive, send)
+            if len(self.expected) > 1:
+                scope[TENANT_SCOPE_KEY] = tenant
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)
@@ -84,6 +90,16 @@ class GuardMiddleware:
         if not complete:
             return  # the client left while sending its request
         return await self.app(scope, _replay(body, receive), send)
+
+    def _tenant(self, authorization: bytes) -> str | None:
+        """The matching key's tenant name, or None; every key is compared, so the time taken
+        does not say which one matched."""
+        given = _digest(authorization)
+        matched = None
+        for expected in self.expected:
+            if hmac.compare_digest(given, expected):
+                matched = expected
+        return None if matched is None else _digest(b"tenant" + matched).hex()[:16]
 
     async def _read_body(self, receive) -> tuple[bytes | None, bool]:
         """(body, complete); body is None when over the limit."""
@@ -104,6 +120,13 @@ class GuardMiddleware:
         response = error_response(413, f"request body over {self.max_body_bytes} bytes",
                                   code="request_too_large", headers={"Connection": "close"})
         return await response(scope, receive, send)
+
+
+def api_keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """--api-key's keys (one string, or one per tenant)."""
+    if not value:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _digest(value: bytes) -> bytes:

@@ -12,8 +12,10 @@ from kvserve.options import option as _opt
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
     port: int = _opt(8000, "port to listen on")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but "
-                               "/health")
+    api_key: str | tuple[str, ...] | None = _opt(
+        None, "require 'Authorization: Bearer KEY' on every route but /health; several keys "
+        "(repeated or comma-separated) are tenants that never share prefix-cache blocks",
+        multiple=True)
     served_model_name: str | None = _opt(None, "model name clients use (default: the model's)")
     max_waiting_requests: int = _opt(1024, "reject new requests with 503 beyond this many "
                                      "unfinished ones")

@@ -187,6 +187,7 @@ class ResponsesRequest(RequestBody):
     text: TextConfig | None = None
     previous_response_id: str | None = None
     store: bool | None = None  # None: true, as OpenAI
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's prefix-cache isolation
     # metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -252,7 +253,7 @@ class ResponsesRequest(RequestBody):
         fields = {
             "model": self.model, "messages": messages, "seed": self.seed,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "user": self.user,
+            "top_p": self.top_p, "user": self.user, "cache_salt": self.cache_salt,
             "tools": [tool.as_chat_tool() for tool in self.tools] if self.tools else None,
             "tool_choice": ({"type": "function", "function": {"name": choice.name}}
                             if isinstance(choice, ToolChoiceFunction) else choice),

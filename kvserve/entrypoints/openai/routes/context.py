@@ -11,6 +11,10 @@ from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.server_config import ServerConfig
 
 
+# the ASGI scope key where the API-key check names the request's tenant (several keys only)
+TENANT_SCOPE_KEY = "kvserve.tenant"
+
+
 def engine_of(raw: Request) -> AsyncEngine:
     return raw.app.state.engine
 
@@ -40,3 +44,13 @@ def check_ready_and_model(raw: Request, requested: str | None) -> JSONResponse |
         return error_response(503, "too many requests in flight; retry later",
                               code="overloaded", headers={"Retry-After": "1"})
     return None
+
+
+def cache_salt(raw: Request, requested: str | None) -> str | None:
+    """The prefix-cache salt of a request: the `cache_salt` it sent, within its tenant's own
+    salt where the server has one API key per tenant (so tenants never share blocks, even
+    when they send the same salt)."""
+    tenant = raw.scope.get(TENANT_SCOPE_KEY)
+    if tenant is None:
+        return requested
+    return f"tenant:{tenant}\0{requested or ''}"

@@ -1,0 +1,186 @@
+"""KV offload tiers (kv_transfer/offload/): blocks the pool evicts are kept in RAM and/or on disk
+and loaded back, counted as cached tokens, with the same greedy tokens as recomputing them; the
+disk tier outlives a restart; a corrupt, truncated or half-written file is never served, a full
+disk only costs recomputes, and a writer killed with -9 leaves no file under a real name that
+does not verify."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv_transfer.offload import store
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+FINGERPRINT = bytes(range(16))
+
+
+# ---- the disk tier's files ---------------------------------------------------------------
+def test_a_block_file_reads_back_and_every_damage_is_refused_and_deleted(tmp_path):
+    payload = os.urandom(4096)
+    store.write_block(tmp_path, FINGERPRINT, 0xABC, 1, payload)
+    assert store.read_block(tmp_path, FINGERPRINT, 0xABC, 1, len(payload)) == payload
+    path = store.block_file(tmp_path, 0xABC, 1)
+
+    def damaged(change, **expect) -> str:
+        store.write_block(tmp_path, FINGERPRINT, 0xABC, 1, payload)
+        data = bytearray(path.read_bytes())
+        path.write_bytes(change(data))
+        with pytest.raises(store.CorruptBlockError) as error:
+            store.read_block(tmp_path, expect.get("fingerprint", FINGERPRINT), 0xABC, 1,
+                             len(payload))
+        assert not path.exists()
+        return str(error.value)
+
+    def flip_last(data):
+        data[-1] ^= 0xFF
+        return bytes(data)
+
+    assert "checksum" in damaged(flip_last)
+    assert "payload" in damaged(lambda data: bytes(data[:-100]))
+    assert "header" in damaged(lambda data: bytes(data[:10]))
+    assert "another" in damaged(bytes, fingerprint=bytes(16))
+    with pytest.raises(store.CorruptBlockError):
+        store.read_block(tmp_path, FINGERPRINT, 0xDEF, 1, len(payload))  # never written
+
+
+def test_scan_finds_whole_blocks_oldest_first_and_removes_leftover_temporaries(tmp_path):
+    for block_hash in (3, 1, 2):
+        for rank in (0, 1):
+            store.write_block(tmp_path, FINGERPRINT, block_hash, rank, b"x")
+        time.sleep(0.01)
+    store.write_block(tmp_path, FINGERPRINT, 9, 0, b"x")  # rank 1's file is missing
+    leftover = tmp_path / "0000000000000005.r0.kv.123.tmp"
+    leftover.write_bytes(b"half")
+    assert store.scan(tmp_path, world_size=2) == [3, 1, 2]
+    assert not leftover.exists()
+
+
+_WRITER = """
+import os, sys
+from pathlib import Path
+from kvserve.kv_transfer.offload import store
+folder = Path(sys.argv[1])
+payload = os.urandom(1 << 20)
+print("ready", flush=True)
+index = 0
+while True:
+    store.write_block(folder, bytes(range(16)), index, 0, payload)
+    index += 1
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_only_whole_files(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)],
+                              stdout=subprocess.PIPE)
+    assert writer.stdout.readline().strip() == b"ready"
+    time.sleep(0.5)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    written = store.scan(tmp_path, world_size=1)
+    assert written
+    for block_hash in written:
+        assert len(store.read_block(tmp_path, FINGERPRINT, block_hash, 0, 1 << 20)) == 1 << 20
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# ---- the engine with tiers -----------------------------------------------------------------
+def _prompts(tokenizer) -> list[list[int]]:
+    """Six prompts of 80 tokens (5 blocks), no two sharing a block."""
+    words = tokenizer.encode(" ".join(f"word{i}" for i in range(600)), add_special_tokens=False)
+    return [words[i * 80:(i + 1) * 80] for i in range(6)]
+
+
+def _engine(tiny_model_dir, **options) -> LLM:
+    """A pool of 16 blocks: three prompts' worth, so the later ones evict the first."""
+    return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, block_size=16,
+               max_model_len=128, engine_core="thread", **options)
+
+
+def _run(engine: LLM, prompts) -> list:
+    return [engine.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
+            for p in prompts]
+
+
+def _connector(engine: LLM):
+    return engine.llm_engine.engine_core.scheduler.connector
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tokenizer):
+    prompts = _prompts(tokenizer)
+    with LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16,
+             engine_core="thread", enable_prefix_caching=False) as engine:
+        return prompts, [o.outputs[0].token_ids for o in _run(engine, prompts)]
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_evicted_prefixes_come_back_from_a_tier_as_cached_tokens(tiny_model_dir, reference,
+                                                                 tmp_path, tier):
+    prompts, expected = reference
+    options = ({"kv_offload_ram_bytes": 8 << 20} if tier == "ram"
+               else {"kv_offload_disk_dir": str(tmp_path)})
+    with _engine(tiny_model_dir, **options) as engine:
+        first = _run(engine, prompts)  # the last three evict the first three from the pool
+        again = _run(engine, prompts[:3])
+        stats = _connector(engine).stats
+    assert [o.outputs[0].token_ids for o in first + again] == expected + expected[:3]
+    assert [o.num_cached_tokens for o in first] == [0] * 6
+    assert all(o.num_cached_tokens >= 64 for o in again), [o.num_cached_tokens for o in again]
+    assert stats["saved_blocks"] > 0 and stats["loaded_blocks"] >= 12
+    assert stats["failed_loads"] == 0
+
+
+def test_the_disk_tier_outlives_a_restart_and_a_corrupt_file_is_recomputed(
+        tiny_model_dir, reference, tmp_path):
+    prompts, expected = reference
+    with _engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path)) as engine:
+        _run(engine, prompts)  # leaving the block waits for the disk writes
+    with _engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path)) as restarted:
+        warm = _run(restarted, prompts[:1])
+    assert warm[0].outputs[0].token_ids == expected[0]
+    assert warm[0].num_cached_tokens >= 64  # from files the first run wrote
+    for path in tmp_path.rglob("*.kv"):  # every file damaged
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with _engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path)) as damaged:
+        cold = _run(damaged, prompts[1:2])
+        again = _run(damaged, prompts[1:2])
+        stats = _connector(damaged).stats
+    assert cold[0].outputs[0].token_ids == again[0].outputs[0].token_ids == expected[1]
+    assert cold[0].num_cached_tokens == 0 and stats["failed_loads"] == 1
+    assert again[0].num_cached_tokens >= 64  # the pool's own copy, recomputed
+
+
+def test_a_full_disk_only_costs_recomputes(tiny_model_dir, reference, tmp_path, monkeypatch,
+                                           caplog):
+    prompts, expected = reference
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "write_block", full)
+    with _engine(tiny_model_dir, kv_offload_disk_dir=str(tmp_path)) as engine:
+        outputs = _run(engine, prompts) + _run(engine, prompts[:3])
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected[:3]
+    assert "No space left" in caplog.text
+
+
+def test_offload_flags(tiny_model_dir, tmp_path):
+    from kvserve.engine_config import EngineConfig
+
+    config = EngineConfig(model="m", kv_offloading_size=0.5)
+    transfer = config.transfer_config()
+    assert transfer.connector == "OffloadingConnector"
+    assert transfer.extra_config["ram_bytes"] == 1 << 29
+    with pytest.raises(ValueError, match="cannot be combined"):
+        EngineConfig(model="m", kv_offload_disk_dir=str(tmp_path), kv_role="prefill")
+    assert EngineConfig(model="m").transfer_config() is None
