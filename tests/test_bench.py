@@ -344,6 +344,39 @@ def test_multi_turn_sessions_share_a_system_prompt_and_grow():
     assert second.startswith(first + " answer1") and third.startswith(second + " answer2")
 
 
+def test_agent_sessions_ask_each_turn_only_after_every_session_answered_the_last():
+    """Round t asks every session's turn t: between two turns of a session every other
+    session was asked (the working set passes through the KV cache); each session's prompt
+    grows by its own answers; results come session by session, turn by turn."""
+    import asyncio
+
+    from kvserve.bench.client import run_sessions_interleaved
+
+    sessions = workloads.agent_sessions_workload(workloads.TextSource(FakeTokenizer(), 0), 3,
+                                                 2, 20, 8)
+
+    class Client:
+        def __init__(self):
+            self.asked = []
+
+        async def complete(self, prompt, max_tokens):
+            self.asked.append(prompt)
+            await asyncio.sleep(0)
+            return RequestResult(sent=0.0, first_token=0.1, finished=0.2, output_tokens=1,
+                                 output_text=f" answer-to-{len(prompt)}")
+
+    client = Client()
+    results = asyncio.run(run_sessions_interleaved(client, sessions, max_concurrency=2,
+                                                   progress=False))
+    assert [r.turn for r in results] == [0, 1] * 3
+    first_round, second_round = client.asked[:3], client.asked[3:]
+    assert all(not p.startswith(q) for p in first_round for q in first_round if q is not p)
+    for index, prompt in enumerate(second_round):
+        own = next(q for q in first_round if prompt.startswith(q))
+        assert prompt.startswith(own + f" answer-to-{len(own)}")
+        assert results[2 * index + 1].turn == 1
+
+
 def test_agentic_sessions_rerun_two_files_in_the_chat_template_with_earlier_answers():
     """The agent workload's turns alternate between two tool outputs, go out in the model's
     chat template with the code fence opened, and carry every earlier answer (fence included)."""

@@ -10,6 +10,9 @@ from kvserve.bench import machine, report, roofline, server_metrics, workloads
 from kvserve.bench.stats import SLO, describe, summarize
 
 
+SESSION_WORKLOADS = ("multi-turn", "agentic", "agent-sessions")
+
+
 def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks: serve, offline, perplexity, "
                                 "roofline, kernels")
@@ -23,7 +26,9 @@ def add_bench_parser(commands) -> None:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--workload", default="random",
                        choices=["random", "shared-prefix", "multi-turn", "long-prompt",
-                                "code-edit", "agentic"])
+                                "code-edit", "agentic", "agent-sessions"],
+                       help="agent-sessions: --num-prompts sessions of --turns turns, each "
+                       "turn asked only after every session answered its previous one")
     serve.add_argument("--num-prompts", type=int, default=64,
                        help="requests (multi-turn: sessions)")
     serve.add_argument("--max-concurrency", default=None,
@@ -124,6 +129,10 @@ def _build_workload(args, source: workloads.TextSource):
     if args.workload == "long-prompt":
         return workloads.long_prompt_workload(source, args.num_prompts, args.input_len,
                                               args.output_len, args.long_len)
+    if args.workload == "agent-sessions":
+        return workloads.agent_sessions_workload(source, args.num_prompts, args.turns,
+                                                 args.input_len, args.output_len,
+                                                 args.system_prompt_len)
     if args.workload == "agentic":
         return workloads.agentic_workload(source, args.num_prompts, args.turns, args.input_len,
                                           args.output_len)
@@ -132,14 +141,22 @@ def _build_workload(args, source: workloads.TextSource):
 
 
 async def _drive(args, specs):
-    from kvserve.bench.client import BenchClient, run_requests, run_sessions
+    from kvserve.bench.client import (
+        BenchClient,
+        run_requests,
+        run_sessions,
+        run_sessions_interleaved,
+    )
 
     client = BenchClient(args.base_url, args.model, args.api_key,
                          temperature=args.temperature, top_p=args.top_p,
                          extra_body=args.extra_body)
     try:
         start = client.now()
-        if args.workload in ("multi-turn", "agentic"):
+        if args.workload == "agent-sessions":
+            results = await run_sessions_interleaved(client, specs, args.max_concurrency,
+                                                     not args.no_progress)
+        elif args.workload in ("multi-turn", "agentic"):
             results = await run_sessions(client, specs, args.max_concurrency,
                                          not args.no_progress)
         else:
@@ -185,7 +202,7 @@ def _serve_once(args) -> int:
                     for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)))
     summary = summarize(results, duration, slo)
     summary["server"] = counted
-    if args.workload in ("multi-turn", "agentic"):  # turns a prefix cache can help
+    if args.workload in SESSION_WORKLOADS:  # turns a prefix cache can help
         summary["ttft_later_turns_s"] = describe(
             [r.ttft for r in results if r.ok and r.turn and r.ttft is not None])
     row = {"system": args.label, "scenario": args.workload, "machine": machine.machine_header(),
@@ -193,7 +210,11 @@ def _serve_once(args) -> int:
            "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
            "errors": sorted({r.error for r in results if r.error})[:5],
            "per_request": [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
-                            "output_tokens": r.output_tokens, "error": r.error}
+                            "output_tokens": r.output_tokens, "error": r.error,
+                            # agent sessions: runs with and without KV tiers are compared
+                            # token for token (greedy)
+                            **({"turn": r.turn, "output_text": r.output_text}
+                               if args.workload == "agent-sessions" else {})}
                            for r in results]}
     print(report.markdown_table([row]))
     print(server_metrics.describe(counted, urls))

@@ -88,6 +88,8 @@ class BenchClient:
         if usage:
             result.output_tokens = usage.get("completion_tokens") or result.output_tokens
             result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = details.get("cached_tokens") or 0
         text = "".join(choice.get("text") or "" for choice in payload.get("choices") or [])
         if not text:
             return 0
@@ -144,6 +146,37 @@ async def run_sessions(client: BenchClient, sessions: list[Session], max_concurr
     nested = await asyncio.gather(*(one(s) for s in sessions))
     bar.close()
     return [r for results in nested for r in results]
+
+
+async def run_sessions_interleaved(client: BenchClient, sessions: list[Session],
+                                   max_concurrency: int | None,
+                                   progress: bool = True) -> list[RequestResult]:
+    """Agent sessions revisited after the others: round t asks every session's turn t (at most
+    `max_concurrency` at once) and the next round starts when all have answered, so between
+    two turns of a session every other session's context has gone through the server's KV
+    cache. Results carry (session, turn) order: session-major."""
+    limit = asyncio.Semaphore(max_concurrency or len(sessions) or 1)
+    conversations = [_Conversation(session) for session in sessions]
+    results: list[list[RequestResult]] = [[] for _ in sessions]
+    rounds = max((len(s.user_turns) for s in sessions), default=0)
+    bar = tqdm(total=sum(len(s.user_turns) for s in sessions), desc="turns",
+               disable=not progress)
+
+    async def ask(index: int, turn: int) -> None:
+        session, conversation = sessions[index], conversations[index]
+        async with limit:
+            result = await client.complete(conversation.ask(session.user_turns[turn]),
+                                           session.output_len)
+        result.turn = turn
+        conversation.answered(result.output_text)
+        results[index].append(result)
+        bar.update(1)
+
+    for turn in range(rounds):
+        await asyncio.gather(*(ask(index, turn) for index, session in enumerate(sessions)
+                               if turn < len(session.user_turns)))
+    bar.close()
+    return [result for session_results in results for result in session_results]
 
 
 class _Conversation:

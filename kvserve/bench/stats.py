@@ -20,6 +20,7 @@ class RequestResult:
     finished: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, as the server's usage counted them
     output_tokens: int = 0
     error: str | None = None
     output_text: str = ""
@@ -95,6 +96,7 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO | None = N
         if duration else math.nan,
         "output_tokens": output_tokens,
         "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in done),
         "ttft_s": describe([r.ttft for r in done if r.ttft is not None]),
         "tpot_s": describe([r.tpot for r in done if r.tpot is not None]),
         "itl_s": describe([gap for r in done for gap in r.itls]),

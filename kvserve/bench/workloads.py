@@ -201,3 +201,13 @@ def multi_turn_workload(source: TextSource, num_sessions: int, turns: int, user_
     system = source.take(system_prompt_len) + "\n" if system_prompt_len else ""
     return [Session([source.take(user_len) for _ in range(turns)], output_len, system)
             for _ in range(num_sessions)]
+
+
+def agent_sessions_workload(source: TextSource, num_sessions: int, turns: int, user_len: int,
+                            output_len: int, system_prompt_len: int = 0) -> list[Session]:
+    """Many agent sessions whose contexts grow turn by turn (a tool's output each turn), each
+    revisited only after all the others (bench client's `run_sessions_interleaved`): the
+    working set of all sessions' contexts is far larger than the KV pool, so a turn finds its
+    own history evicted unless a KV offload tier kept it (issue 34)."""
+    return multi_turn_workload(source, num_sessions, turns, user_len, output_len,
+                               system_prompt_len)

@@ -21,6 +21,7 @@ from RAM, a block still waiting to be written, or disk, and copy into the reques
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 16 << 30  # a disk tier without --kv-offload-disk-bytes
-FULL_DISK_LOG_EVERY_S = 60.0
+WRITE_PROBLEM_LOG_EVERY_S = 60.0
+MAX_UNWRITTEN_BYTES = 512 << 20  # a rank's saved blocks waiting for the disk writer
 
 
 class OffloadSave(msgspec.Struct, array_like=True):
@@ -112,7 +114,7 @@ class OffloadingConnector(KVConnectorBase):
         self._writer: ThreadPoolExecutor | None = None
         self._loader: ThreadPoolExecutor | None = None
         self.load_reports = LoadReports()
-        self._full_disk_logged_at = 0.0
+        self._write_problem_logged_at = 0.0
 
     # ---- scheduler side ------------------------------------------------------------------
     def set_handshake_metadata(self, per_rank: list[dict | None]) -> None:
@@ -223,7 +225,8 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk_dir:
             self.folder = store.layout_folder(self.disk_dir, self.layout)
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write")
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write",
+                                              initializer=_lower_priority)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
 
     @property
@@ -257,10 +260,26 @@ class OffloadingConnector(KVConnectorBase):
         for save, row in zip(saves, rows):
             if save.to_ram:  # its own storage: the tier's budget counts block by block
                 self._ram_blocks[save.block_hash] = row.clone()
-            if save.to_disk:
+            if save.to_disk and self._may_queue_write():
                 with self._lock:
                     self._unwritten[save.block_hash] = row
                 self._writer.submit(self._write, save.block_hash, row)
+
+    def _may_queue_write(self) -> bool:
+        """False when the writer is too far behind (a slow disk under a steady stream of
+        evictions): that block is not written, and recomputed if it is asked for."""
+        if len(self._unwritten) * self.block_bytes < MAX_UNWRITTEN_BYTES:
+            return True
+        self._log_write_problem("the disk writer is behind by "
+                                f"{MAX_UNWRITTEN_BYTES >> 20} MiB")
+        return False
+
+    def _log_write_problem(self, problem) -> None:
+        now = time.monotonic()
+        if now - self._write_problem_logged_at >= WRITE_PROBLEM_LOG_EVERY_S:
+            self._write_problem_logged_at = now
+            logger.warning("KV offload: %s; blocks not written to %s are recomputed when "
+                           "asked for", problem, self.folder)
 
     def _write(self, block_hash: int, row: torch.Tensor) -> None:
         import torch
@@ -269,11 +288,7 @@ class OffloadingConnector(KVConnectorBase):
             store.write_block(self.folder, self.layout, block_hash, self.context.rank,
                               row.view(torch.uint8).numpy().data)
         except OSError as exc:  # a full disk: the block is recomputed when needed
-            now = time.monotonic()
-            if now - self._full_disk_logged_at >= FULL_DISK_LOG_EVERY_S:
-                self._full_disk_logged_at = now
-                logger.warning("KV offload: writing to %s failed (%s); blocks not written "
-                               "are recomputed when asked for", self.folder, exc)
+            self._log_write_problem(f"a write failed ({exc})")
         finally:
             with self._lock:
                 if self._unwritten.get(block_hash) is row:
@@ -333,3 +348,16 @@ class OffloadingConnector(KVConnectorBase):
         for pool in (self._loader, self._writer):
             if pool is not None:
                 pool.shutdown(wait=True)
+
+
+WRITER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """The disk writer yields the cores to the model's threads: its writes can wait, and on
+    2 cores a writer beside torch's threads slowed the steps (+20% prefill time with the disk
+    tier on, docs/performance.md)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
+        pass

@@ -2,8 +2,9 @@
 by the engine's KV layout fingerprint (another model, dtype, block size or parallel layout
 never reads them).
 
-A file is a fixed header (magic, layout fingerprint, block hash, rank, payload length, a
-blake2b checksum of the payload) and the payload: the rank's K and V of that block for each of
+A file is a fixed header (magic, layout fingerprint, block hash, rank, payload length, the
+payload's CRC-32: a block is written ~4x faster than with blake2b, and this guards against
+torn and damaged files, not against someone forging them) and the payload: the rank's K and V of that block for each of
 its layers. It is written to a temporary name and renamed into place, so a reader never sees
 a half-written file under the real name; a kill -9 mid-write leaves only a `.tmp` file, which
 the next start removes. A file that fails any check is refused (and deleted): its block is
@@ -14,13 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from hashlib import blake2b
+import zlib
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVSVBLK1"
-_HEADER = struct.Struct("<8s16sQIQ16s")  # magic, fingerprint, hash, rank, length, checksum
+MAGIC = b"KVSVBLK2"
+_HEADER = struct.Struct("<8s16sQIQI")  # magic, fingerprint, hash, rank, length, CRC-32
 SUFFIX = ".kv"
 
 
@@ -36,8 +37,8 @@ def block_file(folder: Path, block_hash: int, rank: int) -> Path:
     return folder / f"{block_hash:016x}.r{rank}{SUFFIX}"
 
 
-def _checksum(payload: bytes | memoryview) -> bytes:
-    return blake2b(payload, digest_size=16).digest()
+def _checksum(payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload)
 
 
 def write_block(folder: Path, fingerprint: bytes, block_hash: int, rank: int,
