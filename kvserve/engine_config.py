@@ -120,13 +120,21 @@ class EngineConfig:
         None, "vLLM's flag: the host-memory offload tier in GiB (--kv-offload-ram-bytes)")
     kv_offloading_backend: str = _opt("native", "vLLM's flag; native, the built-in tiers",
                                       choices=["native"])
+    kv_session_ttl: float = _opt(
+        300.0, "agent sessions: seconds a request's KV blocks are kept after it ends when it "
+        "names a session (session_id, prompt_cache_key or user), evicted only when nothing "
+        "else is left; 0: sessions are kept like any prefix")
+    kv_session_max_fraction: float = _opt(
+        0.5, "the share of the KV pool that sessions' kept blocks may hold")
     kv_events_config: str | None = _opt(
         None, "vLLM's --kv-events-config JSON: publish which KV blocks this engine caches and "
         "evicts, for `kvserve router --policy kv-aware`, e.g. {\"enable_kv_cache_events\": "
         "true, \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
         "\"tcp://127.0.0.1:5558\"}; keys: enable_kv_cache_events, publisher (zmq | null), "
         "endpoint, replay_endpoint (replay, snapshots), topic, buffer_steps, hwm, "
-        "max_queue_size, heartbeat_seconds")
+        "max_queue_size, heartbeat_seconds. `kvserve serve` publishes on free loopback ports "
+        "when this is not given (/kv_events_info names them); '{\"enable_kv_cache_events\": "
+        "false}' turns that off")
     speculative_config: str | None = _opt(
         None, "vLLM's --speculative-config JSON (LLM(speculative_config={...}) takes a dict): "
         "{\"method\": \"ngram\", \"num_speculative_tokens\": k, \"prompt_lookup_min\": a, "

@@ -24,6 +24,8 @@ import threading
 import time
 import uuid
 from collections import deque
+import dataclasses
+import socket
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -352,6 +354,23 @@ def make_kv_event_source(config_text: str | None, kv_manager) -> KVEventSource:
         snapshot=lambda: list(kv_manager.pool.cached),
         probe=kv_manager.num_cached_prefix_blocks)
     return KVEventSource(kv_manager.pool, publisher)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def with_kv_events(config, host: str):
+    """The engine config (an EngineConfig) with KV events on, both sockets on free ports of
+    `host`; other keys of a --kv-events-config given (topic, buffers, heartbeat) are kept."""
+    events = json.loads(config.kv_events_config) if config.kv_events_config else {}
+    bracketed = f"[{host}]" if ":" in host else host
+    events.update(enable_kv_cache_events=True, publisher="zmq",
+                  endpoint=f"tcp://{bracketed}:{free_port(host)}",
+                  replay_endpoint=f"tcp://{bracketed}:{free_port(host)}")
+    return dataclasses.replace(config, kv_events_config=json.dumps(events))
 
 
 def kv_events_info(config_text: str | None, block_size: int) -> dict[str, Any]:

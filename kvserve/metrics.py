@@ -41,6 +41,13 @@ class EngineMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        # agent sessions (requests naming a session): their own hit rate, and what is kept
+        self.session_queries = counter("session_prefix_cache_queries",
+                                       "Prompt tokens of requests naming a session looked up")
+        self.session_hits = counter("session_prefix_cache_hits",
+                                    "Of those, prompt tokens found in the prefix cache")
+        self.pinned_blocks = gauge("kv_session_pinned_blocks",
+                                   "Free KV blocks kept for recent sessions")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.preemptions = counter("num_preemptions", "Requests preempted")
@@ -68,7 +75,8 @@ class EngineMetrics:
         self.prompt_len = histogram("request_prompt_tokens", "Prompt length", _TOKEN_BUCKETS)
         self.output_len = histogram("request_generation_tokens", "Output length", _TOKEN_BUCKETS)
         self._last = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
-                      "draft_tokens": 0, "accepted": 0}
+                      "draft_tokens": 0, "accepted": 0, "session_queries": 0,
+                      "session_hits": 0}
 
     def record_engine_state(self, stats) -> None:
         """Gauges and counter deltas from the core's latest SchedulerStats. A restarted core
@@ -76,8 +84,12 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.pinned_blocks.set(stats.num_pinned_blocks)
         for key, value, counter in (("queries", stats.prefix_queries, self.prefix_queries),
                                     ("hits", stats.prefix_hits, self.prefix_hits),
+                                    ("session_queries", stats.session_queries,
+                                     self.session_queries),
+                                    ("session_hits", stats.session_hits, self.session_hits),
                                     ("preemptions", stats.num_preemptions, self.preemptions),
                                     ("drafts", stats.spec_drafts, self.spec_drafts),
                                     ("draft_tokens", stats.spec_draft_tokens,

@@ -130,3 +130,67 @@ def test_double_free_is_detected():
     pool.free([block])
     with pytest.raises(AssertionError):
         pool.free([block])
+
+
+# ---- agent sessions: freed blocks kept for the session's next turn ---------------------------
+def _session_pool(ttl: float = 60.0, fraction: float = 0.5) -> tuple[KVCacheManager, list]:
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    clock = [100.0]
+    kv.pool.clock = lambda: clock[0]
+    kv.pin_sessions(ttl, fraction)
+    return kv, clock
+
+
+def test_a_sessions_blocks_are_evicted_only_when_nothing_else_is_free():
+    kv, _ = _session_pool()
+    agent = make_request("agent", list(range(100, 108)))  # 2 blocks
+    agent.session_id = "s1"
+    admit(kv, agent)
+    kv.free(agent)
+    assert kv.pool.num_pinned_blocks == 2 and kv.num_free_blocks == 8
+    plain = make_request("plain", list(range(200, 208)))
+    admit(kv, plain)
+    kv.free(plain)
+    big = make_request("big", list(range(300, 324)))  # 6 blocks: every unpinned one
+    assert kv.allocate_slots(big, 24)
+    assert kv.get_computed_blocks(make_request("x", list(range(200, 208)) + [0]))[1] == 0
+    next_turn = make_request("turn2", list(range(100, 108)) + [1, 2])
+    next_turn.session_id = "s1"
+    assert kv.get_computed_blocks(next_turn)[1] == 8  # the session's blocks survived
+    kv.free(big)
+    huge = make_request("huge", list(range(400, 432)))  # all 8: pinned ones go last
+    assert kv.allocate_slots(huge, 32)
+    assert kv.pool.num_pinned_blocks == 0
+
+
+def test_pins_expire_and_never_exceed_their_share_of_the_pool():
+    kv, clock = _session_pool(ttl=10.0, fraction=0.25)  # at most 2 of 8 blocks
+    first = make_request("first", list(range(100, 108)))
+    first.session_id = "s1"
+    admit(kv, first)
+    kv.free(first)
+    second = make_request("second", list(range(200, 208)))
+    second.session_id = "s2"
+    admit(kv, second)
+    kv.free(second)
+    assert kv.pool.num_pinned_blocks == 2  # s1's blocks went back to the plain queue
+    assert set(kv.pool.free_queue.block_ids()[:2]) == {0, 1}  # at its front: old
+    clock[0] += 11
+    assert kv.allocate_slots(make_request("c", list(range(8))), 4)
+    assert kv.pool.num_pinned_blocks == 0  # s2's pins expired
+
+
+def test_a_hit_takes_a_pinned_block_out_of_its_queue_and_sessions_are_counted():
+    kv, _ = _session_pool()
+    agent = make_request("agent", list(range(100, 109)))
+    agent.session_id = "s1"
+    admit(kv, agent)
+    kv.free(agent)
+    assert kv.pool.num_pinned_blocks == 2
+    again = make_request("again", list(range(100, 109)))
+    again.session_id = "s1"
+    blocks, hit = kv.get_computed_blocks(again)
+    assert kv.allocate_slots(again, again.num_tokens - hit, blocks)
+    kv.record_prefix_lookup(again.num_tokens, hit, session=True)
+    assert kv.pool.num_pinned_blocks == 0 and hit == 8
+    assert (kv.stats.session_queries, kv.stats.session_hits) == (9, 8)

@@ -184,3 +184,23 @@ def test_offload_flags(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineConfig(model="m", kv_offload_disk_dir=str(tmp_path), kv_role="prefill")
     assert EngineConfig(model="m").transfer_config() is None
+
+
+def test_a_sessions_blocks_outlive_the_traffic_after_it(tiny_model_dir, reference):
+    """No tiers: a request naming its session keeps its blocks through five others that
+    fill the pool, and its next turn finds them; the same without a session finds nothing."""
+    prompts, expected = reference
+    with _engine(tiny_model_dir) as engine:
+        def turn(prompt, session=None):
+            item = {"prompt_token_ids": prompt, **({"session_id": session} if session else {})}
+            return engine.generate(item, GREEDY, use_tqdm=False)[0]
+
+        turn(prompts[0], "agent-1")
+        turn(prompts[1])
+        _run(engine, prompts[2:])
+        kept = turn(prompts[0], "agent-1")
+        lost = turn(prompts[1])
+        stats = engine.llm_engine.engine_core.stats()
+    assert kept.outputs[0].token_ids == expected[0]
+    assert kept.num_cached_tokens >= 64 and lost.num_cached_tokens == 0
+    assert stats.session_hits >= 64 and stats.session_queries >= 160

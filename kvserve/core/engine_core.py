@@ -84,6 +84,7 @@ class EngineCore:
             layers_per_block(groups, self.model_config.num_hidden_layers))
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
                                          config.enable_prefix_caching, groups)
+        self.kv_manager.pin_sessions(config.kv_session_ttl, config.kv_session_max_fraction)
         self.max_model_len = self._max_model_len(self.kv_manager.pool.num_usable_blocks, groups)
         kv_ready = self.executor.initialize_kv_cache(
             self.num_kv_blocks, config.block_size,
@@ -293,7 +294,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
-            request.kv_transfer_params, request.cache_salt),
+            request.kv_transfer_params, request.cache_salt, request.session_id),
             wait_for_grammar=spec is not None and self.grammar_gate.must_wait(
                 request.request_id, spec))
 
@@ -347,7 +348,9 @@ class EngineCore:
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             kv_usage=kv.usage, num_used_blocks=kv.pool.num_used_blocks,
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
-            num_preemptions=scheduler.num_preemptions, **self._spec_stats())
+            num_preemptions=scheduler.num_preemptions, session_queries=kv.stats.session_queries,
+            session_hits=kv.stats.session_hits, num_pinned_blocks=kv.pool.num_pinned_blocks,
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.drafter is None:

@@ -50,6 +50,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     kv_transfer_params: Any = None  # the KVTransferParams its request carried, if any
     cache_salt: str | None = None  # prefix blocks are shared only with the same salt
+    session_id: str | None = None  # an agent session's: its blocks outlive it for a while
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []

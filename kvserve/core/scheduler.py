@@ -270,7 +270,8 @@ class Scheduler(SchedulerInterface):
             if not self.kv.allocate_slots(request, num_external + num_new, computed_blocks):
                 break
             self.waiting.pop(0)
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit,
+                                     request.session_id is not None)
             request.num_computed_tokens = num_hit
             if num_external:  # loaded within this step, before its forward reads them
                 self.connector.update_state_after_alloc(
@@ -311,7 +312,8 @@ class Scheduler(SchedulerInterface):
         if not self.kv.allocate_slots(request, request.num_tokens - num_hit, computed_blocks):
             return False
         self.waiting.pop(0)
-        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit,
+                                     request.session_id is not None)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_computed_tokens = request.num_cached_tokens = num_hit
         request.num_external_tokens = num_external

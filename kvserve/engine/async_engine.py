@@ -149,12 +149,13 @@ class AsyncEngine:
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, kv_transfer_params=None,
-                cache_salt: str | None = None) -> PreparedRequest:
+                cache_salt: str | None = None,
+                session_id: str | None = None) -> PreparedRequest:
         if not self.is_ready or self.engine is None:
             raise EngineDeadError("the engine is not ready")
         return self.engine.prepare_request(request_id, prompt, params, priority,
                                            kv_transfer_params=kv_transfer_params,
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, session_id=session_id)
 
     async def validate_grammar(self, params: SamplingParams) -> None:
         """A structured-output request's grammar, checked off the event loop (xgrammar's

@@ -54,6 +54,7 @@ class PreparedRequest:
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
+    session_id: str | None = None
 
 
 class LLMEngine:
@@ -98,11 +99,14 @@ class LLMEngine:
                         params: SamplingParams | None = None, priority: int = 0,
                         arrival_time: float | None = None,
                         kv_transfer_params: KVTransferParams | None = None,
-                        cache_salt: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None,
+                        session_id: str | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread); raises
         InvalidRequestError if the request is bad. `kv_transfer_params`: disaggregated
         prefill/decode (kvserve/kv_transfer/). `cache_salt` (or a prompt dict's, as in
-        vLLM): its prefix blocks are shared only with requests of the same salt."""
+        vLLM): its prefix blocks are shared only with requests of the same salt.
+        `session_id` (or a prompt dict's): its blocks are kept for the session's next turn
+        (--kv-session-ttl)."""
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
@@ -111,13 +115,17 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if kv_transfer_params is not None and params.n != 1:
             raise InvalidRequestError("kv_transfer_params needs n = 1", param="n")
-        if cache_salt is None and isinstance(prompt, dict):
-            cache_salt = prompt.get("cache_salt")
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt") if cache_salt is None else cache_salt
+            session_id = prompt.get("session_id") if session_id is None else session_id
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise InvalidRequestError("session_id must be a non-empty string",
+                                      param="session_id")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, max_tokens, priority,
-                               arrival, kv_transfer_params, cache_salt)
+                               arrival, kv_transfer_params, cache_salt, session_id)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, priority: int = 0,
@@ -145,7 +153,7 @@ class LLMEngine:
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
                 prepared.priority, prepared.arrival_time,
-                prepared.kv_transfer_params, prepared.cache_salt))
+                prepared.kv_transfer_params, prepared.cache_salt, prepared.session_id))
         sent: list[str] = []
         try:
             for request in requests:

@@ -34,6 +34,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     # disaggregated prefill/decode: keep the KV for a decode engine, or where to pull it from
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None  # prefix blocks are shared only within one salt
+    session_id: str | None = None  # its blocks are kept for the session's next turn
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_WIRE):
@@ -91,6 +92,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
     spec_method: str = ""
+    # agent sessions: prompt tokens of requests naming a session, and how many were cached
+    session_queries: int = 0
+    session_hits: int = 0
+    num_pinned_blocks: int = 0  # free blocks kept for recent sessions
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):

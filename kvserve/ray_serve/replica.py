@@ -15,39 +15,19 @@ replaces the replica.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
-import socket
 import time
 from typing import AsyncIterator
 
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
-from kvserve.kv_events import kv_events_info
+from kvserve.kv_events import kv_events_info, with_kv_events
 from kvserve.ray_serve.asgi import call_app, http_scope
 from kvserve.ray_serve.request import OpenAIRequest
 
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvserve-replica"
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def with_kv_events(config: EngineConfig, host: str) -> EngineConfig:
-    """The engine config with KV events on, both sockets on free ports of `host`; other keys of
-    a --kv-events-config given (topic, buffers, heartbeat) are kept."""
-    events = json.loads(config.kv_events_config) if config.kv_events_config else {}
-    bracketed = f"[{host}]" if ":" in host else host
-    events.update(enable_kv_cache_events=True, publisher="zmq",
-                  endpoint=f"tcp://{bracketed}:{free_port(host)}",
-                  replay_endpoint=f"tcp://{bracketed}:{free_port(host)}")
-    return dataclasses.replace(config, kv_events_config=json.dumps(events))
 
 
 class EngineReplica:

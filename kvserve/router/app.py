@@ -32,6 +32,7 @@ from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
 from kvserve.options import option as _opt
 from kvserve.protocol.block_hash import block_hashes
+from kvserve.router.approximate import ApproximateIndex
 from kvserve.router.disagg import PrefillStage
 from kvserve.router.index import KVIndex
 from kvserve.router.metrics import RouterMetrics
@@ -92,6 +93,7 @@ class Router:
         self.prefill_stage = PrefillStage(self)
         self.prompts = prompts
         self.index = KVIndex()
+        self.approximate = ApproximateIndex(self.index)
         self.subscriber = EventSubscriber(self.index)
         # one per role: round-robin takes each pool's replicas in turn
         self.policies = {role: make_policy(config.policy, config.overlap_weight, config.seed)
@@ -104,7 +106,7 @@ class Router:
         own_headers = {"Authorization": f"Bearer {config.replica_api_key}"} \
             if config.replica_api_key else {}
         self.monitor = ReplicaMonitor(list(self.replicas.values()), self.http, self.subscriber,
-                                      config.health_interval, own_headers)
+                                      config.health_interval, own_headers, self.approximate)
         self._serial = itertools.count()
         self._monitor_task: asyncio.Task | None = None
         self._probe_context = zmq.Context() if config.measure_placement else None
@@ -145,8 +147,9 @@ class Router:
         if token_ids and self.policy.uses_overlap:
             by_size: dict[int, list[str]] = {}
             for replica in healthy:
-                if replica.block_size and self.subscriber.fresh(replica.url,
-                                                                self.config.stale_after):
+                if replica.block_size and (self.approximate.covers(replica.url)
+                                           or self.subscriber.fresh(replica.url,
+                                                                    self.config.stale_after)):
                     by_size.setdefault(replica.block_size, []).append(replica.url)
             for size, names in by_size.items():
                 overlaps.update(self.index.overlaps(
@@ -201,6 +204,8 @@ class Router:
                     self.metrics.retries.inc()
                 continue
             self.metrics.requests.labels(replica.url).inc()
+            if token_ids and upstream.status_code == 200:
+                self._guess_cached(replica, token_ids, salt)
             if not self.config.disable_log_requests:
                 logger.info("%s -> %s (%d/%d prompt blocks cached by the index, %.0f blocks "
                             "active, attempt %d)", path, replica.url, candidate.overlap_blocks,
@@ -211,6 +216,13 @@ class Router:
         return error_response(502, f"the replica failed before answering "
                               f"({type(last_error).__name__}: {last_error})",
                               code="replica_unavailable")
+
+    def _guess_cached(self, replica: Replica, token_ids: list[int], salt: str | None) -> None:
+        """A replica without events: its cache now holds this prompt, as far as the router
+        can tell."""
+        if self.approximate.covers(replica.url) and replica.block_size:
+            self.approximate.routed(replica.url, block_hashes(token_ids, replica.block_size,
+                                                              cache_salt=salt))
 
     async def _open(self, replica: Replica, path: str, body: bytes, headers: dict,
                     streaming: bool):
@@ -345,6 +357,7 @@ class Router:
                 "role": replica.role,
                 "healthy": replica.healthy,
                 "kv_events": bool((replica.events_info or {}).get("enabled")),
+                "approximate_index": self.approximate.covers(replica.url),
                 "synced": bool(sync and sync.synced),
                 "fresh": self.subscriber.fresh(replica.url, self.config.stale_after),
                 "engine_instance_id": sync.instance_id if sync else None,

@@ -57,6 +57,14 @@ class KVIndex:
         with self._lock:
             self._clear(replica)
 
+    def add(self, replica: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._store(replica, hashes)
+
+    def remove(self, replica: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._remove(replica, hashes)
+
     def num_blocks(self, replica: str) -> int:
         return len(self._hashes.get(replica, ()))
 

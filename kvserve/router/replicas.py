@@ -54,10 +54,13 @@ class Replica:
 
 class ReplicaMonitor:
     def __init__(self, replicas: list[Replica], http: httpx.AsyncClient, subscriber,
-                 interval: float = 1.0, headers: dict | None = None):
+                 interval: float = 1.0, headers: dict | None = None, approximate=None):
+        """`approximate`: the ApproximateIndex that stands in for the events of replicas
+        that publish none (None: such replicas route by load alone)."""
         self.replicas = replicas
         self.http = http
         self.subscriber = subscriber
+        self.approximate = approximate
         self.interval = interval
         self.headers = headers or {}
 
@@ -83,6 +86,7 @@ class ReplicaMonitor:
             if not replica.healthy or replica.events_info is None:
                 replica.events_info = await self._events_info(replica)
                 self.subscriber.track(replica.url, replica.events_info)
+                self._guess_without_events(replica)
                 replica.healthy = True
                 logger.info("replica %s is up (KV events: %s)", replica.url,
                             replica.events_info.get("endpoint") if replica.events_info.get(
@@ -97,6 +101,19 @@ class ReplicaMonitor:
         replica.healthy = False
         replica.events_info = None
         self.subscriber.track(replica.url, None)
+        if self.approximate is not None:
+            self.approximate.forget(replica.url)
+
+    def _guess_without_events(self, replica: Replica) -> None:
+        """A kvserve replica (it says its block size) without events: the approximate
+        index guesses its cache."""
+        info = replica.events_info or {}
+        if self.approximate is None:
+            return
+        if info.get("enabled") or not info.get("block_size"):
+            self.approximate.forget(replica.url)
+        else:
+            self.approximate.track(replica.url, info.get("num_kv_blocks") or 0)
 
     async def _events_info(self, replica: Replica) -> dict:
         response = await self.http.get(replica.url + "/kv_events_info", headers=self.headers,

@@ -5,6 +5,11 @@ Free queue order (front is evicted first): blocks that can never be reused (no h
 front; cached (hashed) blocks go to the back in the order they were freed, so the least recently
 used cached block is evicted first.
 
+Agent sessions (issue 34): a cached block freed with `pinned_until` (a request that named its
+session) waits in a second queue that is evicted from only when the first is empty, until that
+time passes or more than `max_pinned` blocks are pinned (the oldest then rejoin the first
+queue at its front: they are old). A hit takes a block out of whichever queue holds it.
+
 With KV events on (`enable_events`), caching, evicting and resetting are recorded as vLLM's
 BlockStored / BlockRemoved / AllBlocksCleared (kvserve/kv_events.py) until `take_events`. With
 `record_evictions` (a KV connector that wants them, e.g. an offload tier), each cached block
@@ -19,6 +24,7 @@ and the kernels never read it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -34,6 +40,7 @@ class KVBlock:
     block_hash: int | None = None
     block_key: BlockKey | None = None  # what was hashed, to confirm hits
     group: int = 0  # the KV cache group whose map caches it (while block_hash is set)
+    pinned_until: float | None = None  # free and kept for its session until then
     prev: "KVBlock | None" = None
     next: "KVBlock | None" = None
 
@@ -67,6 +74,9 @@ class FreeBlockQueue:
         block.prev = block.next = None
         self.num_free -= 1
 
+    def first(self) -> KVBlock:
+        return self._head.next
+
     def pop_front(self) -> KVBlock:
         block = self._head.next
         if block is self._tail:
@@ -95,6 +105,9 @@ class BlockPool:
         usable = [b for b in self.blocks if b is not self.null_block]
         self.num_usable_blocks = len(usable)
         self.free_queue = FreeBlockQueue(usable)
+        self.pinned_queue = FreeBlockQueue([])  # free cached blocks of recent sessions
+        self.max_pinned = 0  # blocks the pinned queue may hold (0: sessions pin nothing)
+        self.clock = time.monotonic
         self.cached_by_group: list[dict[int, KVBlock]] = [{} for _ in range(num_groups)]
         self.cached = self.cached_by_group[0]  # group 0: the hashes published as KV events
         self.events: list | None = None  # None: KV events off, nothing recorded
@@ -121,7 +134,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.pinned_queue.num_free
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.pinned_queue.num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -134,9 +151,14 @@ class BlockPool:
         """Take `count` blocks from the front of the free queue, evicting their cached contents."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        self._expire_pins()
         taken = []
         for _ in range(count):
-            block = self.free_queue.pop_front()
+            if self.free_queue.num_free:
+                block = self.free_queue.pop_front()
+            else:  # only pinned blocks are left: the oldest session's go first
+                block = self.pinned_queue.pop_front()
+                block.pinned_until = None
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
@@ -155,11 +177,17 @@ class BlockPool:
         if block is self.null_block:
             return
         if block.ref_count == 0:
-            self.free_queue.remove(block)
+            if block.pinned_until is None:
+                self.free_queue.remove(block)
+            else:
+                self.pinned_queue.remove(block)
+                block.pinned_until = None
         block.ref_count += 1
 
-    def free(self, blocks_tail_first: list[KVBlock]) -> None:
-        """Drop one reference from each block (the null block is never counted)."""
+    def free(self, blocks_tail_first: list[KVBlock], pinned_until: float | None = None) -> None:
+        """Drop one reference from each block (the null block is never counted); cached ones
+        that become free are kept for their session until `pinned_until` (a clock time) when
+        given."""
         for block in blocks_tail_first:
             if block is self.null_block:
                 continue
@@ -169,8 +197,28 @@ class BlockPool:
             if block.ref_count == 0:
                 if block.block_hash is None:
                     self.free_queue.append_front(block)
+                elif pinned_until is not None and self.max_pinned > 0:
+                    block.pinned_until = pinned_until
+                    self.pinned_queue.append(block)
                 else:
                     self.free_queue.append(block)
+        while self.pinned_queue.num_free > self.max_pinned:
+            self._unpin(self.pinned_queue.pop_front())
+
+    def _expire_pins(self) -> None:
+        """Pins are kept in the order they were made, with one time to live: expired ones
+        are at the front."""
+        now = self.clock()
+        while self.pinned_queue.num_free:
+            oldest = self.pinned_queue.first()
+            if oldest.pinned_until > now:
+                return
+            self.pinned_queue.remove(oldest)
+            self._unpin(oldest)
+
+    def _unpin(self, block: KVBlock) -> None:
+        block.pinned_until = None
+        self.free_queue.append_front(block)
 
     def cache(self, block: KVBlock, block_hash: int, block_key: BlockKey,
               group: int = 0) -> None:

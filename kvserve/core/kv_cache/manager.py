@@ -35,6 +35,8 @@ ComputedBlocks = tuple[list[KVBlock], ...]
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found cached
+    session_queries: int = 0  # of the queries, those of requests that named a session
+    session_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -58,6 +60,7 @@ class KVCacheManager:
             make_single_type_manager(group.spec, self.pool, index)
             for index, group in enumerate(groups)]
         self.stats = PrefixCacheStats()
+        self.session_ttl_s = 0.0  # how long a session's freed blocks stay pinned
         # full prompt blocks scheduled but not computed yet: hash -> the request computing it
         self.pending: dict[int, str] = {}
         self._pending_by_request: dict[str, list[int]] = {}
@@ -181,11 +184,22 @@ class KVCacheManager:
             if self.pending.get(block_hash) == request_id:
                 del self.pending[block_hash]
 
-    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def pin_sessions(self, ttl_s: float, max_fraction: float) -> None:
+        """Keep the freed blocks of requests that name a session (agents' next turns) for
+        `ttl_s` seconds, evicting other blocks first, in at most `max_fraction` of the pool."""
+        self.session_ttl_s = ttl_s if self.enable_prefix_caching else 0.0
+        self.pool.max_pinned = int(max_fraction * self.pool.num_usable_blocks) \
+            if self.session_ttl_s > 0 else 0
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int,
+                             session: bool = False) -> None:
         """Count a lookup whose request was admitted (failed admissions are retried later)."""
         if self.enable_prefix_caching:
             self.stats.queries += num_query_tokens
             self.stats.hits += num_hit_tokens
+            if session:
+                self.stats.session_queries += num_query_tokens
+                self.stats.session_hits += num_hit_tokens
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -238,8 +252,10 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group, tail first, so the tail is evicted
         before the prefix."""
+        pinned_until = (self.pool.clock() + self.session_ttl_s
+                        if request.session_id and self.session_ttl_s > 0 else None)
         for manager in self.managers:
-            manager.free(request.request_id)
+            manager.free(request.request_id, pinned_until)
         self._clear_pending(request.request_id)
 
     def reset_prefix_cache(self) -> bool:

@@ -83,9 +83,10 @@ class SingleTypeKVCacheManager:
             if block.block_hash is None and block is not self.pool.null_block:
                 cache_one(block, index)
 
-    def free(self, request_id: str) -> None:
-        """Release the table tail first, so the tail is evicted before the prefix."""
-        self.pool.free(list(reversed(self.req_blocks.pop(request_id, []))))
+    def free(self, request_id: str, pinned_until: float | None = None) -> None:
+        """Release the table tail first, so the tail is evicted before the prefix (kept for
+        the request's session until `pinned_until`, when given)."""
+        self.pool.free(list(reversed(self.req_blocks.pop(request_id, []))), pinned_until)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):

@@ -153,6 +153,10 @@ class _SamplingFields(RequestBody):
     # prefix-cache isolation (vLLM's field): blocks are shared only between requests that
     # send the same salt
     cache_salt: str | None = Field(None, min_length=1)
+    # agent sessions: the request's KV is kept for the session's next turn (kvserve's field;
+    # else OpenAI's prompt_cache_key, else user, names the session)
+    session_id: str | None = Field(None, min_length=1)
+    prompt_cache_key: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} to a prefill
@@ -168,6 +172,10 @@ class _SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def session(self) -> str | None:
+        """The agent session this request belongs to, if it names one."""
+        return self.session_id or self.prompt_cache_key or self.user or None
 
     def kv_params(self):
         from kvserve.protocol.kv_transfer_params import parse_kv_transfer_params

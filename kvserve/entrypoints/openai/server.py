@@ -191,6 +191,17 @@ _SHUTDOWN_MARGIN_SECONDS = 2.0
 _DEAD_ENGINE_DRAIN_SECONDS = 1.0
 
 
+def _publishing_kv_events(engine_config):
+    """A server publishes its KV events unless told how (--kv-events-config): on free loopback
+    ports, announced at /kv_events_info, so `kvserve router` in front of plain replicas routes
+    by what they cache. Off without prefix caching (nothing is ever cached)."""
+    if engine_config.kv_events_config is not None or not engine_config.enable_prefix_caching:
+        return engine_config
+    from kvserve.kv_events import with_kv_events
+
+    return with_kv_events(engine_config, "127.0.0.1")
+
+
 def run_server(engine_config, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT. In-flight requests get `shutdown_timeout` seconds to finish;
     those still running then get a clean error (a 503 body, or an SSE error event and [DONE])
@@ -198,6 +209,7 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
     import uvicorn
 
     _GracefulServer = _graceful_server_class()
+    engine_config = _publishing_kv_events(engine_config)
     engine = AsyncEngine(engine_config, server_config.served_model_name,
                          restart_on_failure=server_config.restart_engine_on_failure,
                          max_restarts=server_config.max_engine_restarts)

@@ -188,6 +188,7 @@ class ResponsesRequest(RequestBody):
     previous_response_id: str | None = None
     store: bool | None = None  # None: true, as OpenAI
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's prefix-cache isolation
+    session_id: str | None = Field(None, min_length=1)  # kvserve: keep its KV for next turn
     # metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -254,6 +255,7 @@ class ResponsesRequest(RequestBody):
             "model": self.model, "messages": messages, "seed": self.seed,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "user": self.user, "cache_salt": self.cache_salt,
+            "session_id": self.session_id, "prompt_cache_key": self.prompt_cache_key,
             "tools": [tool.as_chat_tool() for tool in self.tools] if self.tools else None,
             "tool_choice": ({"type": "function", "function": {"name": choice.name}}
                             if isinstance(choice, ToolChoiceFunction) else choice),

@@ -44,7 +44,7 @@ async def completions(body: CompletionRequest, raw: Request):
         raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
     salt = cache_salt(raw, body.cache_salt)
     prepared = [_prepare(engine, f"{response_id}-{i}", p, params, body.priority, kv_params,
-                         salt) for i, p in enumerate(prompts)]
+                         salt, body.session()) for i, p in enumerate(prompts)]
     echo = [p.prompt if p.prompt is not None else engine.detokenize(p.prompt_token_ids)
             for p in prepared] if body.echo else []
     job = serving.make_job("completion", response_id, body, model_name(raw), prepared, echo,
@@ -79,7 +79,7 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     await _validate_grammar(engine, body, params, "tools" if tool_format else None)
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params(),
-                         cache_salt(raw, body.cache_salt))]
+                         cache_salt(raw, body.cache_salt), body.session())]
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     job.tool_format = tool_format
