@@ -204,3 +204,22 @@ def test_a_sessions_blocks_outlive_the_traffic_after_it(tiny_model_dir, referenc
     assert kept.outputs[0].token_ids == expected[0]
     assert kept.num_cached_tokens >= 64 and lost.num_cached_tokens == 0
     assert stats.session_hits >= 64 and stats.session_queries >= 160
+
+
+def test_preempted_requests_come_back_from_the_ram_tier(tiny_model_dir, tokenizer):
+    """Three requests whose answers outgrow a 16-block pool: some are preempted, and their
+    blocks, evicted meanwhile, are loaded back from the tier on resuming (swap preemption)
+    instead of recomputed; the tokens are the roomy run's."""
+    prompts = _prompts(tokenizer)[:3]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    items = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16,
+             engine_core="thread") as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(items, params,
+                                                                    use_tqdm=False)]
+    with _engine(tiny_model_dir, kv_offload_ram_bytes=8 << 20) as engine:
+        outputs = engine.generate(items, params, use_tqdm=False)
+        core = engine.llm_engine.engine_core
+        preemptions, stats = core.scheduler.num_preemptions, _connector(engine).stats
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert preemptions > 0 and stats["loaded_blocks"] > 0, (preemptions, stats)

@@ -315,7 +315,9 @@ class Scheduler(SchedulerInterface):
         self.kv.record_prefix_lookup(request.num_tokens, num_hit,
                                      request.session_id is not None)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.num_computed_tokens = request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:  # a preempted request reported its hit already
+            request.num_cached_tokens = num_hit
         request.num_external_tokens = num_external
         self.loading[request.request_id] = request
         self.connector.update_state_after_alloc(
@@ -354,7 +356,8 @@ class Scheduler(SchedulerInterface):
                 loaded = min(request.num_computed_tokens + request.num_external_tokens,
                              request.num_tokens - 1)
                 if getattr(self.connector, "loads_are_cache_hits", False):  # offload tiers
-                    request.num_cached_tokens += loaded - request.num_computed_tokens
+                    if not request.num_output_tokens:  # its first admission (not a resume)
+                        request.num_cached_tokens += loaded - request.num_computed_tokens
                 else:
                     request.num_transferred_tokens = loaded - request.num_computed_tokens
                 request.num_computed_tokens = loaded

@@ -103,6 +103,7 @@ class OffloadingConnector(KVConnectorBase):
         self.disk = TierIndex(DISK, 0)
         self._pending = OffloadMetadata([], [], [], [])
         self._loading: dict[str, list[int]] = {}  # request id -> the hashes it loads
+        self._failed: set[str] = set()  # requests whose load failed: they recompute
         self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0}
         # worker side
         self.kv_caches: list[torch.Tensor] = []
@@ -149,9 +150,11 @@ class OffloadingConnector(KVConnectorBase):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """The run of blocks after the pool's hit that some tier holds (one attempt per
-        request: after a failed load it recomputes); never the request's last token."""
-        if request.kv_load_attempted:
+        """The run of blocks after the pool's hit that some tier holds; never the request's
+        last token. Asked again when a preempted request comes back: its blocks, evicted
+        from the pool meanwhile, come back from the tiers (swap preemption) instead of being
+        recomputed. After a failed load the request recomputes."""
+        if request.request_id in self._failed:
             return 0, False
         size = self.context.block_size
         first = num_computed_tokens // size
@@ -165,7 +168,6 @@ class OffloadingConnector(KVConnectorBase):
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        request.kv_load_attempted = True
         size = self.context.block_size
         first = request.num_computed_tokens // size
         count = num_external_tokens // size
@@ -185,6 +187,7 @@ class OffloadingConnector(KVConnectorBase):
             hashes = self._loading.pop(request_id, [])
             if request_id in output.load_errors:
                 self.stats["failed_loads"] += 1
+                self._failed.add(request_id)
                 for block_hash in hashes:
                     if self.ram.discard(block_hash):
                         self._pending.drop_ram.append(block_hash)
@@ -200,6 +203,7 @@ class OffloadingConnector(KVConnectorBase):
         return pending
 
     def request_finished(self, request: Request, block_ids: list[int]):
+        self._failed.discard(request.request_id)
         return False, None
 
     def _block_hashes(self, request: Request, count: int) -> list[int]:

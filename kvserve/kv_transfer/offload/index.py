@@ -35,4 +35,8 @@ class TierIndex:
             self._hashes.move_to_end(block_hash)
 
     def discard(self, block_hash: int) -> bool:
-        return self._hashes.pop(block_hash, 0) is None
+        """Forget a block; whether the tier held it."""
+        if block_hash not in self._hashes:
+            return False
+        del self._hashes[block_hash]
+        return True
