@@ -19,6 +19,11 @@ class LoadReports:
         self._finished.put((request_id, error))
         self._wake.set()
 
+    def nudge(self) -> None:
+        """Wake a core waiting in `wait` without a report: work is ready for the next
+        `take_finished` (a connector that finishes loads on the worker's thread)."""
+        self._wake.set()
+
     def take_finished(self) -> set[str]:
         """Requests whose load ended since the last call; their failures are kept for
         `take_errors`."""
