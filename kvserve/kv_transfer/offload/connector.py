@@ -108,6 +108,7 @@ class OffloadingConnector(KVConnectorBase):
         self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0}
         # worker side
         self.kv_caches: list[torch.Tensor] = []
+        self.block_bytes = 0
         self.folder: Path | None = None
         self.layout = b""
         self._ram_blocks: dict[int, torch.Tensor] = {}
@@ -222,6 +223,9 @@ class OffloadingConnector(KVConnectorBase):
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+        # this rank's bytes of one block, all its layers (a file's payload, a save's row)
+        self.block_bytes = sum(cache[:, 0].numel() * cache.element_size()
+                               for cache in kv_caches)
         context = self.context
         first = kv_caches[0]
         layout = "|".join([self.fingerprint, str(context.block_size),
@@ -235,10 +239,6 @@ class OffloadingConnector(KVConnectorBase):
                                               initializer=_lower_priority)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
 
-    @property
-    def block_bytes(self) -> int:
-        """This rank's bytes of one block, all its layers."""
-        return sum(cache[:, 0].numel() * cache.element_size() for cache in self.kv_caches)
 
     def get_handshake_metadata(self) -> dict | None:
         return {"block_bytes": self.block_bytes, "layout": self.layout.hex()}
