@@ -52,9 +52,11 @@ class EngineConfig:
                                   choices=["paged", "sdpa_batched", "torch_ref"])
     kv_cache_dtype: str = _opt("auto", "K/V storage: auto (bfloat16 beside float32 activations "
                                "when float32 is only the machine's default, else the "
-                               "activations' dtype), float32 or bfloat16 (bf16 with float32 "
-                               "activations: K/V rounded to bf16, perplexity in "
-                               "docs/performance.md)", choices=["auto", "float32", "bfloat16"])
+                               "activations' dtype), float32, bfloat16 (bf16 with float32 "
+                               "activations: K/V rounded to bf16) or int8 (per token and head "
+                               "symmetric int8 with a float32 scale: 68 bytes a row of 64 "
+                               "against bf16's 128; perplexity in docs/performance.md)",
+                               choices=["auto", "float32", "bfloat16", "int8"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (for 4-bit "
                              "GGUFs: int4 in bfloat16, w4a8 where float32 is only the "
                              "machine's default, i.e. no native bf16; for 5- to 8-bit GGUFs: "

@@ -31,7 +31,7 @@ def kv_cache_dtype(choice: str, activations: torch.dtype, dtype_is_default: bool
     (CPUs without native bf16: half the KV bytes and twice the tokens; bf16 -> float is a shift),
     else the activations' dtype, so an explicit `--dtype float32` stays the exact reference."""
     if choice != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[choice]
     if activations == torch.float32 and dtype_is_default and not device.startswith("cuda"):
         return torch.bfloat16
     return activations

@@ -15,7 +15,8 @@ from typing import Callable, Protocol
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.reference import attend_fresh, attend_gathered, first_visible_key, write_kv
+from kvserve.kernels.reference import (as_stored, attend_fresh, attend_gathered, first_visible_key,
+                                       kv_as, write_kv)
 
 
 class AttentionBackend(Protocol):
@@ -81,9 +82,9 @@ class BatchedSDPABackend:
             seq_len = metadata.seq_lens_host[i]
             if seq_len == end - start:  # nothing cached before: attention over its own K/V
                 attended = attend_fresh(query[start:end].transpose(0, 1),
-                                        key[start:end].transpose(0, 1),
-                                        value[start:end].transpose(0, 1), scale, sliding_window,
-                                        softcap)
+                                        as_stored(key[start:end], kv_cache.dtype).transpose(0, 1),
+                                        as_stored(value[start:end], kv_cache.dtype).transpose(0, 1),
+                                        scale, sliding_window, softcap)
                 output[start:end] = attended.transpose(0, 1)
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
@@ -104,14 +105,15 @@ class BatchedSDPABackend:
         else:
             max_blocks = (max(seq_lens) + block_size - 1) // block_size
             tables, first_keys = metadata.block_tables[rows_t, :max_blocks].long(), None
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        num_kv_heads, row = kv_cache.shape[3], kv_cache.shape[4]
+        head_dim = query.shape[-1]
         batch = len(rows)
         token_index = metadata.query_start_loc[rows_t].long()
         queries = query[token_index].view(batch, num_kv_heads, -1, head_dim)
         flat_tables = tables.flatten()
         # index_select over whole blocks is ~1.7x faster than advanced indexing here
-        keys = kv_cache[0].index_select(0, flat_tables).view(
-            batch, -1, num_kv_heads, head_dim).to(query.dtype)
+        keys = kv_as(kv_cache[0].index_select(0, flat_tables).view(batch, -1, num_kv_heads, row),
+                     query.dtype)
         scores = torch.matmul(queries, keys.transpose(1, 2).transpose(-1, -2)).float() * scale
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
@@ -124,8 +126,8 @@ class BatchedSDPABackend:
             valid = positions < lengths
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
-        values = kv_cache[1].index_select(0, flat_tables).view(
-            batch, -1, num_kv_heads, head_dim).transpose(1, 2).to(query.dtype)  # [B, KVH, L, D]
+        values = kv_as(kv_cache[1].index_select(0, flat_tables).view(
+            batch, -1, num_kv_heads, row), query.dtype).transpose(1, 2)  # [B, KVH, L, D]
         output[token_index] = torch.matmul(probs, values).reshape(batch, -1, head_dim)
 
 

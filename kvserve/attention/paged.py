@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.reference import attend_fresh
+from kvserve.kernels.reference import as_stored, attend_fresh, dequantize_kv_rows
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
 # Sequences with up to this many new tokens take the paged kernel: measured ~2x faster than
@@ -84,17 +84,19 @@ class PagedBackend:
         out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
         for kernel, seq_ids in ((self.ops.paged_attention_, plan.paged_seq_ids),
                                 (self.ops.flash_attention_, plan.flash_seq_ids)):
-            if seq_ids.numel():
-                kernel(qkv, kv_cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens,
-                       metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
-                       sliding_window, softcap)
+            if not seq_ids.numel():
+                continue
+            cache, tables = kv_cache, metadata.block_tables
+            if kernel is self.ops.flash_attention_ and kv_cache.dtype == torch.int8:
+                cache, tables = dequantized_blocks(kv_cache, metadata, seq_ids, qkv.dtype)
+            kernel(qkv, cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens, tables,
+                   num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         starts = metadata.query_start_loc_host
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
             query, key, value = _split_heads(qkv[start:end], num_heads, num_kv_heads, head_dim)
-            if kv_cache.dtype != qkv.dtype:  # attend over the K/V as stored, as every other path
-                key, value = (key.to(kv_cache.dtype).to(qkv.dtype),
-                              value.to(kv_cache.dtype).to(qkv.dtype))
+            # attend over the K/V as stored, as every other path
+            key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
             attended = attend_fresh(query, key, value, scale, sliding_window, softcap)
             out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
         if plan.gathered:
@@ -113,3 +115,22 @@ def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     return (query.view(n, num_heads, head_dim).transpose(0, 1),
             key.view(n, num_kv_heads, head_dim).transpose(0, 1),
             value.view(n, num_kv_heads, head_dim).transpose(0, 1))
+
+
+def dequantized_blocks(kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                       seq_ids: torch.Tensor, dtype: torch.dtype):
+    """The blocks of the sequences in seq_ids, dequantized from an int8 cache into a dense
+    [2, n * width, block_size, KVH, D] tensor of dtype, and block tables [num_seqs, width] into
+    it (rows of other sequences zero). The flash kernel reads bf16 blocks; a prompt chunk's
+    attention is compute-bound, so one pass over its context's codes costs little beside it.
+    Table entries past a sequence's last block are never read (they are clamped to a real id)."""
+    block_size = metadata.block_size
+    seq_lens = metadata.seq_lens_host
+    ids = seq_ids.tolist()
+    width = max((seq_lens[i] + block_size - 1) // block_size for i in ids)
+    tables = metadata.block_tables[seq_ids.long(), :width].long()
+    tables = tables.clamp_(0, kv_cache.shape[1] - 1).flatten()
+    dense = dequantize_kv_rows(kv_cache.index_select(1, tables), dtype)
+    local = torch.zeros(metadata.num_seqs, width, dtype=torch.int32)
+    local[seq_ids.long()] = torch.arange(len(ids) * width, dtype=torch.int32).view(len(ids), width)
+    return dense, local

@@ -77,7 +77,8 @@ def add_bench_parser(commands) -> None:
     ppl.add_argument("--model", default="smollm2-135m-instruct")
     ppl.add_argument("--dtype", default="auto")
     ppl.add_argument("--quantization", default="none")
-    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    ppl.add_argument("--kv-cache-dtype", default="auto",
+                     choices=["auto", "float32", "bfloat16", "int8"],
                      help="K/V storage (auto: the engine's choice for --dtype)")
     ppl.add_argument("--window", type=int, default=512)
     ppl.add_argument("--max-windows", type=int, default=None)
@@ -90,7 +91,7 @@ def add_bench_parser(commands) -> None:
     roof = kinds.add_parser("roofline", help="this machine's bandwidth and GEMM rates, and the "
                             "model's decode and prefill roofs")
     roof.add_argument("--model", default="smollm2-135m-instruct")
-    roof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    roof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                       help="the model's dtype (auto: the engine's on this CPU, bfloat16 only "
                       "with native bf16)")
     roof.add_argument("--quantization", default="auto",

@@ -28,7 +28,7 @@ import zmq
 
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import PipelinedExecutor
-from kvserve.models import resolve_dtype
+from kvserve.models import resolve_dtype, resolve_kv_dtype
 from kvserve.processes import (
     close_sockets,
     describe_exit,
@@ -95,7 +95,7 @@ class MultiprocExecutor(PipelinedExecutor):
         first = ready[0]
         self.model_config = first.model_config
         self.dtype = resolve_dtype(first.dtype)
-        self.kv_dtype = resolve_dtype(first.kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(first.kv_dtype)
         self.quantization = first.quantization
         logger.info("%d workers ready (tensor parallel %d, pipeline parallel %d)",
                     self.world_size, config.tensor_parallel_size,

@@ -30,7 +30,7 @@ import msgspec
 from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import PipelinedExecutor
 from kvserve.executor.mp import WorkerDiedError, _check_model_splits
-from kvserve.models import resolve_dtype
+from kvserve.models import resolve_dtype, resolve_kv_dtype
 from kvserve.protocol.worker import (
     ExecuteStep,
     FromWorker,
@@ -161,7 +161,7 @@ class RayExecutor(PipelinedExecutor):
         first = ready[0]
         self.model_config = first.model_config
         self.dtype = resolve_dtype(first.dtype)
-        self.kv_dtype = resolve_dtype(first.kv_dtype)
+        self.kv_dtype = resolve_kv_dtype(first.kv_dtype)
         self.quantization = first.quantization
         _log_ready(self.config, nodes, cpus, init_method)
 

@@ -53,15 +53,67 @@ def rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads: 
     write_kv(key, value, kv_cache, slot_mapping)
 
 
+# ---- the int8 KV cache's rows: head_dim int8 codes, then the row's float32 scale (4 bytes)
+# A row carries its own scale, so every block copy (offload tiers, P/D transfer, swaps) moves
+# codes and scales together and the cache stays one tensor per layer.
+
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cached (token, KV head) row: head_dim, plus the scale's bytes for int8."""
+    return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def kv_head_dim(kv_cache: torch.Tensor) -> int:
+    """The head size a cache tensor [2, blocks, block_size, KVH, row] holds."""
+    row = kv_cache.shape[-1]
+    return row - KV_SCALE_BYTES if kv_cache.dtype == torch.int8 else row
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> int8 rows [..., D + 4]: symmetric per-row int8, scale = absmax / 127 (float32),
+    codes = round(x / scale) (to nearest even; an all-zero row has scale 0 and codes 0)."""
+    values = x.float()
+    scale = values.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (values / safe).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], -1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., D + 4] -> [..., D] = code * scale (in float32, then rounded to dtype)."""
+    codes = rows[..., :-KV_SCALE_BYTES].float()
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (codes * scale).to(dtype)
+
+
+def kv_as(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as held in a cache (int8 rows, bf16 or float) -> values in dtype."""
+    return dequantize_kv_rows(stored, dtype) if stored.dtype == torch.int8 else stored.to(dtype)
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What a K/V tensor reads back as after a trip through a cache of cache_dtype (the paths
+    that attend over fresh K/V without reading the cache still see the cache's values)."""
+    if cache_dtype == x.dtype:
+        return x
+    return kv_as(to_cache_rows(x, cache_dtype), x.dtype)
+
+
+def to_cache_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K/V [..., D] as a cache of cache_dtype stores them (int8 rows, or a cast)."""
+    return quantize_kv_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter K/V [T, KVH, D] into their cache slots (rounded to the cache's dtype: a bf16 cache
-    may hold float32 activations' K/V)."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                              key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                              value.to(kv_cache.dtype))
+    may hold float32 activations' K/V; an int8 cache holds quantized rows)."""
+    num_kv_heads, row = key.shape[1], kv_cache.shape[-1]
+    for half, rows in enumerate((key, value)):
+        kv_cache[half].view(-1, num_kv_heads, row).index_copy_(
+            0, slot_mapping, to_cache_rows(rows, kv_cache.dtype))
 
 
 def first_visible_key(position: int, sliding_window: int) -> int:
@@ -126,8 +178,8 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     first_block = first_key // block_size
     blocks = block_table[first_block: (seq_len + block_size - 1) // block_size].long()
     skip, end = first_key - first_block * block_size, seq_len - first_block * block_size
-    keys = kv_cache[0, blocks].flatten(0, 1)[skip:end].to(query.dtype)
-    values = kv_cache[1, blocks].flatten(0, 1)[skip:end].to(query.dtype)
+    keys = kv_as(kv_cache[0, blocks].flatten(0, 1)[skip:end], query.dtype)
+    values = kv_as(kv_cache[1, blocks].flatten(0, 1)[skip:end], query.dtype)
     query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
     key_positions = torch.arange(first_key, seq_len, device=query.device)
     mask = attention_mask(query_positions, key_positions, sliding_window)

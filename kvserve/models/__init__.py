@@ -5,6 +5,8 @@ from kvserve.models.loader import (
     load_model,
     random_model,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 
-__all__ = ["build_empty_model", "load_model", "random_model", "resolve_dtype"]
+__all__ = ["build_empty_model", "load_model", "random_model", "resolve_dtype",
+           "resolve_kv_dtype"]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.kernels.reference import kv_as, to_cache_rows
 
 
 class RMSNorm(nn.Module):
@@ -235,10 +236,12 @@ class RotaryEmbedding(nn.Module):
 
 def rotate_cached_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
                        ) -> torch.Tensor:
-    """keys [..., D] (any float dtype) rotated by `rotation` (RotaryEmbedding.rotation), in
-    float32, returned in the keys' dtype."""
+    """keys [..., D] (any float dtype, or an int8 cache's rows [..., D + 4]) rotated by
+    `rotation` (RotaryEmbedding.rotation), in float32, returned as they were stored (int8 rows
+    quantized again)."""
     cos, sin = rotation
-    return _rotate(keys.float(), cos, sin).to(keys.dtype)
+    rotated = _rotate(kv_as(keys, torch.float32), cos, sin)
+    return to_cache_rows(rotated, keys.dtype)
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):

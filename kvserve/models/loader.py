@@ -54,6 +54,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A KV cache's dtype by name: the activation dtypes, or int8 (quantized rows)."""
+    return torch.int8 if dtype in ("int8", torch.int8) else resolve_dtype(dtype)
+
+
 def _construct_on_meta(config: ModelConfig, attention_backend: str, use_cpu_kernels: bool = True,
                        device: str | torch.device = "cpu",
                        parallel: ParallelContext | None = None):

@@ -43,7 +43,7 @@ def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
         model.model.enforce_eager = config.enforce_eager
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",
                               config.device)
-    if kv_dtype not in (dtype, torch.bfloat16):
+    if kv_dtype not in (dtype, torch.bfloat16, torch.int8):
         raise ValueError(f"a {kv_dtype} KV cache needs {kv_dtype} activations (they are "
                          f"{dtype})")
     logger.info("model loaded in %.2fs", time.perf_counter() - start)

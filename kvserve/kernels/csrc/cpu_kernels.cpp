@@ -53,6 +53,17 @@ inline void load_row(const BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// An int8 cache row (n codes, then its float32 scale) -> its n values, code * scale.
+inline void load_row(const int8_t* src, float* dst, int64_t n) {
+  const float scale = row_scale(src, n);
+  int64_t i = 0;
+#if KVSERVE_VEC
+  const vf s = vset1(scale);
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vmul(vload(src + i), s));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
 inline void store_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
@@ -246,40 +257,97 @@ inline void copy_to_cache(const BFloat16* src, BFloat16* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(BFloat16));
 }
 
+// One head's row into an int8 cache row: scale = absmax / 127, codes = round(x / scale) to
+// nearest even (an all-zero row: scale 0, codes 0), the scale stored after the n codes. The same
+// float operations as reference.quantize_kv_rows, so both write the same bytes.
+template <typename T>
+inline void copy_to_cache(const T* src, int8_t* dst, int64_t n) {
+  float absmax = 0.f;
+  int64_t i = 0;
+#if KVSERVE_VEC
+  vf peak = vzero();
+  for (; i + kLanes <= n; i += kLanes) peak = vmax(peak, vabs(vload(src + i)));
+  absmax = vmaxall(peak);
+#endif
+  for (; i < n; ++i) absmax = std::max(absmax, std::fabs(to_float(src[i])));
+  const float scale = absmax / 127.f;
+  const float divisor = scale > 0.f ? scale : 1.f;
+  i = 0;
+#if KVSERVE_VEC
+  const vf d = vset1(divisor), low = vset1(-127.f), high = vset1(127.f);
+  for (; i + kLanes <= n; i += kLanes) {
+    vstore_codes(dst + i, vmin(vmax(vround(vdiv(vload(src + i), d)), low), high));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float code = std::nearbyint(to_float(src[i]) / divisor);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + n, &scale, sizeof(float));
+}
+
 template <typename T, typename C>
 void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                          at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim) {
   const int64_t tokens = qkv.size(0);
   const int64_t block_size = kv_cache.size(2);
-  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;
+  const int64_t cache_row = cache_row_width<C>(head_dim);
+  const int64_t slot_stride = num_kv_heads * cache_row;
   const int64_t cache_half = kv_cache.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* table = cos_sin.data_ptr<float>();
   C* cache = kv_cache.data_ptr<C>();
-  TORCH_CHECK(kv_cache.stride(1) == block_size * slot_stride, "kv_cache must be contiguous");
+  TORCH_CHECK(kv_cache.size(4) == cache_row && kv_cache.stride(1) == block_size * slot_stride,
+              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, row]");
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv.data_ptr<T>() + t * qkv.stride(0);
       const float* cs = table + pos[t] * cos_sin.stride(0);
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate_head<T>(row + h * head_dim, cs, head_dim);
       T* key = row + num_heads * head_dim;
-      T* value = key + slot_stride;
+      T* value = key + kv_width;
       C* slot = cache + slots[t] * slot_stride;
-      copy_to_cache(key, slot, slot_stride);
-      copy_to_cache(value, slot + cache_half, slot_stride);
+      if constexpr (kRowExtra<C> == 0) {
+        copy_to_cache(key, slot, kv_width);
+        copy_to_cache(value, slot + cache_half, kv_width);
+      } else {  // one scale per head's row
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          copy_to_cache(key + h * head_dim, slot + h * cache_row, head_dim);
+          copy_to_cache(value + h * head_dim, slot + cache_half + h * cache_row, head_dim);
+        }
+      }
     }
   });
 }
 
-// The cache holds qkv's dtype, or bf16 beside float32 activations (half the KV bytes).
+// The cache holds qkv's dtype, or bf16 beside float32 activations (half the KV bytes), or int8
+// rows with their scales beside either.
 void check_cache_dtype(const at::Tensor& qkv, const at::Tensor& kv_cache, const char* op) {
   const auto q = qkv.scalar_type(), c = kv_cache.scalar_type();
   TORCH_CHECK((q == at::kFloat || q == at::kBFloat16) &&
-                  (c == q || (q == at::kFloat && c == at::kBFloat16)),
-              op, ": the KV cache must be in qkv's dtype (float32 or bfloat16), or bfloat16 "
-              "with float32 qkv");
+                  (c == q || c == at::kChar || (q == at::kFloat && c == at::kBFloat16)),
+              op, ": the KV cache must be in qkv's dtype (float32 or bfloat16), bfloat16 "
+              "with float32 qkv, or int8");
+}
+
+// Runs fn with (T, C) the element types of qkv and the cache (after check_cache_dtype).
+template <typename Fn>
+void dispatch_cache_types(const at::Tensor& qkv, const at::Tensor& kv_cache, Fn&& fn) {
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  switch (kv_cache.scalar_type()) {
+    case at::kChar:
+      if (bf16) fn(BFloat16{}, int8_t{});
+      else fn(float{}, int8_t{});
+      break;
+    case at::kBFloat16:
+      if (bf16) fn(BFloat16{}, BFloat16{});
+      else fn(float{}, BFloat16{});
+      break;
+    default: fn(float{}, float{});
+  }
 }
 
 // qkv [T, (H + 2 KVH) * D]: rotates Q and K in place and writes K, V to their cache slots.
@@ -292,16 +360,11 @@ void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Ten
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
               "rope_and_cache_: cos_sin must be a contiguous float32 table");
   check_cache_dtype(qkv, kv_cache, "rope_and_cache_");
-  if (qkv.scalar_type() == at::kBFloat16) {
-    rope_and_cache_impl<BFloat16, BFloat16>(qkv, positions, cos_sin, kv_cache, slot_mapping,
-                                            num_heads, num_kv_heads, head_dim);
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    rope_and_cache_impl<float, BFloat16>(qkv, positions, cos_sin, kv_cache, slot_mapping,
-                                         num_heads, num_kv_heads, head_dim);
-  } else {
-    rope_and_cache_impl<float, float>(qkv, positions, cos_sin, kv_cache, slot_mapping,
-                                      num_heads, num_kv_heads, head_dim);
-  }
+  dispatch_cache_types(qkv, kv_cache, [&](auto t, auto c) {
+    rope_and_cache_impl<decltype(t), decltype(c)>(qkv, positions, cos_sin, kv_cache,
+                                                  slot_mapping, num_heads, num_kv_heads,
+                                                  head_dim);
+  });
 }
 
 // ---------------------------------------------------------------- paged attention
@@ -334,7 +397,8 @@ void score_block(ForEachRow& for_each_row, const float* queries, float scale, fl
       const vf k = vload(row + c * kLanes);
       for (int r = 0; r < R; ++r) acc[r] = vfma(q[r][c], k, acc[r]);
     }
-    for (int r = 0; r < R; ++r) scores[r * stride + pos] = vsum(acc[r]) * scale;
+    const float row_factor = scale * row_scale(row, DIM);  // 1 x scale for float/bf16 rows
+    for (int r = 0; r < R; ++r) scores[r * stride + pos] = vsum(acc[r]) * row_factor;
   });
 }
 
@@ -347,7 +411,8 @@ void weigh_block(ForEachRow& for_each_row, const float* probs, float* acc, int64
     for (int c = 0; c < C; ++c) sum[r][c] = vzero();
   for_each_row(1, [&](const T* row, int64_t pos, int64_t) {
     vf p[R];
-    for (int r = 0; r < R; ++r) p[r] = vset1(probs[r * stride + pos]);
+    const float factor = row_scale(row, DIM);
+    for (int r = 0; r < R; ++r) p[r] = vset1(probs[r * stride + pos] * factor);
     for (int c = 0; c < C; ++c) {
       const vf v = vload(row + c * kLanes);
       for (int r = 0; r < R; ++r) sum[r][c] = vfma(p[r], v, sum[r][c]);
@@ -413,7 +478,9 @@ void score_rows_tiled(ForEachRow& for_each_row, const float* queries, int64_t ro
       }
       float sums[4];
       _mm_storeu_ps(sums, _mm_mul_ps(sum4(acc), _mm_set1_ps(scale)));
-      for (int j = 0; j < count; ++j) scores[r * stride + positions[j]] = sums[j];
+      for (int j = 0; j < count; ++j) {
+        scores[r * stride + positions[j]] = sums[j] * row_scale(keys[j], DIM);
+      }
     }
     count = 0;
   };
@@ -479,7 +546,8 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
     load_row(q, queries + (r - row_begin) * dim, dim);
   }
   const int32_t* table = a.tables + seq * a.table_stride;
-  const int64_t slot_stride = a.num_kv_heads * dim;
+  const int64_t cache_row = cache_row_width<C>(dim);
+  const int64_t slot_stride = a.num_kv_heads * cache_row;
   const int64_t num_blocks = (seq_len + a.block_size - 1) / a.block_size;
   // Visit every key row from key0 once: fn(row pointer, its score column pos - key0, first
   // query row of the task that sees it).
@@ -488,7 +556,8 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
       const int64_t first = std::max(b * a.block_size, key0);
       const int64_t last = std::min(seq_len, (b + 1) * a.block_size);
       const C* row = cache + half * cache_half +
-                     (table[b] * a.block_size + first - b * a.block_size) * slot_stride + kvh * dim;
+                     (table[b] * a.block_size + first - b * a.block_size) * slot_stride +
+                     kvh * cache_row;
       for (int64_t pos = first; pos < last; ++pos, row += slot_stride) {
         // query j (absolute position first_pos + j) sees keys up to first_pos + j
         fn(row, pos - key0, (pos > first_pos ? pos - first_pos : 0) * group);
@@ -622,14 +691,16 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                  block_tables.size(1), kv_cache.size(2), num_heads, num_kv_heads, head_dim,
                  static_cast<float>(scale), sliding_window, static_cast<float>(softcap)};
   check_cache_dtype(qkv, kv_cache, "paged_attention_");
-  TORCH_CHECK(out.scalar_type() == qkv.scalar_type(), "paged_attention_: out must be in qkv's dtype");
-  if (qkv.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<BFloat16, BFloat16>(qkv, kv_cache, out, args, seq_ids.numel());
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<float, BFloat16>(qkv, kv_cache, out, args, seq_ids.numel());
-  } else {
-    paged_attention_impl<float, float>(qkv, kv_cache, out, args, seq_ids.numel());
-  }
+  TORCH_CHECK(out.scalar_type() == qkv.scalar_type(),
+              "paged_attention_: out must be in qkv's dtype");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "paged_attention_: kv_cache "
+              "must be contiguous [2, blocks, block_size, kv_heads, row]");
+  dispatch_cache_types(qkv, kv_cache, [&](auto t, auto c) {
+    using C = decltype(c);
+    TORCH_CHECK(kv_cache.size(4) == cache_row_width<C>(head_dim),
+                "paged_attention_: the cache's rows do not match head_dim");
+    paged_attention_impl<decltype(t), C>(qkv, kv_cache, out, args, seq_ids.numel());
+  });
 }
 
 // ---------------------------------------------------------------- W8A8 helpers

@@ -38,6 +38,14 @@ inline vf vload(const c10::BFloat16* p) {  // bf16 -> float is a 16-bit shift
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline vf vload(const int8_t* p) {  // int8 codes -> float
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+}
+// Rounded floats (already integral, within int8's range) -> int8 codes.
+inline void vstore_codes(int8_t* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vset1(float v) { return _mm512_set1_ps(v); }
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -66,6 +74,16 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline vf vload(const int8_t* p) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+}
+inline void vstore_codes(int8_t* p, vf v) {
+  const __m256i words = _mm256_cvtps_epi32(v);
+  const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(words),
+                                         _mm256_extracti128_si256(words, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(halves, halves));
 }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vset1(float v) { return _mm256_set1_ps(v); }
@@ -238,6 +256,26 @@ inline void interleave_bf16(__m512i a, __m512i b, __m512i& low, __m512i& high) {
   high = _mm512_permutex2var_epi16(a, high_index, b);
 }
 #endif
+
+// ---- KV cache rows. A float or bf16 cache row is head_dim values; an int8 row is head_dim codes
+// followed by its float32 scale (4 bytes): value = code * scale (kvserve/kernels/reference.py's
+// quantize_kv_rows). The scale travels with its row, so block copies need no side tensor.
+template <typename C> constexpr int64_t kRowExtra = 0;
+template <> constexpr int64_t kRowExtra<int8_t> = 4;
+
+// Elements from one cached row to the next head's (or token's) in a cache of element type C.
+template <typename C> constexpr int64_t cache_row_width(int64_t head_dim) {
+  return head_dim + kRowExtra<C>;
+}
+
+// The factor a row's stored values carry: 1 for float and bf16 rows, the scale for int8 rows.
+inline float row_scale(const float*, int64_t) { return 1.f; }
+inline float row_scale(const c10::BFloat16*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale;
+}
 
 // Element offset of the K row of token `pos` for one KV head in a paged cache half laid out
 // [blocks, block_size, num_kv_heads, head_dim]; the block comes from the sequence's table.
