@@ -110,6 +110,9 @@ SYSTEMS = {
     "kvserve-kv512m-nohybrid": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
         "--kv-cache-memory-bytes", str(512 << 20), "--disable-hybrid-kv-cache-manager"],
+    # the int8 KV cache (issue 34): half the KV bytes a decode step reads
+    "kvserve-kv-int8": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                     "--disable-log-requests", "--kv-cache-dtype", "int8"],
     # speculative decoding (prompt lookup; suffix decoding)
     "kvserve-ngram": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
