@@ -122,6 +122,11 @@ class EngineConfig:
         None, "vLLM's flag: the host-memory offload tier in GiB (--kv-offload-ram-bytes)")
     kv_offloading_backend: str = _opt("native", "vLLM's flag; native, the built-in tiers",
                                       choices=["native"])
+    kv_offload_load_policy: str = _opt(
+        "measured", "when a prefix a tier holds is loaded back: measured (only when this "
+        "engine's own step, prefill and load timings say loading beats recomputing it: a "
+        "busy engine loads, an idle one with a slow tier recomputes short runs) or always",
+        choices=["measured", "always"])
     kv_session_ttl: float = _opt(
         300.0, "agent sessions: seconds a request's KV blocks are kept after it ends when it "
         "names a session (session_id, prompt_cache_key or user), evicted only when nothing "
@@ -195,7 +200,8 @@ class EngineConfig:
         identity = "|".join(str(v) for v in (self.model, self.dtype, self.quantization,
                                             self.kv_cache_dtype, self.streaming_window))
         return {"ram_bytes": ram or 0, "disk_dir": self.kv_offload_disk_dir,
-                "disk_bytes": self.kv_offload_disk_bytes, "fingerprint": identity}
+                "disk_bytes": self.kv_offload_disk_bytes, "fingerprint": identity,
+                "load_policy": self.kv_offload_load_policy}
 
     @property
     def streaming_sink_blocks(self) -> int | None:

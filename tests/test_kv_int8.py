@@ -208,7 +208,7 @@ def test_int8_blocks_go_to_a_ram_tier_and_come_back(tiny_model_dir, tokenizer):
     with LLM(num_kv_blocks=256, enable_prefix_caching=False, **common) as roomy:
         expected = [o.outputs[0].token_ids for o in run(roomy, prompts)]
     with LLM(num_kv_blocks=16, max_model_len=128, kv_offload_ram_bytes=8 << 20,
-             **common) as small:
+             kv_offload_load_policy="always", **common) as small:
         first, again = run(small, prompts), run(small, prompts[:3])
         stats = small.llm_engine.engine_core.scheduler.connector.stats
     assert [o.outputs[0].token_ids for o in first + again] == expected + expected[:3]

@@ -99,7 +99,10 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _engine(tiny_model_dir, **options) -> LLM:
-    """A pool of 16 blocks: three prompts' worth, so the later ones evict the first."""
+    """A pool of 16 blocks: three prompts' worth, so the later ones evict the first. Tiers load
+    every run they hold (the tests here assert loads; on the tiny model the measured policy
+    may rightly recompute: its choice is tested on its own below)."""
+    options.setdefault("kv_offload_load_policy", "always")
     return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, block_size=16,
                max_model_len=128, engine_core="thread", **options)
 
@@ -181,9 +184,42 @@ def test_offload_flags(tiny_model_dir, tmp_path):
     transfer = config.transfer_config()
     assert transfer.connector == "OffloadingConnector"
     assert transfer.extra_config["ram_bytes"] == 1 << 29
+    assert transfer.extra_config["load_policy"] == "measured"
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineConfig(model="m", kv_offload_disk_dir=str(tmp_path), kv_role="prefill")
     assert EngineConfig(model="m").transfer_config() is None
+
+
+def test_load_cost_loads_on_a_busy_engine_and_recomputes_short_runs_on_an_idle_one():
+    from kvserve.kv_transfer.offload.load_cost import LoadCost
+
+    assert LoadCost().load_pays(1, 16)  # nothing measured yet
+    busy = LoadCost()
+    for i in range(10):  # 90 ms steps of 32 requests, a 256-token prefill among them
+        busy.on_schedule(i * 0.09, 287 if i % 2 else 32, 32)
+    assert busy.load_pays(1, 16)  # one block recomputed would stall 32 streams
+    idle = LoadCost()
+    for i in range(10):  # 20 ms steps of one request's 400-token prefill chunks
+        idle.on_schedule(i * 0.02, 400, 1)
+    assert not idle.load_pays(1, 16)  # 0.8 ms of prefill against a step's wait
+    assert idle.load_pays(30, 16)  # 24 ms of prefill against the same wait
+    idle.on_load(30, 0.02 + 30 * 0.01)  # a slow tier: 10 ms a block past the step
+    assert not idle.load_pays(30, 16)
+
+
+def test_the_measured_policy_recomputes_runs_it_expects_to_load_slower(tiny_model_dir,
+                                                                       reference, monkeypatch):
+    from kvserve.kv_transfer.offload.load_cost import LoadCost
+
+    prompts, expected = reference
+    monkeypatch.setattr(LoadCost, "load_pays", lambda self, blocks, block_size: False)
+    with _engine(tiny_model_dir, kv_offload_ram_bytes=8 << 20,
+                 kv_offload_load_policy="measured") as engine:
+        outputs = _run(engine, prompts) + _run(engine, prompts[:3])
+        stats = _connector(engine).stats
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected[:3]
+    assert stats["saved_blocks"] > 0 and stats["loaded_blocks"] == 0
+    assert stats["recomputed_runs"] >= 3
 
 
 def test_a_sessions_blocks_outlive_the_traffic_after_it(tiny_model_dir, reference):

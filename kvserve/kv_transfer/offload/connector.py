@@ -42,6 +42,7 @@ from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.load_reports import LoadReports
 from kvserve.kv_transfer.offload import store
 from kvserve.kv_transfer.offload.index import DISK, RAM, TierIndex
+from kvserve.kv_transfer.offload.load_cost import LoadCost
 from kvserve.protocol.block_hash import hash_block_tokens
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 16 << 30  # a disk tier without --kv-offload-disk-bytes
 WRITE_PROBLEM_LOG_EVERY_S = 60.0
+# measured: a run is loaded only when that is expected to be faster than recomputing it
+# (load_cost.py); always: every run a tier holds is loaded
+LOAD_POLICIES = ("measured", "always")
 MAX_UNWRITTEN_BYTES = 512 << 20  # a rank's saved blocks waiting for the disk writer
 
 
@@ -95,6 +99,10 @@ class OffloadingConnector(KVConnectorBase):
         self.disk_dir = extra.get("disk_dir") or None
         self.disk_bytes = int(extra.get("disk_bytes") or DEFAULT_DISK_BYTES)
         self.fingerprint = str(extra.get("fingerprint", ""))
+        self.load_policy = str(extra.get("load_policy") or "measured")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy {self.load_policy!r}: choose one of "
+                             f"{', '.join(LOAD_POLICIES)}")
         if self.ram_bytes <= 0 and not self.disk_dir:
             raise ValueError("OffloadingConnector needs kv_connector_extra_config ram_bytes "
                              "> 0 and/or disk_dir (--kv-offload-ram-bytes, "
@@ -105,7 +113,10 @@ class OffloadingConnector(KVConnectorBase):
         self._pending = OffloadMetadata([], [], [], [])
         self._loading: dict[str, list[int]] = {}  # request id -> the hashes it loads
         self._failed: set[str] = set()  # requests whose load failed: they recompute
-        self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0}
+        self._issued: dict[str, tuple[float, int]] = {}  # request id -> (when, blocks)
+        self.cost = LoadCost()
+        self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0,
+                      "recomputed_runs": 0}
         # worker side
         self.kv_caches: list[torch.Tensor] = []
         self.block_bytes = 0
@@ -156,7 +167,8 @@ class OffloadingConnector(KVConnectorBase):
         """The run of blocks after the pool's hit that some tier holds; never the request's
         last token. Asked again when a preempted request comes back: its blocks, evicted
         from the pool meanwhile, come back from the tiers (swap preemption) instead of being
-        recomputed. After a failed load the request recomputes."""
+        recomputed. After a failed load the request recomputes; with the `measured` load
+        policy, so does a run that loading is expected to make slower (LoadCost)."""
         if request.request_id in self._failed:
             return 0, False
         size = self.context.block_size
@@ -167,6 +179,9 @@ class OffloadingConnector(KVConnectorBase):
             if block_hash not in self.ram and block_hash not in self.disk:
                 break
             count += 1
+        if count and self.load_policy == "measured" and not self.cost.load_pays(count, size):
+            self.stats["recomputed_runs"] += 1
+            return 0, False
         return count * size, count > 0
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
@@ -179,6 +194,7 @@ class OffloadingConnector(KVConnectorBase):
             self.ram.touch(block_hash)
             self.disk.touch(block_hash)
         self._loading[request.request_id] = hashes
+        self._issued[request.request_id] = (time.monotonic(), count)
         self._pending.loads.append(OffloadLoad(request.request_id, hashes,
                                                block_ids[first:first + count]))
         self.stats["loaded_blocks"] += count
@@ -186,8 +202,12 @@ class OffloadingConnector(KVConnectorBase):
     def update_connector_output(self, output) -> None:
         """A failed load's blocks leave both tiers (the workers drop their copies): one of
         them was bad, and they are saved again when the pool next evicts them."""
+        now = time.monotonic()
         for request_id in output.finished_recving:
             hashes = self._loading.pop(request_id, [])
+            issued = self._issued.pop(request_id, None)
+            if issued is not None and request_id not in output.load_errors:
+                self.cost.on_load(issued[1], now - issued[0])
             if request_id in output.load_errors:
                 self.stats["failed_loads"] += 1
                 self._failed.add(request_id)
@@ -199,6 +219,8 @@ class OffloadingConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> OffloadMetadata | None:
+        self.cost.on_schedule(time.monotonic(), scheduler_output.num_batched_tokens,
+                              len(scheduler_output.scheduled))
         pending = self._pending
         if not (pending.saves or pending.loads or pending.drop_ram or pending.drop_disk):
             return None
