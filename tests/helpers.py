@@ -291,11 +291,13 @@ def wait_router_synced(router, timeout: float = 30.0) -> None:
 
 
 # ---- the KV cache manager and its events ------------------------------------------------------
-def make_request(request_id: str, tokens: list[int], max_tokens: int = 16):
+def make_request(request_id: str, tokens: list[int], max_tokens: int = 16,
+                 cache_salt: str | None = None):
     from kvserve.core.request import Request
     from kvserve.sampling_params import SamplingParams
 
-    return Request(request_id, tokens, SamplingParams(), max_tokens=max_tokens)
+    return Request(request_id, tokens, SamplingParams(), max_tokens=max_tokens,
+                   cache_salt=cache_salt)
 
 
 def admit(kv, request) -> int:
@@ -324,9 +326,11 @@ def kv_event_publisher(pub_port: int, replay_port: int):
     return kv, make_kv_event_source(config, kv)
 
 
-def cache_tokens(kv, source, tokens: list[int]) -> None:
-    """Compute `tokens` as a finished request would (its full blocks stay cached), publish."""
-    request = make_request(str(len(tokens)) + str(tokens[0]), tokens, max_tokens=4)
+def cache_tokens(kv, source, tokens: list[int], cache_salt: str | None = None) -> None:
+    """Compute `tokens` as a finished request would (its full blocks stay cached, hashed under
+    `cache_salt` if any), publish."""
+    request = make_request(f"{len(tokens)}-{tokens[0]}-{cache_salt}", tokens, max_tokens=4,
+                           cache_salt=cache_salt)
     admit(kv, request)
     kv.free(request)
     source.flush()

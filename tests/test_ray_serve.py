@@ -118,6 +118,17 @@ def test_kv_aware_ranks_the_prefix_holder_first_until_its_load_outweighs_it(tiny
         assert _names(tiers) == [["a"], ["b"]]
         assert first.routing_context.should_backoff  # every replica ranked: back off after
         assert router.overlaps([a, b], token_ids) == {"a": prompt_blocks, "b": 0}
+        # under another salt the same prompt is other blocks: nothing cached anywhere
+        assert router.overlaps([a, b], token_ids, "t2") == {"a": 0, "b": 0}
+        # b holds the same prompt under tenant t2's salt: a t2 request goes to b, a plain one
+        # to a (a salted request's blocks are hashed under its salt, as the replicas do)
+        cache_tokens(*publishers["b"], token_ids, cache_salt="t2")
+        wait_until(lambda: router.overlaps([b], token_ids, "t2")["b"] == prompt_blocks)
+        assert router.overlaps([a, b], token_ids, "t2") == {"a": 0, "b": prompt_blocks}
+        salted = _pending("salted", {"prompt": prompt, "max_tokens": 4, "cache_salt": "t2"})
+        assert _names(await router.choose_replicas([a, b], salted)) == [["b"], ["a"]]
+        plain = _pending("plain", {"prompt": prompt, "max_tokens": 4})
+        assert _names(await router.choose_replicas([a, b], plain)) == [["a"], ["b"]]
         # requests routed to a and not finished: its blocks in use outweigh the cache hit
         for serial in range(3):
             routed = _pending(f"busy-{serial}", {"prompt": prompt, "max_tokens": 4})

@@ -33,7 +33,7 @@ from kvserve.protocol.block_hash import block_hashes
 from kvserve.ray_serve import registry
 from kvserve.router.index import KVIndex
 from kvserve.router.policy import Candidate, make_policy
-from kvserve.router.prompts import PromptTokenizer
+from kvserve.router.prompts import PromptTokenizer, cache_salt_of
 from kvserve.router.subscriber import EventSubscriber
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,10 @@ class KVAwareRequestRouter(RequestRouter):
             self._prompts.popitem(last=False)
         return entry
 
-    def overlaps(self, candidates: List[RunningReplica], token_ids: list[int]) -> dict[str, int]:
-        """Leading prompt blocks each candidate holds, by the index (0: no fresh events)."""
+    def overlaps(self, candidates: List[RunningReplica], token_ids: list[int],
+                 cache_salt: str | None = None) -> dict[str, int]:
+        """Leading prompt blocks each candidate holds, by the index (0: no fresh events). A
+        salted request's blocks are hashed under its salt, as the replica hashes them."""
         by_size: dict[int, list[str]] = {}
         for replica in candidates:
             self._subscribe(replica)  # its stats may have brought the endpoints
@@ -143,7 +145,8 @@ class KVAwareRequestRouter(RequestRouter):
                 by_size.setdefault(info["block_size"], []).append(name)
         overlaps: dict[str, int] = {}
         for size, names in by_size.items():
-            overlaps.update(self.index.overlaps(block_hashes(token_ids, size), names))
+            overlaps.update(self.index.overlaps(
+                block_hashes(token_ids, size, cache_salt=cache_salt), names))
         return overlaps
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
@@ -154,7 +157,9 @@ class KVAwareRequestRouter(RequestRouter):
         # every replica is in some tier: once all were tried, wait before trying again
         pending_request.routing_context.should_backoff = True
         token_ids, prompt_blocks = self.prompt(pending_request)
-        overlaps = self.overlaps(candidate_replicas, token_ids) \
+        request = pending_request.args[0] if pending_request.args else None
+        salt = cache_salt_of(getattr(request, "payload", None))
+        overlaps = self.overlaps(candidate_replicas, token_ids, salt) \
             if token_ids and self.policy.uses_overlap else {}
         now = time.time()
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
