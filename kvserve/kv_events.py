@@ -320,13 +320,33 @@ class KVEventSource:
     """What EngineCore holds: it hands the block pool's events to the publisher once per step
     (`flush`) and closes it at shutdown. Disabled, both do nothing."""
 
-    def __init__(self, pool=None, publisher=None):
+    def __init__(self, pool=None, publisher=None, block_size: int = 0):
         self.pool = pool
         self.publisher = publisher
+        self.block_size = block_size
+        self._tiers: list = []  # offload connectors' take_tier_changes
+
+    def add_source(self, connector) -> None:
+        """Publish what `connector`'s offload tiers gain and lose too (one with
+        `take_tier_changes`), each tier's blocks under its own medium, when events are on."""
+        if self.publisher is not None and hasattr(connector, "take_tier_changes"):
+            connector.enable_tier_changes()
+            self._tiers.append(connector.take_tier_changes)
 
     def flush(self) -> None:
-        if self.pool is not None and self.pool.events:
-            self.publisher.publish(self.pool.take_events())
+        if self.publisher is None:
+            return
+        events = self.pool.take_events() if self.pool.events else []
+        for take in self._tiers:
+            for medium, stored, removed in take():
+                if removed:
+                    events.append(BlockRemoved(block_hashes=removed, medium=medium))
+                if stored:
+                    events.append(BlockStored(block_hashes=stored, parent_block_hash=None,
+                                              token_ids=[], block_size=self.block_size,
+                                              medium=medium))
+        if events:
+            self.publisher.publish(events)
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -345,7 +365,7 @@ def make_kv_event_source(config_text: str | None, kv_manager) -> KVEventSource:
                        "nothing but heartbeats will be published")
     kv_manager.pool.enable_events()
     if not config.publishes:
-        return KVEventSource(kv_manager.pool, NullEventPublisher())
+        return KVEventSource(kv_manager.pool, NullEventPublisher(), kv_manager.block_size)
     if config.replay_endpoint is None:
         logger.warning("KV events without a replay_endpoint: subscribers that miss a batch "
                        "cannot replay or take a snapshot")
@@ -353,7 +373,7 @@ def make_kv_event_source(config_text: str | None, kv_manager) -> KVEventSource:
         config, uuid.uuid4().hex, kv_manager.block_size,
         snapshot=lambda: list(kv_manager.pool.cached),
         probe=kv_manager.num_cached_prefix_blocks)
-    return KVEventSource(kv_manager.pool, publisher)
+    return KVEventSource(kv_manager.pool, publisher, kv_manager.block_size)
 
 
 def free_port(host: str) -> int:

@@ -222,6 +222,30 @@ def test_the_measured_policy_recomputes_runs_it_expects_to_load_slower(tiny_mode
     assert stats["recomputed_runs"] >= 3
 
 
+def test_tier_blocks_are_announced_as_kv_events_under_their_medium(tiny_model_dir, reference):
+    """With KV events on, blocks the pool evicts into the RAM tier are published as
+    BlockStored with medium CPU (a router counts them at a discount), and those the tier drops
+    as BlockRemoved; the pool's own events keep no medium."""
+    from kvserve.kv_events import BlockRemoved, BlockStored
+
+    prompts, _ = reference
+    events = []
+    with _engine(tiny_model_dir, kv_offload_ram_bytes=1,
+                 kv_events_config='{"enable_kv_cache_events": true, "publisher": "null"}'
+                 ) as engine:
+        core = engine.llm_engine.engine_core
+        core.kv_events.publisher.publish = events.extend
+        _connector(engine).ram.capacity = 8  # a tier of 8 blocks: it drops some too
+        _run(engine, prompts)
+    tier_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    tier_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    pool_removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium is None
+                    for h in e.block_hashes}
+    stored_hashes = {h for e in tier_stored for h in e.block_hashes}
+    assert stored_hashes and stored_hashes <= pool_removed  # what the pool let go
+    assert tier_removed and {h for e in tier_removed for h in e.block_hashes} <= stored_hashes
+
+
 def test_a_sessions_blocks_outlive_the_traffic_after_it(tiny_model_dir, reference):
     """No tiers: a request naming its session keeps its blocks through five others that
     fill the pool, and its next turn finds them; the same without a session finds nothing."""

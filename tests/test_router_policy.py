@@ -20,7 +20,7 @@ from kvserve.kv_events import (
     KVSnapshot,
 )
 from kvserve.protocol.block_hash import HASH_ALGORITHM, block_hashes
-from kvserve.router.index import EventSync, KVIndex
+from kvserve.router.index import EventSync, KVIndex, parse_tier_weights
 from kvserve.router.policy import Candidate, make_policy
 from kvserve.router.replicas import Replica, ReplicaMonitor
 from kvserve.router.subscriber import EventSubscriber, reachable_endpoint
@@ -93,6 +93,33 @@ def test_overlap_counts_leading_blocks_per_replica():
     assert index.overlaps([1, 2], ["a", "b"]) == {"a": 1, "b": 0}
     index.clear("a")
     assert index.num_blocks("a") == 0 and index._holders == {5: {"b"}}
+
+
+def test_blocks_in_a_replicas_offload_tiers_count_at_their_mediums_weight():
+    """A run that continues in a tier (CPU, DISK events) counts each such block at the tier's
+    weight after the pool's own; a pool snapshot leaves the tiers' view alone, forgetting the
+    replica clears both."""
+    index = KVIndex()
+    weights = parse_tier_weights("CPU=0.8,DISK=0.5")
+    index.apply("a", [stored(1, 2)])
+    index.apply("a", [BlockStored([3, 4], None, [], BLOCK, medium="CPU"),
+                      BlockStored([5], None, [], BLOCK, medium="DISK")])
+    index.apply("b", [stored(1, 2, 3)])
+    got = index.weighted_overlaps([1, 2, 3, 4, 5, 6], ["a", "b"], weights)
+    assert got == pytest.approx({"a": 2 + 0.8 + 0.8 + 0.5, "b": 3.0})
+    assert index.overlaps([1, 2, 3], ["a"]) == {"a": 2}  # the pool's own count is unchanged
+    index.apply("a", [BlockRemoved([4], medium="CPU")])  # the run stops at the gap
+    assert index.weighted_overlaps([1, 2, 3, 4, 5], ["a"], weights) == pytest.approx({"a": 2.8})
+    index.replace("a", [1])
+    assert index.weighted_overlaps([1, 2, 3], ["a"], weights) == {"a": 1.0}  # 2 left the pool
+    index.replace("a", [1, 2])
+    assert index.weighted_overlaps([1, 2, 3], ["a"], {}) == {"a": 2.0}  # no weight: nothing
+    index.clear("a")
+    assert index.weighted_overlaps([1, 2, 3], ["a"], weights) == {"a": 0.0}
+    with pytest.raises(ValueError, match="MEDIUM=NUMBER"):
+        parse_tier_weights("CPU")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        parse_tier_weights("CPU=2")
 
 
 # ---- staying in step --------------------------------------------------------------------------

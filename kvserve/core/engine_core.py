@@ -100,6 +100,7 @@ class EngineCore:
             max_num_partial_prefills=config.max_num_partial_prefills,
             pipeline_depth=self.executor.max_concurrent_batches,
         ), self.kv_manager, self._make_kv_connector(kv_ready))
+        self.kv_events.add_source(self.scheduler.connector)
         # a transfer is done when every rank reported it
         self.kv_reports = KVOutputAggregator(config.world_size)
         self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest

@@ -31,7 +31,7 @@ from ray.serve.request_router import (
 
 from kvserve.protocol.block_hash import block_hashes
 from kvserve.ray_serve import registry
-from kvserve.router.index import KVIndex
+from kvserve.router.index import DEFAULT_TIER_WEIGHTS, KVIndex
 from kvserve.router.policy import Candidate, make_policy
 from kvserve.router.prompts import PromptTokenizer, cache_salt_of
 from kvserve.router.subscriber import EventSubscriber
@@ -145,8 +145,9 @@ class KVAwareRequestRouter(RequestRouter):
                 by_size.setdefault(info["block_size"], []).append(name)
         overlaps: dict[str, int] = {}
         for size, names in by_size.items():
-            overlaps.update(self.index.overlaps(
-                block_hashes(token_ids, size, cache_salt=cache_salt), names))
+            overlaps.update(self.index.weighted_overlaps(
+                block_hashes(token_ids, size, cache_salt=cache_salt), names,
+                DEFAULT_TIER_WEIGHTS))
         return overlaps
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],

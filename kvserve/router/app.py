@@ -34,7 +34,7 @@ from kvserve.options import option as _opt
 from kvserve.protocol.block_hash import block_hashes
 from kvserve.router.approximate import ApproximateIndex
 from kvserve.router.disagg import PrefillStage
-from kvserve.router.index import KVIndex
+from kvserve.router.index import KVIndex, parse_tier_weights
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import POLICIES, Candidate, make_policy
 from kvserve.router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptTokenizer, cache_salt_of
@@ -59,6 +59,10 @@ class RouterConfig:
                       "block hashes the replicas publish")
     overlap_weight: float = _opt(1.0, "kv-aware: weight of the uncached prompt blocks against "
                                  "the blocks in use (>1 favours TTFT, <1 spreads load)")
+    tier_weights: str = _opt("CPU=0.8,DISK=0.6", "kv-aware: what a prompt block held in a "
+                             "replica's offload tier counts for against one in its pool, by "
+                             "the tier's event medium (MEDIUM=WEIGHT,...; a load is dearer "
+                             "than a hit, cheaper than a recompute)")
     stale_after: float = _opt(3.0, "seconds without a KV event batch (replicas send one each "
                               "second) after which a replica counts as holding nothing")
     health_interval: float = _opt(1.0, "seconds between /health (and /metrics) checks")
@@ -96,6 +100,7 @@ class Router:
         self.approximate = ApproximateIndex(self.index)
         self.subscriber = EventSubscriber(self.index)
         # one per role: round-robin takes each pool's replicas in turn
+        self.tier_weights = parse_tier_weights(config.tier_weights)
         self.policies = {role: make_policy(config.policy, config.overlap_weight, config.seed)
                          for role in ("both", "prefill", "decode")}
         self.policy = self.policies[self.client_role]
@@ -152,8 +157,9 @@ class Router:
                                                                     self.config.stale_after)):
                     by_size.setdefault(replica.block_size, []).append(replica.url)
             for size, names in by_size.items():
-                overlaps.update(self.index.overlaps(
-                    block_hashes(token_ids, size, cache_salt=cache_salt), names))
+                overlaps.update(self.index.weighted_overlaps(
+                    block_hashes(token_ids, size, cache_salt=cache_salt), names,
+                    self.tier_weights))
         candidates = [Candidate(r.url, overlaps.get(r.url, 0),
                                 r.active_blocks(now, self.config.stale_after)) for r in healthy]
         return self.policies[role].rank(candidates, prompt_blocks), prompt_blocks

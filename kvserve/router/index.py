@@ -7,6 +7,12 @@ the number of the prompt's leading block hashes it holds. `EventSync` applies on
 batches in sequence order and heals its view: a gap is replayed from the replica's buffer, else
 the replica's snapshot replaces its entries; a new engine instance id (a restart) drops them and
 takes a snapshot; a replica silent for longer than `stale_after` counts as holding nothing.
+
+Events with a `medium` other than the pool's (an offload tier's: CPU, DISK) go to one index per
+medium: a prompt's run of blocks that continues in a replica's tier counts at that medium's
+weight (`weighted_overlaps`), since loading them is dearer than a pool hit and cheaper than a
+recompute. Snapshots list the pool only: after a resync a replica's tier blocks are known again
+as its tiers next change.
 """
 
 from __future__ import annotations
@@ -27,6 +33,25 @@ from kvserve.protocol.block_hash import HASH_ALGORITHM
 
 logger = logging.getLogger(__name__)
 
+POOL_MEDIA = (None, "GPU")  # the replica's own pool (vLLM names its device pool GPU)
+# An offload tier's block against a pool hit (llm-d's scorer weighs CPU-tier blocks the same
+# way): kvserve's tiers load a block in ~a step against ~16 tokens of prefill for a recompute
+DEFAULT_TIER_WEIGHTS = {"CPU": 0.8, "DISK": 0.6}
+
+
+def parse_tier_weights(text: str) -> dict[str, float]:
+    """"CPU=0.8,DISK=0.6" -> {"CPU": 0.8, "DISK": 0.6}; a clear ValueError otherwise."""
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        medium, _, value = part.partition("=")
+        try:
+            weights[medium.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"tier weight {part!r}: expected MEDIUM=NUMBER") from None
+        if not 0 <= weights[medium.strip()] <= 1:
+            raise ValueError(f"tier weight {part!r}: between 0 and 1")
+    return weights
+
 
 class KVIndex:
     """hash -> replicas holding it, and replica -> its hashes; thread-safe (the subscriber
@@ -36,8 +61,20 @@ class KVIndex:
         self._lock = threading.Lock()
         self._holders: dict[int, set[str]] = {}
         self._hashes: dict[str, set[int]] = {}
+        self.tiers: dict[str, KVIndex] = {}  # medium -> what replicas hold in that tier
 
     def apply(self, replica: str, events: Iterable) -> None:
+        pool = []
+        for event in events:
+            medium = getattr(event, "medium", None)
+            if medium in POOL_MEDIA:
+                pool.append(event)
+            else:
+                self.tiers.setdefault(medium, KVIndex())._apply_here(replica, [event])
+        self._apply_here(replica, pool)
+
+    def _apply_here(self, replica: str, events: Iterable) -> None:
+        """Events applied to this index whatever their medium."""
         with self._lock:
             for event in events:
                 if isinstance(event, BlockStored):
@@ -54,8 +91,11 @@ class KVIndex:
             self._store(replica, hashes)
 
     def clear(self, replica: str) -> None:
+        """Forget everything the replica holds, its tiers' blocks included."""
         with self._lock:
             self._clear(replica)
+        for tier in list(self.tiers.values()):
+            tier.clear(replica)
 
     def add(self, replica: str, hashes: Iterable[int]) -> None:
         with self._lock:
@@ -80,6 +120,27 @@ class KVIndex:
                 for replica in alive:
                     counts[replica] += 1
         return counts
+
+    def holds(self, replica: str, block_hash: int) -> bool:
+        return replica in self._holders.get(block_hash, ())
+
+    def weighted_overlaps(self, hashes: list[int], replicas: Iterable[str],
+                          weights: dict[str, float]) -> dict[str, float]:
+        """overlaps(), then the blocks that continue each replica's run in one of its offload
+        tiers, each at its medium's weight (the best one where several tiers hold it; a medium
+        without a weight counts nothing)."""
+        counts = self.overlaps(hashes, replicas)
+        result = {replica: float(count) for replica, count in counts.items()}
+        if not self.tiers:
+            return result
+        for replica, count in counts.items():
+            for block_hash in hashes[count:]:
+                held = [weights.get(medium, 0.0) for medium, tier in self.tiers.items()
+                        if tier.holds(replica, block_hash)]
+                if not held:
+                    break
+                result[replica] += max(held)
+        return result
 
     def _store(self, replica: str, hashes: Iterable[int]) -> None:
         mine = self._hashes.setdefault(replica, set())

@@ -58,6 +58,8 @@ WRITE_PROBLEM_LOG_EVERY_S = 60.0
 # measured: a run is loaded only when that is expected to be faster than recomputing it
 # (load_cost.py); always: every run a tier holds is loaded
 LOAD_POLICIES = ("measured", "always")
+# the KV-event medium of each tier's blocks (vLLM's offloading connector calls host memory CPU)
+TIER_MEDIA = {RAM: "CPU", DISK: "DISK"}
 MAX_UNWRITTEN_BYTES = 512 << 20  # a rank's saved blocks waiting for the disk writer
 
 
@@ -115,6 +117,8 @@ class OffloadingConnector(KVConnectorBase):
         self._failed: set[str] = set()  # requests whose load failed: they recompute
         self._issued: dict[str, tuple[float, int]] = {}  # request id -> (when, blocks)
         self.cost = LoadCost()
+        # (medium, stored hashes, removed hashes) for the KV event publisher, when it is on
+        self._changes: list[tuple[str, list[int], list[int]]] | None = None
         self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "failed_loads": 0,
                       "recomputed_runs": 0}
         # worker side
@@ -140,14 +144,18 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk_dir:
             self.disk.capacity = self.disk_bytes // block_bytes
             self.folder = store.layout_folder(self.disk_dir, bytes.fromhex(per_rank[0]["layout"]))
-            for block_hash in store.scan(self.folder, len(per_rank)):
+            found = store.scan(self.folder, len(per_rank))
+            for block_hash in found:
                 self._pending.drop_disk += self.disk.add(block_hash)
+            self._announce(DISK, [h for h in found if h in self.disk], [])
         logger.info("KV offload: RAM tier %d blocks, disk tier %d blocks%s (%d blocks found "
                     "from an earlier run)", self.ram.capacity, self.disk.capacity,
                     f" in {self.folder}" if self.folder else "", len(self.disk))
 
     def on_evict(self, block_hashes: list[int], block_ids: list[int]) -> None:
         pending = self._pending
+        stored: dict[str, list[int]] = {RAM: [], DISK: []}
+        dropped: dict[str, list[int]] = {RAM: [], DISK: []}
         for block_hash, block_id in zip(block_hashes, block_ids):
             to_ram = self.ram.capacity > 0 and block_hash not in self.ram
             to_disk = self.disk.capacity > 0 and block_hash not in self.disk
@@ -155,12 +163,16 @@ class OffloadingConnector(KVConnectorBase):
                 self.ram.touch(block_hash)
                 self.disk.touch(block_hash)
                 continue
-            if to_ram:
-                pending.drop_ram += self.ram.add(block_hash)
-            if to_disk:
-                pending.drop_disk += self.disk.add(block_hash)
+            for tier, wanted in ((self.ram, to_ram), (self.disk, to_disk)):
+                if wanted:
+                    dropped[tier.name] += tier.add(block_hash)
+                    stored[tier.name].append(block_hash)
             pending.saves.append(OffloadSave(block_hash, block_id, to_ram, to_disk))
             self.stats["saved_blocks"] += 1
+        pending.drop_ram += dropped[RAM]
+        pending.drop_disk += dropped[DISK]
+        for tier in (RAM, DISK):
+            self._announce(tier, stored[tier], dropped[tier])
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -214,8 +226,10 @@ class OffloadingConnector(KVConnectorBase):
                 for block_hash in hashes:
                     if self.ram.discard(block_hash):
                         self._pending.drop_ram.append(block_hash)
+                        self._announce(RAM, [], [block_hash])
                     if self.disk.discard(block_hash):
                         self._pending.drop_disk.append(block_hash)
+                        self._announce(DISK, [], [block_hash])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> OffloadMetadata | None:
@@ -226,6 +240,24 @@ class OffloadingConnector(KVConnectorBase):
             return None
         self._pending = OffloadMetadata([], [], [], [])
         return pending
+
+    # ---- KV events: what the tiers hold, for a KV-aware router -----------------------------
+    def enable_tier_changes(self) -> None:
+        self._changes = []
+
+    def take_tier_changes(self) -> list[tuple[str, list[int], list[int]]]:
+        """(medium, hashes stored, hashes removed) since the last call; kv_events.py turns them
+        into BlockStored / BlockRemoved events under the tier's medium."""
+        if self._changes is None:
+            return []
+        changes, self._changes = self._changes, []
+        return changes
+
+    def _announce(self, tier: str, stored: list[int], removed: list[int]) -> None:
+        """Blocks a tier gained and lost (a block that left the pool for a tier is still this
+        replica's to load). Nothing recorded when events are off."""
+        if self._changes is not None and (stored or removed):
+            self._changes.append((TIER_MEDIA[tier], list(stored), list(removed)))
 
     def request_finished(self, request: Request, block_ids: list[int]):
         self._failed.discard(request.request_id)
