@@ -72,7 +72,7 @@ def test_rope_and_cache_writes_the_reference_bytes(act_dtype, dim, compiled):
 
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 2.0)])
-@pytest.mark.parametrize("dim", [32, 64, 128])  # 64 and 128: the register-blocked passes
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])  # 64, 128: register-blocked; 256: Gemma 3
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_over_int8_rows_matches_the_reference(act_dtype, dim, window, softcap,
                                                               compiled):
@@ -214,3 +214,28 @@ def test_int8_blocks_go_to_a_ram_tier_and_come_back(tiny_model_dir, tokenizer):
     assert [o.outputs[0].token_ids for o in first + again] == expected + expected[:3]
     assert all(o.num_cached_tokens >= 64 for o in again)
     assert stats["loaded_blocks"] >= 12 and stats["failed_loads"] == 0
+
+
+def test_attention_sink_key_shifts_requantize_int8_rows():
+    """Streaming's key shift (attention sinks) on int8 rows: keys written at p + 37 and rotated
+    back equal the keys written at p within a few quantization steps; values keep their bytes."""
+    from kvserve.attention.kv_tensors import allocate_kv_caches
+    from kvserve.models import random_model
+    from kvserve.testing.tiny import tiny_config
+
+    model = random_model(tiny_config(), "float32", seed=0)
+    caches = allocate_kv_caches(model.config, 8, 16, torch.int8)
+    model.bind_kv_cache(caches)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    for table, offset in (([0, 1, 2], 37), ([4, 5, 6], 0)):
+        metadata, positions = build_attention_metadata([40], [40], [table], 16)
+        model(ids, positions + offset, metadata)
+    values = [cache[1].clone() for cache in caches]
+    model.shift_keys([0, 1, 2], -37)
+    for cache, before in zip(caches, values):
+        shifted, written = (cache[0, blocks].flatten(0, 1)[:40] for blocks in ([0, 1, 2],
+                                                                               [4, 5, 6]))
+        keys = [reference.dequantize_kv_rows(k, torch.float32) for k in (shifted, written)]
+        step = keys[1].abs().amax(-1, keepdim=True) / 127
+        assert torch.all((keys[0] - keys[1]).abs() <= 4 * step + 1e-6)
+        assert torch.equal(cache[1], before)

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvserve.testing.server import ServerProcess, kv_events_config
+from kvserve.testing.sessions import interleaved_sessions
 from tests.helpers import read_metrics, tiny_server_flags, wait_gone, wait_router_synced
 
 pytestmark = pytest.mark.multiprocess
@@ -266,34 +267,6 @@ def test_a_replica_killed_behind_the_router(tiny_model_dir, replicas):  # last: 
 
 
 # ---- replicas started with defaults -------------------------------------------------------------
-def _interleaved_sessions(base_url: str, sessions: int = 6, turns: int = 4) -> float:
-    """Sessions of `turns` turns, asked round by round (every session's turn t before any
-    turn t+1); the share of reusable prompt tokens (each turn's whole earlier context, in
-    full blocks) that came back cached."""
-    histories = [f"Session {s} of the agent. " + " ".join(f"fact{s}-{i}" for i in range(30))
-                 for s in range(sessions)]
-    context = [0] * sessions  # tokens of the previous turn's prompt and answer
-    cached = reusable = 0
-    with httpx.Client(base_url=base_url, timeout=60) as client:
-        for turn in range(turns):
-            for s in range(sessions):
-                histories[s] += f"\nUser: tell me about step {turn}.\nAssistant:"
-                response = client.post("/v1/completions", json={
-                    "prompt": histories[s], "max_tokens": 12, "temperature": 0,
-                    "ignore_eos": True})
-                assert response.status_code == 200, response.text
-                answer = response.json()
-                usage = answer["usage"]
-                if turn:
-                    can_reuse = (context[s] - 1) // 16 * 16
-                    reusable += can_reuse
-                    cached += min(usage["prompt_tokens_details"]["cached_tokens"], can_reuse)
-                context[s] = usage["prompt_tokens"] + usage["completion_tokens"]
-                histories[s] += answer["choices"][0]["text"]
-            time.sleep(THINK_SECONDS)
-    return cached / reusable
-
-
 @pytest.mark.parametrize("events", ["default", "disabled"])
 def test_router_over_replicas_started_with_defaults_caches_the_sessions(tiny_model_dir, events):
     """Replicas with nothing said about KV events publish them (free loopback ports,
@@ -323,7 +296,7 @@ def test_router_over_replicas_started_with_defaults_caches_the_sessions(tiny_mod
                 assert time.monotonic() < deadline, state
                 time.sleep(0.1)
             assert all(s["kv_events"] == (events == "default") for s in state.values())
-            share = _interleaved_sessions(router.base_url)
+            share = interleaved_sessions(router.base_url, think_seconds=THINK_SECONDS)
     finally:
         for server in servers:
             server.stop()

@@ -65,12 +65,6 @@ def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def kv_head_dim(kv_cache: torch.Tensor) -> int:
-    """The head size a cache tensor [2, blocks, block_size, KVH, row] holds."""
-    row = kv_cache.shape[-1]
-    return row - KV_SCALE_BYTES if kv_cache.dtype == torch.int8 else row
-
-
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> int8 rows [..., D + 4]: symmetric per-row int8, scale = absmax / 127 (float32),
     codes = round(x / scale) (to nearest even; an all-zero row has scale 0 and codes 0)."""
