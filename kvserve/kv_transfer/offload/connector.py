@@ -261,6 +261,7 @@ class OffloadingConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         self._failed.discard(request.request_id)
+        self._issued.pop(request.request_id, None)  # aborted while its load ran: no sample
         return False, None
 
     def _block_hashes(self, request: Request, count: int) -> list[int]:
