@@ -167,8 +167,7 @@ def test_int8_perplexity_stays_within_half_a_percent_of_float_kv(smollm_source):
     assert abs(quantized / exact - 1) < 0.005, (exact, quantized)
 
 
-def test_chunked_and_prefix_cached_prompts_give_the_whole_prompts_tokens(smollm_source,
-                                                                          tokenizer):
+def test_chunked_prompts_give_their_tokens_again_over_cached_blocks(smollm_source, tokenizer):
     """float32 activations over an int8 cache: prompts chunked by a 32-token budget give the
     same greedy tokens when served again over their cached blocks (the same kernels read the
     same codes), and begin as the prompts prefilled whole do. Not token for token to the end:
