@@ -674,3 +674,20 @@ def edited_checkpoint(directory, destination, edit: Callable[[dict], None]):
 TINY_FAMILY_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
                          bos_token_id=1, eos_token_id=None, pad_token_id=0)
+
+
+def rope_both(compiled, metadata, positions, kv_cache, qkv, heads: int, kv_heads: int,
+              dim: int):
+    """Rotate and cache with the compiled op in place (a random cos/sin table); returns the
+    reference op's (qkv, cache) from copies of the same inputs."""
+    import torch
+
+    from kvserve.kernels import reference
+
+    table = torch.randn(64, dim)
+    qkv2, cache2 = qkv.clone(), kv_cache.clone()
+    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, heads,
+                             kv_heads, dim)
+    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, heads,
+                              kv_heads, dim)
+    return qkv2, cache2

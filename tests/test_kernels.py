@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention import build_attention_metadata
 from kvserve.kernels import get_ops, reference
+from tests.helpers import rope_both
 
 
 @pytest.fixture
@@ -93,21 +94,10 @@ def _batch(dtype, query_lens, seq_lens, block_size=4, dim=DIM):
     return metadata, positions, kv_cache, qkv
 
 
-def _rope_both(compiled, metadata, positions, kv_cache, qkv, dim):
-    """Rotate and cache with the compiled op in place; returns the reference's (qkv, cache)."""
-    table = torch.randn(64, dim)
-    qkv2, cache2 = qkv.clone(), kv_cache.clone()
-    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
-                             KV_HEADS, dim)
-    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
-                              KV_HEADS, dim)
-    return qkv2, cache2
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_write(dtype, compiled):
     metadata, positions, kv_cache, qkv = _batch(dtype, [3, 1, 5], [3, 9, 12])
-    qkv2, cache2 = _rope_both(compiled, metadata, positions, kv_cache, qkv, DIM)
+    qkv2, cache2 = rope_both(compiled, metadata, positions, kv_cache, qkv, HEADS, KV_HEADS, DIM)
     _close(qkv, qkv2, dtype)
     _close(kv_cache, cache2, dtype)
 
@@ -135,7 +125,7 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
     metadata, positions, kv_cache, qkv = _batch(torch.float32, [1, 4, 6, 1], [7, 10, 6, 33],
                                                 dim=dim)
     kv_cache = kv_cache.to(torch.bfloat16)
-    qkv2, cache2 = _rope_both(compiled, metadata, positions, kv_cache, qkv, dim)
+    qkv2, cache2 = rope_both(compiled, metadata, positions, kv_cache, qkv, HEADS, KV_HEADS, dim)
     _close(qkv, qkv2, torch.float32)
     assert torch.equal(kv_cache, cache2)  # the same round-to-nearest-even
     seq_ids = torch.arange(4, dtype=torch.int32)

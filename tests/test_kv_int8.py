@@ -9,6 +9,7 @@ import torch
 from kvserve.attention import build_attention_metadata
 from kvserve.attention.paged import PagedBackend
 from kvserve.kernels import reference
+from tests.helpers import rope_both
 
 HEADS, KV_HEADS = 6, 2
 
@@ -54,12 +55,7 @@ def test_rows_hold_codes_and_their_scale():
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_writes_the_reference_bytes(act_dtype, dim, compiled):
     metadata, positions, kv_cache, qkv = _batch(act_dtype, [3, 1, 5], [3, 9, 12], dim)
-    table = torch.randn(64, dim)
-    qkv2, cache2 = qkv.clone(), kv_cache.clone()
-    compiled.rope_and_cache_(qkv, positions, table, kv_cache, metadata.slot_mapping, HEADS,
-                             KV_HEADS, dim)
-    reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, HEADS,
-                              KV_HEADS, dim)
+    qkv2, cache2 = rope_both(compiled, metadata, positions, kv_cache, qkv, HEADS, KV_HEADS, dim)
     tol = 1e-5 if act_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(qkv.float(), qkv2.float(), atol=tol, rtol=tol)
     if act_dtype == torch.float32:  # the same float inputs: the same codes and scales
