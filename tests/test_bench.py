@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 
 import pytest
 
@@ -497,18 +496,20 @@ class TemplatedTokenizer(FakeTokenizer):
         return f"<user>{messages[0]['content']}</user><assistant>"
 
 
-def test_code_edit_prompts_are_whole_dedented_definitions_in_the_chat_template():
-    """The edit workload pastes code from a definition on, dedented, into one user turn of the
-    model's template (a plain frame without one) and opens the answer's code fence."""
+def test_code_edit_prompts_paste_at_least_input_len_of_code_in_the_chat_template():
+    """The edit workload pastes whole lines of code from a top-level definition on, at least
+    input_len tokens of them (so an answer that long is still repeating it), into one user
+    turn of the model's template (a plain frame without one), and opens the answer's code
+    fence."""
+    corpus = FakeTokenizer().decode(workloads.corpus_tokens(FakeTokenizer()))
     for tokenizer, frame in ((TemplatedTokenizer(), "<user>"), (FakeTokenizer(), "User: ")):
-        specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, 0), 4, 2000, 64)
+        specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, 0), 4, 500, 64)
         for spec in specs:
             assert spec.prompt.startswith(frame) and spec.prompt.endswith("```python\n")
             code = spec.prompt.split("```python\n")[1].split("\n```")[0]
-            # a slice with no definition in it (a long docstring) is pasted whole
-            assert code.split("\n")[0].startswith(("def ", "class ")) or "def " not in code
-            assert code == textwrap.dedent(code)
+            assert code.startswith(("def ", "class ")) and len(code) >= 500
             assert spec.prompt_tokens == len(spec.prompt) and spec.output_len == 64
+            assert f"\n{code}\n\n" in corpus  # whole lines, up to a blank line
 
 
 def test_structured_scenarios_constrain_every_request_in_each_servers_own_field():

@@ -45,6 +45,36 @@ def test_stack_equals_the_python_path_bit_for_bit(dtype, quantization, windows, 
     assert torch.equal(stacked, eager)
 
 
+def test_short_bf16_chunks_over_a_cached_prefix_take_the_stack(monkeypatch, isa_level):
+    """A chunk of a few new tokens over cached context (a verification of drafts) runs in the
+    stack on the paged kernel in bfloat16 too (the Python path would plan flash from 4 new
+    tokens): one C++ call saves more than flash gains there. Its logits are the Python path's
+    within bf16 rounding (a different attention kernel), and 16 new tokens still take flash."""
+    config = tiny_config(head_dim=64)  # a head size the flash kernel takes
+    model = random_model(config, "bfloat16", seed=2, attention_backend="paged",
+                         quantization="int4")
+    inner = model.model
+    if not inner.ops.flash_attention_supported(config.head_dim):
+        pytest.skip("no flash kernel at this ISA level: every chunk is paged already")
+    taken = []
+    stack_for = inner._stack_for
+    monkeypatch.setattr(inner, "_stack_for",
+                        lambda *args: taken.append(stack_for(*args) is not None) or
+                        stack_for(*args))
+    prompt = [(3 * j) % 300 + 5 for j in range(20)]
+    results = {}
+    for eager in (False, True):
+        inner.enforce_eager = eager
+        loop = PagedLoop(model, 1, 64)
+        loop.step([prompt], [20], [0])
+        results[eager] = [loop.step([list(range(40, 40 + n))], [20 + n_seen + n], [0],
+                                    all_logits=True)[0]
+                          for n_seen, n in ((0, 9), (9, 16))]
+    assert taken[:3] == [False, True, False]  # the fresh prompt, 9 new tokens, 16 new tokens
+    for stacked, eager in zip(results[False], results[True]):
+        torch.testing.assert_close(stacked.float(), eager.float(), atol=0.05, rtol=0.02)
+
+
 def test_long_fresh_prompts_take_the_python_path():
     """A float32 prompt over 128 tokens is attended by SDPA (plan.fresh), not the paged kernel:
     that step runs in Python, the decode steps after it in the stack."""

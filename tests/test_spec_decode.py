@@ -92,6 +92,54 @@ def test_drafts_are_added_only_while_tokens_per_second_rise():
     assert counts["a"] >= 2 and counts["b"] <= 1
 
 
+def test_a_request_whose_misses_stopped_its_drafts_tries_again():
+    """Misses lower a request's acceptance estimate until no draft pays; steps without drafts
+    move it back toward the prior, so a request that starts copying later gets drafts again
+    (before, its estimate stayed where the misses left it for good)."""
+    from dataclasses import dataclass, field
+    from types import SimpleNamespace
+
+    from kvserve.spec_decode.config import SpeculativeConfig
+    from kvserve.spec_decode.drafter import Drafter
+
+    @dataclass(eq=False)  # hashed by identity, as the scheduler's requests
+    class Running:
+        request_id: str = "r"
+        all_token_ids: list = field(default_factory=lambda: list(range(20)))
+        num_prompt_tokens: int = 10
+        output_token_ids: list = field(default_factory=lambda: list(range(10)))
+        sampling_params: object = field(
+            default_factory=lambda: SimpleNamespace(structured_outputs=None))
+        max_tokens: int = 100
+        num_output_tokens: int = 10
+        spec_token_ids: list = field(default_factory=list)
+
+    class Repeat:  # proposes the last 4 tokens again
+        def propose(self, request_id, tokens, num_prompt_tokens):
+            return list(tokens[-4:])
+
+    cost = StepCostModel({1: 0.010, 2: 0.0105, 8: 0.014})
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), cost,
+                      proposer=Repeat())
+    request = Running()
+    drafted = []
+    for _ in range(64):
+        drafter.propose([request], 1)
+        drafted.append(len(request.spec_token_ids))
+        drafter.observe("r", len(request.spec_token_ids), 0)  # every draft misses
+    pause = drafted.index(0)
+    retries = [step for step in range(pause, 64) if drafted[step]]
+    # retries after 4, 8, 16 and 32 steps without drafts, one step each
+    assert [b - a for a, b in zip([pause - 1] + retries, retries)] == [5, 9, 17, 33][
+        :len(retries)] and len(retries) >= 3
+    drafter.propose([request], 1)
+    drafter.observe("r", len(request.spec_token_ids), 0)
+    for _ in range(40):  # the answer starts copying: the next retry's drafts are accepted
+        drafter.propose([request], 1)
+        drafter.observe("r", len(request.spec_token_ids), len(request.spec_token_ids))
+    assert len(request.spec_token_ids) == 4
+
+
 def test_cost_model_is_robust_to_one_off_stalls():
     model = StepCostModel()
     for _ in range(5):

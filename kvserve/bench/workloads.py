@@ -10,14 +10,14 @@ from __future__ import annotations
 import inspect
 import random
 import re
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 _EDIT_INSTRUCTION = "Add type hints to this Python code. Change nothing else; answer with " \
     "the whole code."
-_DEFINITION = re.compile(r"\s*(def|class) ")
+_TOP_LEVEL_DEFINITION = re.compile(r"(def|class) ")
+_CODE_FILE_TRIES = 100  # corpus slices tried for a stretch of code (a few are enough)
 _SOURCE_MODULES = ("textwrap", "argparse", "json.decoder", "collections", "functools",
                    "dataclasses", "logging", "email.message")
 
@@ -109,16 +109,19 @@ def random_workload(source: TextSource, num_prompts: int, input_len: int, output
 
 def code_edit_workload(source: TextSource, num_prompts: int, input_len: int,
                        output_len: int) -> list[RequestSpec]:
-    """A code edit: whole lines of the corpus from a definition on, and an instruction that
-    changes little (add type hints), in the model's chat template where it has one, with the
-    answer's code fence opened. A good answer repeats most of its input, the case speculative
-    decoding from the context serves (favourable to it by design, so read it beside the random scenarios). An earlier
-    version asked a bare completion to "copy" a snippet cut mid-line; SmolLM2 did not copy it
-    but fell into loops, which drafts matched for the wrong reason; with this one about two
-    thirds of its answers' characters are runs copied from the prompt."""
+    """A code edit: a stretch of a source file (at least `input_len` tokens of whole lines
+    from a top-level definition on) and an instruction that changes little (add type hints),
+    in the model's chat template where it has one, with the answer's code fence opened. A
+    good answer repeats most of its input, the case speculative decoding from the context
+    serves (favourable to it by design, so read it beside the random scenarios).
+
+    Two earlier versions measured something else. The first asked a bare completion to "copy"
+    a snippet cut mid-line; SmolLM2 fell into loops, which drafts matched for the wrong reason.
+    The second pasted one definition, often a method of three lines, so a 128-token answer
+    ran past the code's end into text nothing in the prompt could draft."""
     specs = []
     for _ in range(num_prompts):
-        code = _whole_lines(source.take(input_len + 32))
+        code = _code_file(source, input_len)
         prompt = _as_chat(source.tokenizer, f"{_EDIT_INSTRUCTION}\n\n```python\n{code}\n```",
                           answer_start="```python\n")
         specs.append(RequestSpec(prompt, len(source.tokenizer.encode(
@@ -126,20 +129,27 @@ def code_edit_workload(source: TextSource, num_prompts: int, input_len: int,
     return specs
 
 
-def _whole_lines(text: str) -> str:
-    """Whole lines of a token slice (its first and last are cut mid-line), from the first
-    `def` or `class` on and while indented at least as far, dedented: code as a user would
-    paste it into an edit request."""
-    lines = text.split("\n")[1:-1] or [text]
-    start = next((i for i, line in enumerate(lines) if _DEFINITION.match(line)), 0)
-    indent = _indent(lines[start])
-    end = next((i for i in range(start + 1, len(lines))
-                if lines[i].strip() and _indent(lines[i]) < indent), len(lines))
-    return textwrap.dedent("\n".join(lines[start:end])).strip("\n")
+def _code_file(source: TextSource, min_tokens: int) -> str:
+    """Whole lines of the corpus from a top-level `def` or `class` on, up to the first blank
+    line after `min_tokens` tokens: code as a user would paste it into an edit request, long
+    enough that an answer of about that many tokens is still repeating it."""
+    for _ in range(_CODE_FILE_TRIES):
+        lines = source.take(4 * min_tokens).split("\n")[1:-1]  # the ends are cut mid-line
+        first = next((i for i, line in enumerate(lines)
+                      if _TOP_LEVEL_DEFINITION.match(line)), None)
+        if first is None:
+            continue
+        code: list[str] = []
+        for line in lines[first:]:
+            if not line.strip() and code and _token_count(source, code) >= min_tokens:
+                return "\n".join(code)
+            code.append(line)
+    raise ValueError(f"no {min_tokens}-token stretch of code from a top-level definition in "
+                     f"{_CODE_FILE_TRIES} slices of the corpus")
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
+def _token_count(source: TextSource, lines: list[str]) -> int:
+    return len(source.tokenizer.encode("\n".join(lines), add_special_tokens=False))
 
 
 def _as_chat(tokenizer, user_message: str, answer_start: str) -> str:
@@ -168,7 +178,7 @@ def agentic_workload(source: TextSource, num_sessions: int, turns: int, user_len
               if getattr(source.tokenizer, "chat_template", None) is not None else None)
     sessions = []
     for _ in range(num_sessions):
-        files = [_whole_lines(source.take(user_len + 32)) for _ in range(2)]
+        files = [_code_file(source, user_len) for _ in range(2)]
         sessions.append(Session([f"`read_file` returned:\n\n```python\n{files[turn % 2]}\n```"
                                  f"\n\n{_EDIT_INSTRUCTION}" for turn in range(turns)],
                                 output_len, render=render, answer_start="```python\n"))

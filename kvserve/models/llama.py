@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
-from kvserve.attention.paged import plan_step
+from kvserve.attention.paged import STACK_FLASH_MIN_QUERY_LEN, plan_step
 from kvserve.config import FUSED_CHECKPOINT_ARCHITECTURES, ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
@@ -371,7 +371,8 @@ class LlamaModel(nn.Module):
                 self.ops.flash_attention_supported(self.stage_layers[0].self_attn.head_dim)
         if self._decode_stack is False:
             return None
-        plan = metadata.plan or plan_step(metadata, self._stack_plans_flash)
+        plan = metadata.plan or plan_step(metadata, self._stack_plans_flash,
+                                          STACK_FLASH_MIN_QUERY_LEN)
         if plan.fresh or plan.gathered or plan.flash_seq_ids.numel():
             return None
         return self._decode_stack

@@ -22,6 +22,16 @@ PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before it has any his
 # SmolLM2 JSON output); they keep an estimate of their own
 PRIOR_FORCED_ACCEPTANCE = 0.9
 ACCEPTANCE_SMOOTHING = 0.3  # weight of a step's outcome in a request's running estimate
+# A request given no drafts learns nothing, so its estimate would stay where a run of misses
+# left it (after ~6 missed single drafts, too low for any draft to pay). On the code-edit
+# workload (s7) answers often open with lines of their own (new imports) before they copy, and
+# with a frozen estimate 3 of 16 requests got no drafts for the rest of their answer. So after
+# this many steps without drafts its estimate goes back to the prior (a retry). A retry whose
+# drafts are all rejected sets it to zero at once and doubles the wait, up to RETRY_MAX_STEPS
+# (a request whose drafts never match spends ~5 steps of 128 on retries); an accepted draft
+# ends the backoff.
+RETRY_FIRST_STEPS = 4
+RETRY_MAX_STEPS = 64
 
 
 @dataclass
@@ -65,6 +75,8 @@ class Drafter:
         # per-draft acceptance estimates, by request id (and (id, "forced") for forced spans)
         self.acceptance: dict[str | tuple[str, str], float] = {}
         self._estimate_of: dict[str, str | tuple[str, str]] = {}  # the last drafts' estimate
+        # per estimate without drafts: [steps since its last drafts, steps to wait for a retry]
+        self._retry: dict[str | tuple[str, str], list[int]] = {}
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged_at = time.monotonic()
@@ -97,6 +109,8 @@ class Drafter:
             counts = {request: len(drafts) for request, drafts in proposals.items()}
         for request, drafts in proposals.items():
             request.spec_token_ids = drafts[:counts[request]]
+            if drafts and not request.spec_token_ids:
+                self._recover(request.request_id)
 
     def _propose_batched(self, requests, base_tokens: int) -> None:
         """A draft model's proposals: how many each request gets is decided first (drafting
@@ -117,6 +131,8 @@ class Drafter:
              for request in requests if counts[request]])
         for request in requests:
             request.spec_token_ids = drafts.get(request.request_id, [])
+            if limits[request] and not request.spec_token_ids:
+                self._recover(request.request_id)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: `num_accepted` of `num_drafts` drafts kept."""
@@ -129,10 +145,15 @@ class Drafter:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
         # drafts tried: the accepted ones, and the first rejected one if any
-        rate = num_accepted / min(num_drafts, num_accepted + 1)
-        old = self._acceptance(request_id)
-        self.acceptance[self._estimate_of.get(request_id, request_id)] = \
-            old + ACCEPTANCE_SMOOTHING * (rate - old)
+        key = self._estimate_of.get(request_id, request_id)
+        if num_accepted:
+            self._retry.pop(key, None)
+        if not num_accepted and key in self._retry:  # a retry that found nothing: wait again
+            self.acceptance[key] = 0.0
+        else:
+            rate = num_accepted / min(num_drafts, num_accepted + 1)
+            old = self._acceptance(request_id)
+            self.acceptance[key] = old + ACCEPTANCE_SMOOTHING * (rate - old)
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             self._logged_at = time.monotonic()
             logger.info("speculative decoding (%s): %d of %d draft tokens accepted (%.0f%%), "
@@ -142,19 +163,37 @@ class Drafter:
                         stats.num_accepted_tokens / stats.num_drafts,
                         stats.accepted_per_position)
 
+    def _recover(self, request_id: str) -> None:
+        """A step without drafts for a request that had some to offer: after its wait
+        (RETRY_FIRST_STEPS, doubled by each fruitless retry) its estimate is the prior again."""
+        key = self._estimate_of.get(request_id, request_id)
+        if key not in self.acceptance:
+            return
+        retry = self._retry.setdefault(key, [0, RETRY_FIRST_STEPS])  # [idle steps, wait]
+        retry[0] += 1
+        if retry[0] >= retry[1]:
+            del self.acceptance[key]
+            retry[0], retry[1] = 0, min(2 * retry[1], RETRY_MAX_STEPS)
+
     def finish(self, request_id: str) -> None:
         self.proposer.finish(request_id)
         if self.grammar is not None:
             self.grammar.finish(request_id)
-        self.acceptance.pop(request_id, None)
-        self.acceptance.pop((request_id, "forced"), None)
+        for key in (request_id, (request_id, "forced")):
+            self.acceptance.pop(key, None)
+            self._retry.pop(key, None)
         self._estimate_of.pop(request_id, None)
 
     def _acceptance(self, request_id: str) -> float:
         """The running estimate the request's current drafts are judged by."""
         key = self._estimate_of.get(request_id, request_id)
-        prior = PRIOR_FORCED_ACCEPTANCE if isinstance(key, tuple) else PRIOR_ACCEPTANCE
-        return self.acceptance.get(key, prior)
+        return self.acceptance.get(key, _prior(key))
+
+
+def _prior(key: str | tuple[str, str]) -> float:
+    """The acceptance a request's drafts are judged by before any history (forced spans: their
+    own)."""
+    return PRIOR_FORCED_ACCEPTANCE if isinstance(key, tuple) else PRIOR_ACCEPTANCE
 
 
 def _room(request) -> int:
