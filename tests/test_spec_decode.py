@@ -140,6 +140,34 @@ def test_a_request_whose_misses_stopped_its_drafts_tries_again():
     assert len(request.spec_token_ids) == 4
 
 
+def test_step_costs_are_profiled_on_steps_that_sample_every_token(tiny_model_dir):
+    """The start-up curve times steps whose every token is sampled (n one-token prompts: the
+    shape of a decode batch or a verification), up to max_num_seqs tokens, and leaves no
+    request, block or prefix-cache entry behind."""
+    from kvserve import LLM
+    from kvserve.core.scheduler import Scheduler
+
+    shapes = []
+    schedule = Scheduler.schedule
+
+    def recording_schedule(scheduler):
+        output = schedule(scheduler)
+        shapes.append((len(output.scheduled), output.num_batched_tokens))
+        return output
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "schedule", recording_schedule)
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", engine_core="thread",
+                  max_num_seqs=8, speculative_config=NGRAM)
+    core = llm.llm_engine.engine_core
+    assert set(core.drafter.cost.points()) == {1, 2, 4, 8}
+    profiled = [shape for shape in shapes if shape[1] in (2, 4, 8)]
+    assert profiled and all(requests == tokens for requests, tokens in profiled)
+    assert not core.has_unfinished()
+    assert core.kv_manager.num_free_blocks == core.num_kv_blocks
+    llm.shutdown()
+
+
 def test_cost_model_is_robust_to_one_off_stalls():
     model = StepCostModel()
     for _ in range(5):
