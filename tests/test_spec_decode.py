@@ -73,6 +73,29 @@ def test_suffix_drafts_follow_the_longest_match_and_its_agreeing_continuations()
     assert SuffixProposer(8, min_token_prob=0.7).propose("d", tokens, 0) == []
 
 
+def test_suffix_store_forgets_the_oldest_outputs_and_looks_up_one_bigram():
+    """Past max_cached_requests the oldest output leaves the store and drafts no more; a
+    proposal reads one bigram's entry of the store's index, not every cached output."""
+    from kvserve.spec_decode.suffix import SuffixProposer
+
+    proposer = SuffixProposer(4, max_cached_requests=2)
+    for index, output in enumerate(([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15])):
+        proposer.propose(str(index), [0, *output], 1)
+        proposer.finish(str(index))
+    assert proposer.propose("x", [99, 1, 2], 1) == []  # the first output was evicted
+    assert proposer.propose("y", [99, 6, 7], 1) == [8, 9]
+    assert proposer.propose("z", [99, 11, 12], 1) == [13, 14]
+    assert (1, 2) not in proposer._recent and (6, 7) in proposer._recent
+
+    class Untouchable(dict):
+        def get(self, *args):
+            raise AssertionError("a proposal asked a cached output")
+
+    for cached in proposer._cache.values():
+        cached.after = Untouchable(cached.after)
+    assert proposer.propose("w", [99, 11, 12], 1) == [13, 14]
+
+
 def test_suffix_config_defaults_as_vllm():
     config = parse_speculative_config({"method": "suffix"})
     assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24
