@@ -192,7 +192,7 @@ def _summary(output_throughput=100.0, tpot=0.01, ttft=0.1, failed=0):
 
 
 def _save_run(results_root, slug, name, header, written_at, throughput,
-              scenarios=("s1", "s2", "s5"), model=None):
+              scenarios=("s1", "s2", "s5"), model=None, peer="llama.cpp"):
     import json
 
     from kvserve.bench import results, run_report
@@ -202,7 +202,7 @@ def _save_run(results_root, slug, name, header, written_at, throughput,
     directory.mkdir(parents=True)
     records = [{"system": "kvserve", "cold_start_s": 1.0,
                 "scenarios": {s: _summary(throughput) for s in scenarios}},
-               {"system": "llama.cpp", "cold_start_s": 1.0,
+               {"system": peer, "cold_start_s": 1.0,
                 "scenarios": {s: _summary(throughput / 2) for s in scenarios}}]
     payload = results.records_payload(header, records, written_at)
     if model is not None:
@@ -230,6 +230,9 @@ def test_runs_accumulate_per_cpu_and_benchmarks_md_shows_the_latest_of_each(tmp_
               scenarios=("s5",))
     _save_run(root, "amd-epyc-7b13-f25-m1", "gemma", zen3, "2027-01-03T12:00:00", 2.0,
               model="gemma3-270m")
+    # nor does a later run of kvserve variants alone (no peer), however many scenarios it has
+    _save_run(root, "amd-epyc-f25-m17", "variants", _header(), "2027-01-04T10:00:00", 3.0,
+              scenarios=("s1", "s2", "s3", "s4", "s5"), peer="kvserve-ngram")
     old = root / "2026-11-22"  # before per-CPU results: a bare list, no machine header
     old.mkdir()
     (old / "records.json").write_text(json.dumps([{"system": "kvserve", "scenarios": {}}]))

@@ -90,14 +90,16 @@ def _recency(run: SavedRun) -> tuple[str, str]:
 
 def _headline_rank(run: SavedRun) -> tuple:
     covered = {scenario for record in run.records for scenario in record.get("scenarios", {})}
-    return (run.model == DEFAULT_MODEL, len(covered.intersection(STANDARD_SCENARIOS)),
+    with_peer = any(not record.get("system", "").startswith("kvserve") for record in run.records)
+    return (run.model == DEFAULT_MODEL, with_peer, len(covered.intersection(STANDARD_SCENARIOS)),
             _recency(run))
 
 
 def latest_runs(results_root: Path) -> list[SavedRun]:
     """The headline run of each CPU slug, most recent CPU first, the old runs' last: its
-    latest run of the default model covering the most standard scenarios (a later run of one
-    scenario, or of another model, is a one-off beside it, not the CPU's table)."""
+    latest run of the default model beside a peer covering the most standard scenarios (a
+    later run of one scenario, of another model, or of kvserve's own variants alone, such as
+    speculation on and off, is a one-off beside it, not the CPU's table)."""
     latest: dict[str, SavedRun] = {}
     for run in saved_runs(results_root):
         if run.slug not in latest or _headline_rank(run) > _headline_rank(latest[run.slug]):
