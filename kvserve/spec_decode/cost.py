@@ -101,3 +101,11 @@ def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
         if j + 1 < len(gains[key]):
             heapq.heappush(heap, (-gains[key][j + 1], n, j + 1))
     return counts
+
+
+def a_draft_can_pay(num_requests: int, base_tokens: int, cost: StepCostModel) -> bool:
+    """Whether a draft sure to be accepted would pass `allocate_drafts`' test for a step of
+    `base_tokens` tokens and `num_requests` requests in decode: when not, no proposal can get
+    a draft, and the proposer's work (~50 us a request for suffix drafts) can be skipped."""
+    return (num_requests + 1) * cost.cost(base_tokens) > \
+        (1 + MIN_GAIN) * num_requests * cost.cost(base_tokens + 1)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.cost import StepCostModel, allocate_drafts
+from kvserve.spec_decode.cost import StepCostModel, a_draft_can_pay, allocate_drafts
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.suffix import SuffixProposer
 
@@ -87,6 +87,11 @@ class Drafter:
         besides drafts."""
         if getattr(self.proposer, "batched", False):
             self._propose_batched(requests, base_tokens)
+            return
+        if self.config.adaptive and self.grammar is None and \
+                not a_draft_can_pay(len(requests), base_tokens, self.cost):
+            for request in requests:  # no draft could pay at this batch: skip the proposals
+                request.spec_token_ids = []
             return
         proposals = {}
         for request in requests:
