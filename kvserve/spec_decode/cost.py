@@ -91,8 +91,8 @@ def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
     while heap:
         negative_gain, n, j = heapq.heappop(heap)
         gain, key = -negative_gain, keys[n]
-        if (expected + gain) * (cost.cost(tokens) + drafting) <= (1 + MIN_GAIN) * \
-                expected * (cost.cost(tokens + 1) + drafting + draft_token_seconds):
+        if not _raises_rate(expected, gain, cost.cost(tokens) + drafting,
+                            cost.cost(tokens + 1) + drafting + draft_token_seconds):
             break
         counts[key] = j + 1
         expected += gain
@@ -107,5 +107,10 @@ def a_draft_can_pay(num_requests: int, base_tokens: int, cost: StepCostModel) ->
     """Whether a draft sure to be accepted would pass `allocate_drafts`' test for a step of
     `base_tokens` tokens and `num_requests` requests in decode: when not, no proposal can get
     a draft, and the proposer's work (~50 us a request for suffix drafts) can be skipped."""
-    return (num_requests + 1) * cost.cost(base_tokens) > \
-        (1 + MIN_GAIN) * num_requests * cost.cost(base_tokens + 1)
+    return _raises_rate(num_requests, 1.0, cost.cost(base_tokens), cost.cost(base_tokens + 1))
+
+
+def _raises_rate(expected: float, gain: float, seconds: float, seconds_after: float) -> bool:
+    """Whether `gain` more expected tokens for a step taking `seconds_after` instead of
+    `seconds` raise tokens per second by more than MIN_GAIN."""
+    return (expected + gain) * seconds > (1 + MIN_GAIN) * expected * seconds_after
