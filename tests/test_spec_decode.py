@@ -223,6 +223,25 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
     assert all(request.spec_token_ids == [] for request in requests)
 
 
+def test_outputs_of_requests_never_asked_for_drafts_still_join_the_suffix_store():
+    """At a batch where no draft can pay the drafter asks for none; the suffix proposer still
+    follows those requests, so their outputs draft later requests (before, they were lost)."""
+    from types import SimpleNamespace
+
+    from kvserve.spec_decode.config import SpeculativeConfig
+    from kvserve.spec_decode.drafter import Drafter
+
+    linear = StepCostModel({1: 0.006, 64: 0.069})  # no draft pays at 16 requests
+    drafter = Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4), linear)
+    requests = [SimpleNamespace(request_id=str(n), all_token_ids=[0, 1000 + n],
+                                num_prompt_tokens=1, spec_token_ids=[]) for n in range(16)]
+    drafter.propose(requests, 16)
+    for request in requests:  # the answers go on after the skipped proposal
+        request.all_token_ids += [2000 + request.all_token_ids[1], 7, 8, 9]
+        drafter.finish(request.request_id)
+    assert drafter.proposer.propose("later", [5, 1003, 3003], 1) == [7, 8]
+
+
 def test_cost_model_is_robust_to_one_off_stalls():
     model = StepCostModel()
     for _ in range(5):

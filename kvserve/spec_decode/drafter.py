@@ -50,8 +50,9 @@ class SpecDecodeStats:
 
 def make_proposer(config: SpeculativeConfig):
     """The context proposer `config.method` names: `propose(request_id, tokens,
-    num_prompt_tokens)` -> drafts, and `finish(request_id)` (a draft model needs the engine's
-    context: the engine core makes it, draft_model.py)."""
+    num_prompt_tokens)` -> drafts, and `finish(request_id)`; optionally `follow(request_id,
+    tokens, num_prompt_tokens)`, told of requests on steps where none is asked to propose (a
+    draft model needs the engine's context: the engine core makes it, draft_model.py)."""
     if config.method == "suffix":
         return SuffixProposer(config.num_speculative_tokens,
                               config.suffix_decoding_max_tree_depth,
@@ -90,8 +91,11 @@ class Drafter:
             return
         if self.config.adaptive and self.grammar is None and \
                 not a_draft_can_pay(len(requests), base_tokens, self.cost):
+            follow = getattr(self.proposer, "follow", None)
             for request in requests:  # no draft could pay at this batch: skip the proposals
                 request.spec_token_ids = []
+                if follow is not None:
+                    follow(request.request_id, request.all_token_ids, request.num_prompt_tokens)
             return
         proposals = {}
         for request in requests:

@@ -50,13 +50,19 @@ class SuffixProposer:
         # max_cached_requests of them: 5.5 ms a proposal at 10,000 for a bigram they lack)
         self._recent: dict[tuple[int, int], deque[tuple[_Sequence, int]]] = {}
 
-    def propose(self, request_id: str, tokens: list[int], num_prompt_tokens: int) -> list[int]:
-        if len(tokens) < KEY + 1:
-            return []
+    def follow(self, request_id: str, tokens: list[int], num_prompt_tokens: int) -> _Sequence:
+        """Track a request's tokens (the live list, which grows with its output) without
+        proposing: when drafts cannot pay at the current batch the drafter asks for none, and
+        the request's output must still join the store when it finishes."""
         entry = self._active.get(request_id)
         if entry is None or entry[0].tokens is not tokens:
             entry = self._active[request_id] = (_Sequence(tokens), num_prompt_tokens)
-        own = entry[0]
+        return entry[0]
+
+    def propose(self, request_id: str, tokens: list[int], num_prompt_tokens: int) -> list[int]:
+        if len(tokens) < KEY + 1:
+            return []
+        own = self.follow(request_id, tokens, num_prompt_tokens)
         own.index_to(len(tokens) - 1)  # not the suffix itself
         key = (tokens[-2], tokens[-1])
         occurrences = [(own, after) for after in own.after.get(key, ())[-CANDIDATES:]]
