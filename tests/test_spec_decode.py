@@ -115,6 +115,22 @@ def test_drafts_are_added_only_while_tokens_per_second_rise():
     assert counts["a"] >= 2 and counts["b"] <= 1
 
 
+def test_drafts_that_pay_together_are_allocated_where_one_alone_does_not():
+    """A step-cost curve with a jump at 2 tokens (AVX2's profile on Zen 4: 1.56x a 1-token
+    step, then ~0.2x a token): one draft at 50% does not pay, four do. Stopping at the first
+    draft that did not pay left single streams without drafts for good."""
+    from kvserve.spec_decode.cost import a_draft_can_pay
+
+    jump = StepCostModel({1: 0.010, 2: 0.0156, 5: 0.0180, 9: 0.026})
+    gains = {"one": [0.5, 0.45, 0.4, 0.36, 0.32, 0.29]}  # 50% first, then 90% a draft
+    counts = allocate_drafts(1, gains, jump)
+    assert counts["one"] >= 4
+    expected = 1 + sum(gains["one"][:counts["one"]])
+    assert expected / jump.cost(1 + counts["one"]) > 1.02 / jump.cost(1)
+    assert allocate_drafts(1, {"one": [0.5]}, jump) == {"one": 0}  # alone it does not pay
+    assert a_draft_can_pay(1, 1, jump)
+
+
 def test_a_request_whose_misses_stopped_its_drafts_tries_again():
     """Misses lower a request's acceptance estimate until no draft pays; steps without drafts
     move it back toward the prior, so a request that starts copying later gets drafts again
