@@ -21,6 +21,8 @@ The standard scenarios are fixed so numbers compare across time:
       re-sent), 4 sessions x 4 turns, one at a time (not in the default set)
   s10, s11: structured output: s1 and s2 with every output token constrained by a JSON schema
       (not in the default set; read beside s1 and s2 of the same run)
+  s12: s2 at concurrency 64, 128 requests (not in the default set: speculative decoding's
+      "never slower" at the top of 1-64 requests at once)
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ SCENARIOS = {
             "--input-len", "256", "--output-len", "128"],
     "s11": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
             "--input-len", "256", "--output-len", "128"],
+    # s2 at 64 requests at once: where no draft pays, speculation must cost nothing
+    "s12": ["--workload", "random", "--num-prompts", "128", "--max-concurrency", "64",
+            "--input-len", "256", "--output-len", "128", "--seed", "12"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",

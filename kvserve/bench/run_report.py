@@ -39,14 +39,16 @@ EXTRA_COLUMNS = (
     ("s9 TPOT p50 ms", "s9", "tpot_s", "p50", 1000),
     ("s9 out tok/s", "s9", "output_throughput", None, 1),
     ("s10 TPOT p50 ms", "s10", "tpot_s", "p50", 1000),
-    ("s11 out tok/s", "s11", "output_throughput", None, 1))
+    ("s11 out tok/s", "s11", "output_throughput", None, 1),
+    ("s12 out tok/s", "s12", "output_throughput", None, 1),
+    ("s12 TPOT p50 ms", "s12", "tpot_s", "p50", 1000))
 RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
                  ("s2", "output_throughput", None), ("s3", "ttft_s", "p50"),
                  ("s3", "output_throughput", None), ("s4", "output_throughput", None),
                  ("s5", "output_throughput", None), ("s6", "output_throughput", None),
                  ("s7", "tpot_s", "p50"), ("s8", "output_throughput", None),
                  ("s9", "tpot_s", "p50"), ("s10", "tpot_s", "p50"),
-                 ("s11", "output_throughput", None))
+                 ("s11", "output_throughput", None), ("s12", "output_throughput", None))
 # structured output's scenarios -> the free-text scenario of the same shape
 STRUCTURED = {"s10": "s1", "s11": "s2"}
 SPECULATING = ("-ngram", "-suffix", "-draft")  # system-name endings of speculating variants
