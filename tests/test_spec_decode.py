@@ -258,6 +258,23 @@ def test_outputs_of_requests_never_asked_for_drafts_still_join_the_suffix_store(
     assert drafter.proposer.propose("later", [5, 1003, 3003], 1) == [7, 8]
 
 
+def test_stale_sizes_of_the_step_cost_curve_make_no_draft_look_free():
+    """The medians of an s12 run (64 requests at once, Zen 4, ms): the start-up profile's 32
+    tokens was never measured again, while 28 and 35 were, under load. Read as they are, a
+    draft from 28 to 32 tokens costs nothing and the proposer ran on every step; the curve
+    the allocation reads rises everywhere."""
+    from kvserve.spec_decode.cost import a_draft_can_pay
+
+    medians = {1: 5.3, 2: 5.5, 4: 7.8, 8: 12.0, 16: 21.4, 20: 40.0, 28: 56.6, 32: 39.4,
+               35: 63.7, 42: 80.9, 50: 84.6, 57: 95.2, 64: 106.1}
+    curve = StepCostModel({size: ms / 1000 for size, ms in medians.items()})
+    costs = [curve.cost(size) for size in range(1, 65)]
+    assert all(later > earlier for earlier, later in zip(costs, costs[1:]))
+    assert curve.points()[32] == pytest.approx(0.0394)  # the medians themselves are kept
+    assert not any(a_draft_can_pay(size, size, curve) for size in (28, 32, 42, 64))
+    assert a_draft_can_pay(1, 1, curve)
+
+
 def test_cost_model_is_robust_to_one_off_stalls():
     model = StepCostModel()
     for _ in range(5):
