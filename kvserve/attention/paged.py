@@ -29,12 +29,6 @@ MAX_PAGED_QUERY_LEN = 128
 # faster than the paged kernel from 4 new tokens (2x at 64 over 1,024 cached) and 3-4x faster
 # than SDPA on fresh prompts (docs/performance.md); decodes stay on the paged kernel.
 FLASH_MIN_QUERY_LEN = 4
-# Where the decode stack (models/decode_stack.py) can run a whole step, it plans the flash kernel
-# only from this many new tokens: one C++ call for the layers saves more than flash gains on a
-# few queries. Measured on Zen 4 (SmolLM2, bf16, one sequence over ~300 cached tokens): a step
-# of 5 new tokens (4 drafts to verify) 10.4 ms on the Python path with flash, 8.6 through the
-# stack; 9 tokens 14.1 against 13.3.
-STACK_FLASH_MIN_QUERY_LEN = 16
 
 
 @dataclass

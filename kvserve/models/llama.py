@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
-from kvserve.attention.paged import STACK_FLASH_MIN_QUERY_LEN, plan_step
+from kvserve.attention.paged import plan_step
 from kvserve.config import FUSED_CHECKPOINT_ARCHITECTURES, ModelConfig
 from kvserve.distributed.communication import gather_vocab
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
@@ -304,7 +304,8 @@ class LlamaModel(nn.Module):
             plan = metadata.plan
             return stack.run(self.embed(input_ids), positions,
                              self.rotary_emb.cos_sin, metadata.slot_mapping, plan.paged_seq_ids,
-                             plan.query_start_loc, metadata.seq_lens, metadata.block_tables)
+                             plan.flash_seq_ids, plan.query_start_loc, metadata.seq_lens,
+                             metadata.block_tables)
         if intermediate is None:
             residual, hidden = self.embed(input_ids), None
         else:
@@ -357,8 +358,8 @@ class LlamaModel(nn.Module):
 
     def _stack_for(self, metadata, intermediate):
         """The decode stack when this step can take it: built once (on the whole model only),
-        and every sequence of the step on the paged attention kernel (plans the step if
-        needed)."""
+        and every sequence of the step on the paged kernel or, over a bf16 cache, the flash
+        kernel (plans the step if needed; the Python path reuses the plan)."""
         if self.enforce_eager or self._decode_stack is False or intermediate is not None \
                 or self.kv_connector is not None or metadata.group_metadata:
             return None
@@ -366,14 +367,18 @@ class LlamaModel(nn.Module):
             from kvserve.models.decode_stack import build_decode_stack
 
             self._decode_stack = build_decode_stack(self) or False
-            # whether PagedBackend.attend plans flash rows (the Python path reuses our plan)
+            # whether PagedBackend.attend plans flash rows (the Python path reuses our plan),
+            # and whether the stack can run them (an int8 cache is dequantized for flash)
+            attention = self.stage_layers[0].self_attn
             self._stack_plans_flash = self.embed_tokens.weight.dtype == torch.bfloat16 and \
-                self.ops.flash_attention_supported(self.stage_layers[0].self_attn.head_dim)
+                self.ops.flash_attention_supported(attention.head_dim)
+            self._stack_runs_flash = self._stack_plans_flash and \
+                attention.kv_cache.dtype == torch.bfloat16
         if self._decode_stack is False:
             return None
-        plan = metadata.plan or plan_step(metadata, self._stack_plans_flash,
-                                          STACK_FLASH_MIN_QUERY_LEN)
-        if plan.fresh or plan.gathered or plan.flash_seq_ids.numel():
+        plan = metadata.plan or plan_step(metadata, self._stack_plans_flash)
+        if plan.fresh or plan.gathered or \
+                (plan.flash_seq_ids.numel() and not self._stack_runs_flash):
             return None
         return self._decode_stack
 

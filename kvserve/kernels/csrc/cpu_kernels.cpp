@@ -961,6 +961,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<kvserve::StackLayer>, at::Tensor, double, int64_t, int64_t,
                     int64_t, double>())
       .def("run", &kvserve::DecodeStack::run,
-           "the stage's decoder layers for a step whose sequences all take the paged kernel",
+           "the stage's decoder layers for a step whose sequences take the paged or flash kernel",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -5,6 +5,7 @@
 #include "decode_stack.h"
 
 #include "bf16_gemm.h"
+#include "flash_attention.h"
 #include "int4_gemm.h"
 #include "layer_ops.h"
 #include "q8_dot_gemm.h"
@@ -35,7 +36,8 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
 
 at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
                             const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
-                            const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
+                            const at::Tensor& seq_ids, const at::Tensor& flash_seq_ids,
+                            const at::Tensor& query_start_loc,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
   at::Tensor hidden;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -50,9 +52,16 @@ at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
     layer_ops::rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads_,
                                num_kv_heads_, head_dim_);
     at::Tensor attended = at::empty({qkv.size(0), num_heads_ * head_dim_}, qkv.options());
-    layer_ops::paged_attention_(qkv, kv_cache, attended, seq_ids, query_start_loc, seq_lens,
-                                block_tables, num_heads_, num_kv_heads_, head_dim_, scale_,
-                                layer.sliding_window);
+    if (seq_ids.numel()) {
+      layer_ops::paged_attention_(qkv, kv_cache, attended, seq_ids, query_start_loc, seq_lens,
+                                  block_tables, num_heads_, num_kv_heads_, head_dim_, scale_,
+                                  layer.sliding_window);
+    }
+    if (flash_seq_ids.numel()) {
+      flash_attention_(qkv, kv_cache, attended, flash_seq_ids, query_start_loc, seq_lens,
+                       block_tables, num_heads_, num_kv_heads_, head_dim_, scale_,
+                       layer.sliding_window);
+    }
     hidden = layer.o(attended);
     layer_ops::add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
     hidden = layer.down(layer_ops::silu_and_mul(layer.gate_up(hidden)));

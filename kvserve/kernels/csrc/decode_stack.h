@@ -28,7 +28,10 @@ struct StackLayer {
 // The decoder layers of a Llama-family model on the fused path (LlamaModel._forward_fused), in
 // C++: the same ops in the same order, so the same results to the bit, without ~9 Python calls
 // per layer (~270 a step for SmolLM2), each with its attribute lookups and binding overhead.
-// Only for steps whose every sequence takes the paged attention kernel (decodes, short chunks).
+// Each sequence takes the attention kernel the Python path plans for it: the paged kernel
+// (decodes, chunks of 1-3 tokens) or, in bfloat16 over a bf16 cache, the flash kernel (from 4 new
+// tokens: verifications of drafts, prompts); steps that need SDPA or a dequantized cache stay
+// in Python.
 class DecodeStack {
  public:
   DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps,
@@ -38,7 +41,7 @@ class DecodeStack {
   // the final normed hidden states [T, H].
   at::Tensor run(at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos_sin,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
-                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                 const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                  const at::Tensor& block_tables) const;
 
  private:
