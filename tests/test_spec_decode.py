@@ -151,6 +151,7 @@ def test_a_request_whose_misses_stopped_its_drafts_tries_again():
             default_factory=lambda: SimpleNamespace(structured_outputs=None))
         max_tokens: int = 100
         num_output_tokens: int = 10
+        num_tokens: int = 20
         spec_token_ids: list = field(default_factory=list)
 
     class Repeat:  # proposes the last 4 tokens again
@@ -202,6 +203,9 @@ def test_step_costs_are_profiled_on_steps_that_sample_every_token(tiny_model_dir
     assert set(core.drafter.cost.points()) == {1, 2, 4, 8}
     profiled = [shape for shape in shapes if shape[1] in (2, 4, 8)]
     assert profiled and all(requests == tokens for requests, tokens in profiled)
+    # then the price of attention reads: 4 requests with prompts of their own, 8 decode steps
+    assert shapes.count((4, 4)) == 3 + 8
+    assert core.drafter.cost.read_seconds >= 0
     assert not core.has_unfinished()
     assert core.kv_manager.num_free_blocks == core.num_kv_blocks
     llm.shutdown()
@@ -234,7 +238,7 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
 
     drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), linear,
                       proposer=Refusing())
-    requests = [SimpleNamespace(spec_token_ids=[1]) for _ in range(16)]
+    requests = [SimpleNamespace(spec_token_ids=[1], num_tokens=40) for _ in range(16)]
     drafter.propose(requests, 16)
     assert all(request.spec_token_ids == [] for request in requests)
 
@@ -250,7 +254,8 @@ def test_outputs_of_requests_never_asked_for_drafts_still_join_the_suffix_store(
     linear = StepCostModel({1: 0.006, 64: 0.069})  # no draft pays at 16 requests
     drafter = Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4), linear)
     requests = [SimpleNamespace(request_id=str(n), all_token_ids=[0, 1000 + n],
-                                num_prompt_tokens=1, spec_token_ids=[]) for n in range(16)]
+                                num_prompt_tokens=1, num_tokens=2, spec_token_ids=[])
+                for n in range(16)]
     drafter.propose(requests, 16)
     for request in requests:  # the answers go on after the skipped proposal
         request.all_token_ids += [2000 + request.all_token_ids[1], 7, 8, 9]
@@ -273,6 +278,34 @@ def test_stale_sizes_of_the_step_cost_curve_make_no_draft_look_free():
     assert curve.points()[32] == pytest.approx(0.0394)  # the medians themselves are kept
     assert not any(a_draft_can_pay(size, size, curve) for size in (28, 32, 42, 64))
     assert a_draft_can_pay(1, 1, curve)
+
+
+def test_a_draft_is_priced_by_the_context_its_query_attends_over():
+    """s3 on Zen 4 (8 requests over 1,100-token contexts): the batch's own size was measured
+    with its attention (16.5 ms at 8 tokens) and 16 tokens only at start-up on one-token
+    contexts (17.9 ms), so 8 drafts looked nearly free and made the step 30 ms. With attention
+    priced per query and context token, the curve keeps the context-free part of each step and
+    a draft costs its request's context: none pays at 1,100 tokens, one well accepted does at
+    50."""
+    from kvserve.spec_decode.cost import attention_reads
+
+    curve = StepCostModel({1: 0.0047, 8: 0.0094, 16: 0.0179}, read_seconds=0.9e-6)
+    for _ in range(15):  # decode steps of the 8 requests, as measured
+        curve.observe(8, 0.0165, reads=8 * attention_reads(1, 1100))
+    assert curve.cost(8) == pytest.approx(0.0165 - 0.9e-6 * 8800)  # the context-free part
+    assert curve.cost(8, 8 * 1100) == pytest.approx(0.0165)
+    gains = {n: [0.6, 0.36] for n in range(8)}
+    long = allocate_drafts(8, gains, curve, base_reads=8 * 1100,
+                           draft_reads=dict.fromkeys(gains, 1100))
+    assert sum(long.values()) == 0
+    unpriced = StepCostModel({1: 0.0047, 8: 0.0094, 16: 0.0179})
+    for _ in range(15):
+        unpriced.observe(8, 0.0165)
+    assert sum(allocate_drafts(8, gains, unpriced).values()) >= 4  # as the engine did before
+    assert attention_reads(64, 1100) == 0  # long prompt chunks stay in the curve (flash)
+    short = StepCostModel({1: 0.0047, 2: 0.0050, 8: 0.0094}, read_seconds=0.9e-6)
+    one = allocate_drafts(1, {"a": [0.9]}, short, base_reads=50, draft_reads={"a": 50})
+    assert one == {"a": 1}
 
 
 def test_cost_model_is_robust_to_one_off_stalls():

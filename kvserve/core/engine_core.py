@@ -10,6 +10,7 @@ finished. The same object runs on a thread of the front-end or in its own proces
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from typing import Iterable
@@ -49,6 +50,7 @@ from kvserve.protocol.engine_core import (
 from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.spec_decode.cost import attention_reads
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.drafter import Drafter
 from kvserve.structured_output.compiler import shared_compiler
@@ -62,6 +64,9 @@ WARMUP_REQUEST_ID = "__warmup__"
 LOAD_WAIT_SECONDS = 0.005  # an idle step's wait for a KV load to end
 GRAMMAR_WAIT_SECONDS = 0.01  # an idle step's wait for a grammar compile to end
 HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the connector asks
+# speculative decoding's price of attention reads: this many requests with prompts of their own
+# this long, timed over their decode steps (~0.8 s at start-up on Zen 4, with the curve's 0.4 s)
+READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT, READ_PROFILE_STEPS = 4, 256, 8
 
 
 class EngineCore:
@@ -110,6 +115,7 @@ class EngineCore:
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
         self._grammar_gate: GrammarGate | None = None  # built on the first constrained request
+        self._step_costs: list | None = None  # steps' costs while profiling attention reads
         if self.drafter is not None:
             self._profile_step_costs()
         self.load_seconds = time.perf_counter() - start
@@ -285,11 +291,49 @@ class EngineCore:
                         SamplingParams(max_tokens=1, ignore_eos=True), 1))
                 while self.has_unfinished():
                     self.step()
+        self._profile_read_seconds()
         self.kv_manager.reset_prefix_cache()
-        logger.info("speculative decoding: step costs profiled in %.1fs: %s",
-                    time.perf_counter() - start,
+        logger.info("speculative decoding: step costs profiled in %.1fs: %s; attention %.2f us "
+                    "a query and context token", time.perf_counter() - start,
                     {size: f"{seconds * 1e3:.1f} ms"
-                     for size, seconds in self.drafter.cost.points().items()})
+                     for size, seconds in self.drafter.cost.points().items()},
+                    self.drafter.cost.read_seconds * 1e6)
+
+    def _profile_read_seconds(self) -> None:
+        """The step-cost curve's price of attention reads (cost.py): requests over contexts of
+        their own (distinct prompts: their K/V come from memory, as most requests' do) decode
+        together; what their steps take beyond the curve's time at their size, per query and
+        context token. Unprofiled (0) where the model cannot hold such prompts."""
+        cost, num, length = self.drafter.cost, READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT
+        if num > self.config.max_num_seqs or length + READ_PROFILE_STEPS > self.max_model_len:
+            return
+        for index in range(num):
+            prompt = [3 + (index * length + i) % (self.model_config.vocab_size - 3)
+                      for i in range(length)]
+            self.add_request(EngineCoreRequest(
+                f"{WARMUP_REQUEST_ID}-reads-{index}", prompt,
+                SamplingParams(max_tokens=1 + READ_PROFILE_STEPS, ignore_eos=True),
+                1 + READ_PROFILE_STEPS))
+        self._step_costs = []  # step() records (tokens, reads, seconds) here, not in the curve
+        try:
+            while self.has_unfinished():
+                self.step()
+        finally:
+            steps, self._step_costs = self._step_costs, None
+        prices = [(seconds - cost.cost(tokens)) / reads for tokens, reads, seconds in steps
+                  if tokens == num and reads]
+        if prices:
+            cost.read_seconds = max(0.0, statistics.median(prices))
+
+    def _observe_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """A step's time, its tokens and attention reads, for speculative decoding's curve."""
+        reads = sum(attention_reads(item.num_new_tokens,
+                                    item.start_position + item.num_new_tokens)
+                    for item in scheduler_output.scheduled)
+        if self._step_costs is not None:
+            self._step_costs.append((scheduler_output.num_batched_tokens, reads, seconds))
+        else:
+            self.drafter.cost.observe(scheduler_output.num_batched_tokens, seconds, reads)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -388,8 +432,7 @@ class EngineCore:
         started = time.perf_counter()
         runner_output = self._execute(scheduler_output)
         if self.drafter is not None and scheduler_output.scheduled:
-            self.drafter.cost.observe(scheduler_output.num_batched_tokens,
-                                      time.perf_counter() - started)
+            self._observe_step_cost(scheduler_output, time.perf_counter() - started)
         if not scheduler_output.scheduled:  # nothing to run but loads or compiles: no busy loop
             if self.scheduler.loading:
                 self._take_kv_reports(LOAD_WAIT_SECONDS)
@@ -521,17 +564,20 @@ class EngineCore:
         """Drafts for the next step of every running request in decode, as many as pay for a
         batch of this size (the step's other tokens: one per running request plus what
         prefills may take of the budget)."""
+        if self._step_costs is not None:  # profiling attention reads: steps without drafts
+            return
         scheduler = self.scheduler
-        decoding, base = [], 0
+        decoding, base, reads = [], 0, 0
         for request in scheduler.running:
             pending = request.num_tokens - request.num_computed_tokens
             base += pending
+            reads += attention_reads(pending, request.num_tokens)
             if pending == 1 and request.request_id not in scheduler.in_flight:
                 decoding.append(request)
         base += sum(request.num_tokens for _, request in scheduler.waiting)
         base = min(base, self.config.max_num_batched_tokens)
         if decoding:
-            self.drafter.propose(decoding, base)
+            self.drafter.propose(decoding, base, reads)
 
     @staticmethod
     def _delta(request: Request, new_tokens: list[int], first: bool,

@@ -5,7 +5,16 @@ tokens they are expected to add outweigh that. `StepCostModel` holds the step ti
 the batch, profiled at start-up and kept current from the steps the engine runs (so it follows
 this machine, its load and the batch mix, with no per-deployment table); `allocate_drafts`
 takes drafts best expected gain first and keeps as many as give the most tokens per second.
-At high batch or low acceptance no draft pays, and speculation backs off by itself."""
+At high batch or low acceptance no draft pays, and speculation backs off by itself.
+
+Step time has two parts: what grows with the tokens in the batch (the weights' GEMMs, the
+logits), and attention, which grows with each query token's context. The curve holds the first
+(measured on one-token contexts); `read_seconds` prices the second, per query token and token of
+context it attends over. Without it a verification at a long context looked as cheap as one at
+a short one: at s3 (8 requests over 1,100-token contexts, Zen 4) the decode batch's own size
+read 16.5 ms where the profile's larger sizes read 17.9 ms at 16 tokens, so 8 drafts looked
+nearly free and cost 30 ms a step (attention alone ~1.4 us a query and context token over the
+30 layers, half of a batch-8 step at 1,024 tokens of context)."""
 
 from __future__ import annotations
 
@@ -28,10 +37,22 @@ LOOKAHEAD = 8  # drafts allocate_drafts tries past the last allocation that paid
 # the rising fit is redone after this many steps (or a new size): 10-30 us a fit, 0.2% of a
 # single-stream step if done on each; a curve a few steps behind decides the same drafts
 REFIT_EVERY = 8
+# Sequences with fewer new tokens than this are priced by their attention reads (decodes and
+# verifications: the paged kernel scores each query row against the whole context); longer
+# prompt chunks take the tiled flash kernel, whose cost stays in the curve at their sizes.
+READS_MAX_NEW_TOKENS = 16
+
+
+def attention_reads(num_new_tokens: int, seq_len: int) -> int:
+    """(query token, context token) pairs a sequence's attention reads in a step, as priced by
+    `StepCostModel.read_seconds` (0 for long prompt chunks: see READS_MAX_NEW_TOKENS)."""
+    return num_new_tokens * seq_len if num_new_tokens < READS_MAX_NEW_TOKENS else 0
 
 
 class StepCostModel:
-    def __init__(self, points: dict[int, float] | None = None):
+    def __init__(self, points: dict[int, float] | None = None, read_seconds: float = 0.0):
+        # seconds a step spends per attention read (`attention_reads`): profiled at start-up
+        self.read_seconds = read_seconds
         self._times: dict[int, deque[float]] = {}
         self._sizes: list[int] = []
         self._seconds: list[float] = []  # each size's median
@@ -44,9 +65,12 @@ class StepCostModel:
     def measured(self) -> bool:
         return len(self._sizes) >= 2
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` tokens took `seconds` (exact sizes up to 64, then powers of
-        two: a step's size class)."""
+    def observe(self, num_tokens: int, seconds: float, reads: int = 0) -> None:
+        """A step of `num_tokens` tokens and `reads` attention reads took `seconds`: the curve
+        keeps the time less the reads' (exact sizes up to 64, then powers of two: a step's
+        size class)."""
+        # a tenth of the step at least: a read price a little high never makes a size free
+        seconds = max(seconds - self.read_seconds * reads, 0.1 * seconds)
         size = _size_class(num_tokens)
         times = self._times.get(size)
         if times is None:
@@ -61,9 +85,13 @@ class StepCostModel:
             self._fitted = _rising(self._sizes, self._seconds)
             self._unfitted = 0
 
-    def cost(self, num_tokens: int) -> float:
-        """Step seconds at `num_tokens`: linear between measured sizes on a rising fit of
-        their medians (`_rising`), the end slopes beyond them."""
+    def cost(self, num_tokens: int, reads: int = 0) -> float:
+        """Step seconds at `num_tokens` tokens and `reads` attention reads: the curve's part
+        linear between measured sizes on a rising fit of their medians (`_rising`), the end
+        slopes beyond them."""
+        return self._curve(num_tokens) + self.read_seconds * reads
+
+    def _curve(self, num_tokens: int) -> float:
         sizes, fitted = self._sizes, self._fitted
         if not sizes:
             return float(num_tokens)
@@ -112,11 +140,14 @@ def _size_class(num_tokens: int) -> int:
 
 
 def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
-                    cost: StepCostModel, draft_token_seconds: float = 0.0) -> dict[Hashable, int]:
-    """Drafts per request. `base_tokens`: the step's tokens without drafts; `gains[key][j]`:
-    the expected tokens the request's (j+1)-th draft adds (its acceptance to the power j+1);
-    `draft_token_seconds`: what making one draft costs (a draft model's forward share; context
-    drafts are free). Each step emits one token per request plus the accepted drafts.
+                    cost: StepCostModel, draft_token_seconds: float = 0.0, base_reads: int = 0,
+                    draft_reads: dict[Hashable, int] | None = None) -> dict[Hashable, int]:
+    """Drafts per request. `base_tokens`, `base_reads`: the step's tokens and attention reads
+    without drafts; `gains[key][j]`: the expected tokens the request's (j+1)-th draft adds (its
+    acceptance to the power j+1); `draft_reads[key]`: the reads one draft of the request adds
+    (its context); `draft_token_seconds`: what making one draft costs (a draft model's forward
+    share; context drafts are free). Each step emits one token per request plus the accepted
+    drafts.
 
     Drafts are taken best expected gain first, and the allocation kept is the one with the
     most expected tokens per second of step time (drafting included), a larger one kept only
@@ -132,15 +163,16 @@ def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
     heap = [(-gains[key][0], n, 0) for n, key in enumerate(keys) if gains[key]]
     heapq.heapify(heap)
     taken: list[int] = []  # request indices, in the order their drafts were taken
-    tokens, expected, drafting = base_tokens, float(len(gains)), 0.0
-    best_rate, kept = expected / (cost.cost(tokens) + drafting), 0
+    tokens, reads, expected, drafting = base_tokens, base_reads, float(len(gains)), 0.0
+    best_rate, kept = expected / (cost.cost(tokens, reads) + drafting), 0
     while heap and len(taken) - kept < LOOKAHEAD:
         negative_gain, n, j = heapq.heappop(heap)
         taken.append(n)
         expected -= negative_gain
         tokens += 1
+        reads += draft_reads[keys[n]] if draft_reads else 0
         drafting += draft_token_seconds
-        rate = expected / (cost.cost(tokens) + drafting)
+        rate = expected / (cost.cost(tokens, reads) + drafting)
         if _pays(rate, best_rate, len(taken) - kept):
             best_rate, kept = rate, len(taken)
         if j + 1 < len(gains[keys[n]]):
@@ -150,13 +182,16 @@ def allocate_drafts(base_tokens: int, gains: dict[Hashable, Sequence[float]],
     return counts
 
 
-def a_draft_can_pay(num_requests: int, base_tokens: int, cost: StepCostModel) -> bool:
+def a_draft_can_pay(num_requests: int, base_tokens: int, cost: StepCostModel,
+                    base_reads: int = 0, draft_reads: int = 0) -> bool:
     """Whether drafts sure to be accepted (up to LOOKAHEAD of them, as far as
-    `allocate_drafts` looks) would pass its test for a step of `base_tokens` tokens and
+    `allocate_drafts` looks), each adding `draft_reads` attention reads (the shortest context
+    among the requests), would pass its test for a step of `base_tokens` tokens and
     `num_requests` requests in decode: when not, no proposal can get a draft, and the
     proposer's work (~50 us a request for suffix drafts) can be skipped."""
-    rate = num_requests / cost.cost(base_tokens)
-    return any(_pays((num_requests + k) / cost.cost(base_tokens + k), rate, k)
+    rate = num_requests / cost.cost(base_tokens, base_reads)
+    return any(_pays((num_requests + k) / cost.cost(base_tokens + k, base_reads + k * draft_reads),
+                     rate, k)
                for k in range(1, LOOKAHEAD + 1))
 
 

@@ -82,15 +82,16 @@ class Drafter:
             accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged_at = time.monotonic()
 
-    def propose(self, requests, base_tokens: int) -> None:
+    def propose(self, requests, base_tokens: int, base_reads: int = 0) -> None:
         """Set `spec_token_ids` of these requests (running, in decode: every token but the
-        last sampled one computed) for the next step, which runs `base_tokens` tokens
-        besides drafts."""
+        last sampled one computed) for the next step, which runs `base_tokens` tokens and
+        `base_reads` attention reads (cost.py) besides drafts."""
         if getattr(self.proposer, "batched", False):
-            self._propose_batched(requests, base_tokens)
+            self._propose_batched(requests, base_tokens, base_reads)
             return
-        if self.config.adaptive and self.grammar is None and \
-                not a_draft_can_pay(len(requests), base_tokens, self.cost):
+        if self.config.adaptive and self.grammar is None and not a_draft_can_pay(
+                len(requests), base_tokens, self.cost, base_reads,
+                min(request.num_tokens for request in requests)):
             follow = getattr(self.proposer, "follow", None)
             for request in requests:  # no draft could pay at this batch: skip the proposals
                 request.spec_token_ids = []
@@ -113,7 +114,8 @@ class Drafter:
             gains = {request: [self._acceptance(request.request_id) ** (j + 1)
                                for j in range(len(drafts))]
                      for request, drafts in proposals.items()}
-            counts = allocate_drafts(base_tokens, gains, self.cost)
+            counts = allocate_drafts(base_tokens, gains, self.cost, base_reads=base_reads,
+                                     draft_reads=_draft_reads(proposals))
         else:
             counts = {request: len(drafts) for request, drafts in proposals.items()}
         for request, drafts in proposals.items():
@@ -121,7 +123,7 @@ class Drafter:
             if drafts and not request.spec_token_ids:
                 self._recover(request.request_id)
 
-    def _propose_batched(self, requests, base_tokens: int) -> None:
+    def _propose_batched(self, requests, base_tokens: int, base_reads: int = 0) -> None:
         """A draft model's proposals: how many each request gets is decided first (drafting
         costs a forward per position), from the acceptance estimates and what a draft token
         costs to make and to verify; then one batched drafting run."""
@@ -132,7 +134,8 @@ class Drafter:
                                ** (j + 1) for j in range(limit)]
                      for request, limit in limits.items()}
             counts = allocate_drafts(base_tokens, gains, self.cost,
-                                     self.proposer.token_seconds(len(requests)))
+                                     self.proposer.token_seconds(len(requests)), base_reads,
+                                     _draft_reads(requests))
         else:
             counts = limits
         drafts = self.proposer.propose_batch(
@@ -203,6 +206,11 @@ def _prior(key: str | tuple[str, str]) -> float:
     """The acceptance a request's drafts are judged by before any history (forced spans: their
     own)."""
     return PRIOR_FORCED_ACCEPTANCE if isinstance(key, tuple) else PRIOR_ACCEPTANCE
+
+
+def _draft_reads(requests) -> dict:
+    """The attention reads one draft of each request adds to a step: its context."""
+    return {request: request.num_tokens for request in requests}
 
 
 def _room(request) -> int:
