@@ -67,6 +67,7 @@ HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the conn
 # speculative decoding's price of attention reads: this many requests with prompts of their own
 # this long, timed over their decode steps (~0.8 s at start-up on Zen 4, with the curve's 0.4 s)
 READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT, READ_PROFILE_STEPS = 4, 256, 8
+READ_PROFILE_SHORT_CONTEXT = 8  # the steps the long ones are compared with
 
 
 class EngineCore:
@@ -300,18 +301,32 @@ class EngineCore:
                     self.drafter.cost.read_seconds * 1e6)
 
     def _profile_read_seconds(self) -> None:
-        """The step-cost curve's price of attention reads (cost.py): requests over contexts of
-        their own (distinct prompts: their K/V come from memory, as most requests' do) decode
-        together; what their steps take beyond the curve's time at their size, per query and
-        context token. Unprofiled (0) where the model cannot hold such prompts."""
-        cost, num, length = self.drafter.cost, READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT
+        """The step-cost curve's price of attention reads (cost.py): the decode steps of
+        requests over long contexts of their own (distinct prompts: their K/V come from memory,
+        as most requests' do) against those of as many requests over short ones just before and
+        after, per query and context token of the difference. Both at the same size and close in
+        time: against the curve's start-up point for that size, one noisy point read 0 (Zen 4).
+        Unprofiled (0) where the model cannot hold such prompts."""
+        num, length = READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT
         if num > self.config.max_num_seqs or length + READ_PROFILE_STEPS > self.max_model_len:
             return
+        short_before = self._decode_steps("short-before", num, READ_PROFILE_SHORT_CONTEXT)
+        long = self._decode_steps("long", num, length)
+        short_after = self._decode_steps("short-after", num, READ_PROFILE_SHORT_CONTEXT)
+        short = short_before + short_after
+        if long and short:
+            extra = statistics.median(s for _, s in long) - statistics.median(s for _, s in short)
+            reads = statistics.median(r for r, _ in long) - statistics.median(r for r, _ in short)
+            self.drafter.cost.read_seconds = max(0.0, extra / reads)
+
+    def _decode_steps(self, name: str, num: int, length: int) -> list[tuple[int, float]]:
+        """(attention reads, seconds) of the decode steps of `num` requests with prompts of
+        `length` tokens of their own, run to READ_PROFILE_STEPS tokens each without drafts."""
+        vocab = self.model_config.vocab_size - 3
         for index in range(num):
-            prompt = [3 + (index * length + i) % (self.model_config.vocab_size - 3)
-                      for i in range(length)]
+            prompt = [3 + (index * length + i + 7 * length * num) % vocab for i in range(length)]
             self.add_request(EngineCoreRequest(
-                f"{WARMUP_REQUEST_ID}-reads-{index}", prompt,
+                f"{WARMUP_REQUEST_ID}-reads-{name}-{index}", prompt,
                 SamplingParams(max_tokens=1 + READ_PROFILE_STEPS, ignore_eos=True),
                 1 + READ_PROFILE_STEPS))
         self._step_costs = []  # step() records (tokens, reads, seconds) here, not in the curve
@@ -320,10 +335,7 @@ class EngineCore:
                 self.step()
         finally:
             steps, self._step_costs = self._step_costs, None
-        prices = [(seconds - cost.cost(tokens)) / reads for tokens, reads, seconds in steps
-                  if tokens == num and reads]
-        if prices:
-            cost.read_seconds = max(0.0, statistics.median(prices))
+        return [(reads, seconds) for tokens, reads, seconds in steps if tokens == num]
 
     def _observe_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """A step's time, its tokens and attention reads, for speculative decoding's curve."""
