@@ -237,11 +237,33 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
         def propose(self, *args):
             raise AssertionError("asked for drafts no step could take")
 
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), linear,
-                      proposer=Refusing())
-    requests = [SimpleNamespace(spec_token_ids=[1], num_tokens=40) for _ in range(16)]
-    drafter.propose(requests, 16)
-    assert all(request.spec_token_ids == [] for request in requests)
+    class Grammar:  # structured output's forced spans, as the engine always has them
+        def __init__(self):
+            self.asked = 0
+
+        def drafts(self, request_id, spec, outputs, proposed):
+            self.asked += 1
+            return proposed, False
+
+    class Running:  # hashed by identity, as the scheduler's requests
+        def __init__(self, index, spec=None):
+            self.request_id, self.spec_token_ids, self.num_tokens = str(index), [1], 40
+            self.all_token_ids, self.num_prompt_tokens, self.output_token_ids = [1, 2, 3], 2, [3]
+            self.max_tokens, self.num_output_tokens = 9, 1
+            self.sampling_params = SimpleNamespace(structured_outputs=spec)
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    for grammar in (None, Grammar()):
+        drafter = Drafter(config, linear, proposer=Refusing(), grammar=grammar)
+        requests = [Running(index) for index in range(16)]
+        drafter.propose(requests, 16)
+        assert all(request.spec_token_ids == [] for request in requests)
+    # a constrained request may get forced spans (their own prior): the proposals go on
+    grammar = Grammar()
+    drafter = Drafter(config, linear, proposer=SimpleNamespace(propose=lambda *args: []),
+                      grammar=grammar)
+    drafter.propose([Running(index) for index in range(15)] + [Running(15, object())], 16)
+    assert grammar.asked == 1
 
 
 def test_outputs_of_requests_never_asked_for_drafts_still_join_the_suffix_store():
