@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -47,9 +48,34 @@ def measure(systems: list[str], scenarios: list[str], rounds: int, port: int,
         round_dir = out_dir / f"round-{round_index + 1}"
         round_dir.mkdir(parents=True, exist_ok=True)
         for name in rotated(systems, round_index):
-            record = run.run_system(name, port, round_dir, scenarios, clients)
+            try:
+                record = run.run_system(name, port, round_dir, scenarios, clients)
+            except Exception as exc:  # reported in its round, not fatal (as run.py's run_all)
+                print(f"round {round_index + 1}, {name}: {exc}", file=sys.stderr)
+                record = {"system": name, "scenarios": {}, "error": str(exc)}
             record["round"] = round_index + 1
             records.append(record)
+    return records
+
+
+def load_records(out_dir: Path, systems: list[str], scenarios: list[str]) -> list[dict]:
+    """The records of the rounds saved under out_dir (for --report-only: a run stopped early,
+    or a table rewritten), as `measure` returns them."""
+    records = []
+    for round_dir in sorted(out_dir.glob("round-*"), key=lambda p: int(p.name.split("-")[1])):
+        for name in systems:
+            record = {"system": name, "round": int(round_dir.name.split("-")[1]),
+                      "scenarios": {}, VLLM_CLIENT_KEY: {}}
+            for scenario in scenarios:
+                ours = round_dir / f"{name}-{scenario}.json"
+                theirs = round_dir / f"{name}-{scenario}.vllm.json"
+                if ours.exists():
+                    record["scenarios"][scenario] = json.loads(ours.read_text())["summary"]
+                if theirs.exists():
+                    record[VLLM_CLIENT_KEY][scenario] = run.vllm_client.summary(
+                        json.loads(theirs.read_text()))
+            if record["scenarios"]:
+                records.append(record)
     return records
 
 
@@ -118,6 +144,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8120)
     parser.add_argument("--name", default="spec-paired")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the table from the rounds saved under today's --name")
     args = parser.parse_args()
     if BASELINE not in args.systems.split(","):
         parser.error(f"--systems must include {BASELINE} (the baseline)")
@@ -125,8 +153,12 @@ def main() -> None:
     header = machine_header()
     out_dir = (run.RESULTS / cpu_slug(header)
                / f"{datetime.date.today().isoformat()}-{args.name}")
-    records = measure(args.systems.split(","), args.scenarios.split(","), args.rounds,
-                      args.port, out_dir)
+    if args.report_only:
+        records = load_records(out_dir, args.systems.split(","), args.scenarios.split(","))
+        args.rounds = len({record["round"] for record in records})
+    else:
+        records = measure(args.systems.split(","), args.scenarios.split(","), args.rounds,
+                          args.port, out_dir)
     path = write_dated_result(run.RESULTS, header, args.name, records,
                               markdown(records, args, header))
     print(path.read_text())

@@ -203,9 +203,11 @@ def test_step_costs_are_profiled_on_steps_that_sample_every_token(tiny_model_dir
     assert set(core.drafter.cost.points()) == {1, 2, 4, 8}
     profiled = [shape for shape in shapes if shape[1] in (2, 4, 8)]
     assert profiled and all(requests == tokens for requests, tokens in profiled)
-    # then the price of attention reads: 4 requests with prompts of their own, 8 decode steps
-    # over short contexts, long ones, short ones again
-    assert shapes.count((4, 4)) == 3 + 3 * 8  # short, long, short contexts
+    # then the price of attention reads: 4 requests each computing 4 new tokens over a cached
+    # prefix of its own, long or one block, alternated over 6 rounds
+    from kvserve.core.engine_core import READ_PROFILE_ROUNDS
+
+    assert shapes.count((4, 16)) == 2 * READ_PROFILE_ROUNDS
     assert core.drafter.cost.read_seconds >= 0
     assert not core.has_unfinished()
     assert core.kv_manager.num_free_blocks == core.num_kv_blocks

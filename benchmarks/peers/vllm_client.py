@@ -97,6 +97,10 @@ def run(base_url: str, scenario: str, out_path: Path,
 
 # scenarios on our edit workload: the same prompts, written as vLLM's custom dataset
 EDIT_SCENARIOS = {"s7": (16, 256, 128), "s8": (32, 256, 128)}
+# The edit prompts' source seed: not our client's (0). It runs first on the same server, and
+# with the same prompts the suffix proposer's store of recent outputs held every answer: vLLM's
+# client read suffix drafting 3.07x off on s7 where ours read 2.17x (2026-11-27, Zen 4).
+EDIT_SEED = 1
 
 
 def _dataset(scenario: str, out_path: Path) -> list[str]:
@@ -109,7 +113,7 @@ def _dataset(scenario: str, out_path: Path) -> list[str]:
 
     count, input_len, output_len = EDIT_SCENARIOS[scenario]
     tokenizer = load_tokenizer(resolve_model(os.environ.get("BENCH_MODEL")))
-    specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, 0), count,
+    specs = workloads.code_edit_workload(workloads.TextSource(tokenizer, EDIT_SEED), count,
                                          input_len, output_len)
     path = out_path.with_suffix(".prompts.jsonl")
     path.write_text("".join(json.dumps({"prompt": spec.prompt}) + "\n" for spec in specs))

@@ -64,10 +64,11 @@ WARMUP_REQUEST_ID = "__warmup__"
 LOAD_WAIT_SECONDS = 0.005  # an idle step's wait for a KV load to end
 GRAMMAR_WAIT_SECONDS = 0.01  # an idle step's wait for a grammar compile to end
 HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the connector asks
-# speculative decoding's price of attention reads: this many requests with prompts of their own
-# this long, timed over their decode steps (~0.8 s at start-up on Zen 4, with the curve's 0.4 s)
-READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT, READ_PROFILE_STEPS = 4, 256, 8
-READ_PROFILE_SHORT_CONTEXT = 8  # the steps the long ones are compared with
+# speculative decoding's price of attention reads: this many requests, each with a cached prefix
+# of its own this long (or one block), computing this many new tokens a step (a verification of
+# 3 drafts), over this many rounds (~0.8 s at start-up on Zen 4, with the curve's 0.4 s)
+READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT, READ_PROFILE_QUERIES = 4, 256, 4
+READ_PROFILE_ROUNDS = 6
 
 
 class EngineCore:
@@ -301,41 +302,55 @@ class EngineCore:
                     self.drafter.cost.read_seconds * 1e6)
 
     def _profile_read_seconds(self) -> None:
-        """The step-cost curve's price of attention reads (cost.py): the decode steps of
-        requests over long contexts of their own (distinct prompts: their K/V come from memory,
-        as most requests' do) against those of as many requests over short ones just before and
-        after, per query and context token of the difference. Both at the same size and close in
-        time: against the curve's start-up point for that size, one noisy point read 0 (Zen 4).
-        Unprofiled (0) where the model cannot hold such prompts."""
-        num, length = READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT
-        if num > self.config.max_num_seqs or length + READ_PROFILE_STEPS > self.max_model_len:
+        """The step-cost curve's price of attention reads (cost.py), on steps shaped as
+        verifications: requests each computing READ_PROFILE_QUERIES new tokens over a cached
+        prefix of its own (their K/V come from memory, as most requests' do), over long
+        prefixes against one-block ones, alternated round by round; per query and context
+        token of the difference. A draft's query is what the price decides on: priced from
+        decode steps (one query a sequence, its context streamed from memory) it read 2.9-4.9
+        us with the float kernel (AVX2), where a sequence's further queries find its K/V in
+        cache, and the agentic scenario got a tenth of its drafts. Unprofiled (0) without
+        prefix caching or room for such prompts."""
+        config, num, queries = self.config, READ_PROFILE_REQUESTS, READ_PROFILE_QUERIES
+        lengths = {"long": READ_PROFILE_CONTEXT, "short": config.block_size}
+        if (not config.enable_prefix_caching or num > config.max_num_seqs
+                or num * queries > config.max_num_batched_tokens
+                or lengths["long"] + queries > self.max_model_len):
             return
-        short_before = self._decode_steps("short-before", num, READ_PROFILE_SHORT_CONTEXT)
-        long = self._decode_steps("long", num, length)
-        short_after = self._decode_steps("short-after", num, READ_PROFILE_SHORT_CONTEXT)
-        short = short_before + short_after
+        vocab = self.model_config.vocab_size - 3
+        prefixes = {name: [[3 + (index * length + i + 5 * num * length) % vocab
+                            for i in range(length)] for index in range(num)]
+                    for name, length in lengths.items()}
+        self._profile_steps("prefixes", [p for group in prefixes.values() for p in group])
+        samples: dict[str, list[tuple[int, float]]] = {"long": [], "short": []}
+        for round_ in range(READ_PROFILE_ROUNDS):
+            for name in ("long", "short") if round_ % 2 == 0 else ("short", "long"):
+                prompts = [prefix + [3 + (round_ * num * queries + index * queries + j) % vocab
+                                     for j in range(queries)]
+                           for index, prefix in enumerate(prefixes[name])]
+                samples[name] += [(reads, seconds) for tokens, reads, seconds
+                                  in self._profile_steps(f"{name}-{round_}", prompts)
+                                  if tokens == num * queries]
+        long, short = samples["long"], samples["short"]
         if long and short:
             extra = statistics.median(s for _, s in long) - statistics.median(s for _, s in short)
             reads = statistics.median(r for r, _ in long) - statistics.median(r for r, _ in short)
             self.drafter.cost.read_seconds = max(0.0, extra / reads)
 
-    def _decode_steps(self, name: str, num: int, length: int) -> list[tuple[int, float]]:
-        """(attention reads, seconds) of the decode steps of `num` requests with prompts of
-        `length` tokens of their own, run to READ_PROFILE_STEPS tokens each without drafts."""
-        vocab = self.model_config.vocab_size - 3
-        for index in range(num):
-            prompt = [3 + (index * length + i + 7 * length * num) % vocab for i in range(length)]
+    def _profile_steps(self, name: str, prompts: list[list[int]]) -> list[tuple[int, int, float]]:
+        """(tokens, attention reads, seconds) of the steps that run these prompts to one
+        token each, without drafts and outside the curve."""
+        for index, prompt in enumerate(prompts):
             self.add_request(EngineCoreRequest(
                 f"{WARMUP_REQUEST_ID}-reads-{name}-{index}", prompt,
-                SamplingParams(max_tokens=1 + READ_PROFILE_STEPS, ignore_eos=True),
-                1 + READ_PROFILE_STEPS))
+                SamplingParams(max_tokens=1, ignore_eos=True), 1))
         self._step_costs = []  # step() records (tokens, reads, seconds) here, not in the curve
         try:
             while self.has_unfinished():
                 self.step()
         finally:
             steps, self._step_costs = self._step_costs, None
-        return [(reads, seconds) for tokens, reads, seconds in steps if tokens == num]
+        return steps
 
     def _observe_step_cost(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """A step's time, its tokens and attention reads, for speculative decoding's curve."""
