@@ -38,8 +38,9 @@ LOOKAHEAD = 8  # drafts allocate_drafts tries past the last allocation that paid
 # single-stream step if done on each; a curve a few steps behind decides the same drafts
 REFIT_EVERY = 8
 # Sequences with fewer new tokens than this are priced by their attention reads (decodes and
-# verifications: the paged kernel scores each query row against the whole context); longer
-# prompt chunks take the tiled flash kernel, whose cost stays in the curve at their sizes.
+# verifications, each query row scored against the whole context: the paged kernel, or flash
+# from 4 new tokens in bf16, priced alike since the start-up profile times verification-shaped
+# steps); longer prompt chunks' attention stays in the curve at their sizes.
 READS_MAX_NEW_TOKENS = 16
 
 
