@@ -163,6 +163,10 @@ class _Request(SimpleNamespace):
                          sampling_params=SimpleNamespace(structured_outputs=None),
                          spec_token_ids=[])
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
