@@ -11,11 +11,13 @@ it just produced), each size timed over several steps, sizes interleaved over ro
 median kept (this VM's speed drifts by 10-20% over minutes).
 
 Usage: .venv/bin/python benchmarks/spec_ceiling.py [--max-drafts 16] [--rounds 5]
+       [--save FILE | --load FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -174,7 +176,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--name", default="spec-ceiling", help="result files' name")
+    parser.add_argument("--save", type=Path, help="also write the step costs and the greedy "
+                        "answers here (JSON), for --load")
+    parser.add_argument("--load", type=Path, help="replay the step costs and answers a --save "
+                        "wrote instead of measuring them (seconds: for trying a draft policy)")
     args = parser.parse_args()
+    if args.load:
+        saved = json.loads(args.load.read_text())
+        costs = {int(size): seconds for size, seconds in saved["costs"].items()}
+        replays = [Replay(item["prompt"], item["answer"]) for item in saved["replays"]]
+    else:
+        costs, replays = measure(args)
+    if args.save:
+        args.save.write_text(json.dumps({"costs": costs, "replays": [
+            {"prompt": item.prompt, "answer": item.answer} for item in replays]}))
+    rows = [{"costs_ms": {size: round(seconds * 1e3, 3) for size, seconds in costs.items()}}]
+    for name, proposer_config in PROPOSERS.items():
+        for policy in ("free", "oracle", "engine"):
+            outcome = replay(replays, proposer_config, costs, policy)
+            rows.append({"proposer": name, "policy": policy,
+                         "tokens_per_step": outcome.tokens / outcome.steps,
+                         "speedup": _speedup(costs, outcome),
+                         "drafted": outcome.drafted, "accepted": outcome.accepted})
+            print(rows[-1], flush=True)
+    if not args.load:
+        _write(rows, costs, args)
+
+
+def measure(args) -> tuple[dict[int, float], list[Replay]]:
+    """The step costs by size, then the model's greedy answers to s7's prompts."""
     forced = _Forced()
     llm = LLM(engine_core="thread", speculative_config={
         "method": "ngram", "num_speculative_tokens": args.max_drafts, "adaptive": False})
@@ -190,16 +220,7 @@ def main() -> None:
                       list(output.outputs[0].token_ids))
                for spec, output in zip(specs, outputs)]
     llm.shutdown()
-    rows = [{"costs_ms": {size: round(seconds * 1e3, 3) for size, seconds in costs.items()}}]
-    for name, proposer_config in PROPOSERS.items():
-        for policy in ("free", "oracle", "engine"):
-            outcome = replay(replays, proposer_config, costs, policy)
-            rows.append({"proposer": name, "policy": policy,
-                         "tokens_per_step": outcome.tokens / outcome.steps,
-                         "speedup": _speedup(costs, outcome),
-                         "drafted": outcome.drafted, "accepted": outcome.accepted})
-            print(rows[-1], flush=True)
-    _write(rows, costs, args)
+    return costs, replays
 
 
 def _speedup(costs: dict[int, float], outcome: Outcome) -> float:

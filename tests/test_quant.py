@@ -80,8 +80,8 @@ def test_int4_pack_round_trips():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias, kernels):
-    """Against the fp32 linear of the dequantized weights, 1..17 rows (row blocks of 8 and their
-    remainders), both metadata dtypes. bf16: the output's rounding (<= 2^-9 relative) plus float
+    """Against the fp32 linear of the dequantized weights, 1..17 and 25 rows (one pass of up to
+    8 or 10 rows, two or three of equal size), both metadata dtypes. bf16: the output's rounding (<= 2^-9 relative) plus float
     accumulation-order noise; float32: accumulation order only (the kernel adds 128 to every code
     and takes it back per group, ~1e-6 relative)."""
     rows, cols = shape
@@ -92,7 +92,7 @@ def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias, kernels):
     for meta_dtype in (torch.bfloat16, torch.float32):
         packed = reference.pack_int4(codes, scale, zero, meta_dtype)
         weight = reference.unpack_int4(packed, rows)
-        for m in range(1, 18):
+        for m in [*range(1, 18), 25]:
             x = torch.randn(m, cols, generator=generator).to(dtype)
             expected = nn.functional.linear(x.float(), weight,
                                             None if bias_values is None else bias_values.float())

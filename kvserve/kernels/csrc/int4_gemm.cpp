@@ -15,9 +15,10 @@
 // accumulates w[n, k] x[k] + w[n, k+1] x[k+1] against x's pair (k, k+1) broadcast straight from
 // bf16 x. bf16 bits 0x4300 | q are exactly 128 + q, so each group's dot is sum (128 + q) x, and
 //   y[n] = sum_g scale[n, g] * dot[n, g] + (zero[n, g] - 136 scale[n, g]) * xsum[g]
-// with xsum[g] the group's sum of x. The unpacked weights serve up to 8 rows of x from registers
-// (loop m innermost), which is what makes batches of 8-64 cheap: there the kernel is bound by
-// vdpbf16ps throughput (one per 32 multiply-adds), as a bf16 GEMM would be, on 1/4 the bytes.
+// with xsum[g] the group's sum of x. The unpacked weights serve up to 10 rows of x (8 on AVX2)
+// from registers (loop m innermost), which is what makes batches of 8-64 cheap: there the kernel
+// is bound by vdpbf16ps throughput (one per 32 multiply-adds), as a bf16 GEMM would be, on 1/4
+// the bytes.
 // float32 x takes the same loop with the bf16 lanes split into two float vectors (exact: 128 + q
 // and x in float, products by FMA).
 #include "int4_gemm.h"
@@ -39,7 +40,10 @@ using at::BFloat16;
 constexpr int64_t kGroup = kInt4Group;
 constexpr int64_t kPanel = kInt4Panel;
 constexpr int64_t kChunkBytes = kInt4ChunkBytes;
-constexpr int kRowBlock = 8;                        // rows of x per pass over a panel's codes
+// Rows of x per pass over a panel's codes (a 9-token verification as 8 + 1 paid the unpacking
+// twice). On AVX-512 up to 10 rows share it: per row, 9 and 10 cost what 8 do, 12 and 16 more
+// (Zen 4, SmolLM2's shapes: 16 rows 403 us in one pass, 364 in two of 8). AVX2 has 16 registers.
+constexpr int kRowBlock = KVSERVE_VEC == 16 ? 10 : 8;
 constexpr float kCodeOffset = 136.f;                // 128 from the bf16 trick + the 8 of q - 8
 constexpr int64_t kPrefetchBlocks = kInt4PrefetchBlocks;
 template <typename S> using Block = Int4Block<S>;
@@ -133,8 +137,9 @@ void panel_rows(const T* x, int64_t ldx, const uint8_t* panel, const float* xsum
   // Independent vdpbf16ps chains (latency 6): with few rows, two per row (alternate k-pairs),
   // measured 5-10% faster at 2-4 rows; with more rows the rows are enough.
   constexpr int C = R <= 4 ? 2 : 1;
-  __m512 total[R];
-  for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
+  // the running totals live in the L1 tile `out` (a load and a store per row and group against
+  // 16 vdpbf16ps): registers go to the dot chains of up to kRowBlock rows
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * kPanel, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * Block<S>::kBytes;
     int4_prefetch_block<S>(block + kPrefetchBlocks * Block<S>::kBytes);
@@ -156,11 +161,11 @@ void panel_rows(const T* x, int64_t ldx, const uint8_t* panel, const float* xsum
     for (int m = 0; m < R; ++m) {
       __m512 dsum = dot[m][0];
       for (int c = 1; c < C; ++c) dsum = _mm512_add_ps(dsum, dot[m][c]);
-      total[m] = _mm512_fmadd_ps(dsum, scale, total[m]);
-      total[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), total[m]);
+      __m512 total = _mm512_fmadd_ps(dsum, scale, _mm512_loadu_ps(out + m * kPanel));
+      total = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), total);
+      _mm512_storeu_ps(out + m * kPanel, total);
     }
   }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * kPanel, total[m]);
 }
 
 template <typename T, typename S>
@@ -171,6 +176,7 @@ void panel_rows(int rows, const T* x, int64_t ldx, const uint8_t* panel, const f
   case R: return panel_rows<R, T, S>(x, ldx, panel, xsum, groups, out);
     KVSERVE_ROWS_CASE(1) KVSERVE_ROWS_CASE(2) KVSERVE_ROWS_CASE(3) KVSERVE_ROWS_CASE(4)
     KVSERVE_ROWS_CASE(5) KVSERVE_ROWS_CASE(6) KVSERVE_ROWS_CASE(7) KVSERVE_ROWS_CASE(8)
+    KVSERVE_ROWS_CASE(9) KVSERVE_ROWS_CASE(10)
 #undef KVSERVE_ROWS_CASE
     default: TORCH_CHECK(false, "int4_linear: bad row block ", rows);
   }
@@ -283,6 +289,9 @@ void int4_linear_vec(const T* x, int64_t rows, int64_t ldx, const uint8_t* packe
   for (int64_t n = 0; bias && n < out_features; ++n) bias_f[n] = widen(bias[n]);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
   const int64_t panel_bytes = groups * Block<S>::kBytes;
+  // passes of equal size: 11 rows as 6 + 5, not 10 + 1 (a pass pays the unpacking whole)
+  const int64_t passes = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t block = (rows + passes - 1) / passes;
   // Each thread takes one contiguous run of panels: a single stream of blocks.
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     float tile[kRowBlock * kPanel];
@@ -290,8 +299,8 @@ void int4_linear_vec(const T* x, int64_t rows, int64_t ldx, const uint8_t* packe
       const int count = static_cast<int>(std::min(kPanel, out_features - p * kPanel));
       const float* panel_bias = bias ? bias_f.data() + p * kPanel : nullptr;
       // every row block re-reads the panel's blocks, from L1 after the first (<= 15 KB at K=1536)
-      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
-        const int block_rows = static_cast<int>(std::min<int64_t>(kRowBlock, rows - m0));
+      for (int64_t m0 = 0; m0 < rows; m0 += block) {
+        const int block_rows = static_cast<int>(std::min<int64_t>(block, rows - m0));
         panel_rows<T, S>(block_rows, x + m0 * ldx, ldx, packed + p * panel_bytes,
                          xsum.data() + m0 * groups, groups, tile);
         for (int m = 0; m < block_rows; ++m)
