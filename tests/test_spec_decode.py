@@ -180,60 +180,6 @@ def test_a_request_whose_misses_stopped_its_drafts_tries_again():
     assert len(request.spec_token_ids) == 4
 
 
-def test_a_draft_continuing_a_longer_match_is_judged_likelier():
-    """acceptance.py: the chance that a context draft's first j tokens are right is the product
-    of per-length rates from its match's length on (prior 1 - 1/L); what verifications show
-    moves the rate of the lengths they tried, and only those."""
-    from kvserve.spec_decode.acceptance import MatchLengthAcceptance
-
-    table = MatchLengthAcceptance()
-    assert table.rate(2) == 0.5 and table.rate(12) == pytest.approx(11 / 12)
-    short, long = table.gains(2, 8), table.gains(12, 8)
-    assert all(a < b for a, b in zip(short, long)) and long == sorted(long, reverse=True)
-    for _ in range(100):
-        table.observe(12, 4, 0)  # drafts after 12-token matches: the first always wrong
-    assert table.rate(12) < 0.1 and table.rate(13) == pytest.approx(12 / 13)
-    for _ in range(100):
-        table.observe(3, 4, 4)  # all four right: lengths 3..6 tried and accepted
-    assert all(table.rate(length) > 0.95 for length in range(3, 7))
-
-
-def test_the_drafter_gives_drafts_after_a_long_match_more_room():
-    """With the same step costs, a proposal continuing a 16-token match gets more of its drafts
-    than one continuing a 2-token match (one running estimate per request gave both the same)."""
-    from types import SimpleNamespace
-
-    from kvserve.spec_decode.config import SpeculativeConfig
-    from kvserve.spec_decode.drafter import Drafter
-
-    class Matched:  # 16 drafts, continuing a match of a fixed length
-        def __init__(self, length):
-            self.last_match_length = length
-
-        def propose(self, request_id, tokens, num_prompt_tokens):
-            return list(range(16))
-
-    class Running:  # hashed by identity, as the scheduler's requests
-        request_id, num_prompt_tokens, num_tokens = "r", 20, 40
-        max_tokens, num_output_tokens = 100, 20
-        sampling_params = SimpleNamespace(structured_outputs=None, greedy=True)
-
-        def __init__(self):
-            self.all_token_ids = list(range(40))
-            self.output_token_ids = list(range(20))
-            self.spec_token_ids = []
-
-    cost = StepCostModel({1: 0.010, 2: 0.0112, 4: 0.0135, 8: 0.018, 17: 0.030})
-    allocated = {}
-    for length in (2, 16):
-        drafter = Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=16), cost,
-                          proposer=Matched(length))
-        request = Running()
-        drafter.propose([request], 1)
-        allocated[length] = len(request.spec_token_ids)
-    assert 1 <= allocated[2] < allocated[16]
-
-
 def test_step_costs_are_profiled_on_steps_that_sample_every_token(tiny_model_dir):
     """The start-up curve times steps whose every token is sampled (n one-token prompts: the
     shape of a decode batch or a verification), up to max_num_seqs tokens, and leaves no

@@ -9,7 +9,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvserve.spec_decode.acceptance import MatchLengthAcceptance
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.cost import StepCostModel, a_draft_can_pay, allocate_drafts
 from kvserve.spec_decode.ngram import NgramProposer
@@ -79,12 +78,6 @@ class Drafter:
         self._estimate_of: dict[str, str | tuple[str, str]] = {}  # the last drafts' estimate
         # per estimate without drafts: [steps since its last drafts, steps to wait for a retry]
         self._retry: dict[str | tuple[str, str], list[int]] = {}
-        # context drafts are judged by the match they continue where the proposer says
-        # (acceptance.py), by the request's running estimate otherwise; greedy and sampled
-        # requests apart (a sampled token matches a draft less often whatever the match)
-        self.by_length = {True: MatchLengthAcceptance(), False: MatchLengthAcceptance()}
-        # the last drafts' match and whether the request is greedy, by request id
-        self._match_length: dict[str, tuple[int, bool]] = {}
         self.stats = SpecDecodeStats(
             accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged_at = time.monotonic()
@@ -109,7 +102,6 @@ class Drafter:
         for request in requests:
             drafts = self.proposer.propose(request.request_id, request.all_token_ids,
                                            request.num_prompt_tokens)
-            match_length = getattr(self.proposer, "last_match_length", 0)
             spec = request.sampling_params.structured_outputs
             forced = False
             if self.grammar is not None and spec is not None:
@@ -117,11 +109,10 @@ class Drafter:
                                                      request.output_token_ids, drafts)
             self._estimate_of[request.request_id] = (
                 (request.request_id, "forced") if forced else request.request_id)
-            self._match_length[request.request_id] = (
-                0 if forced else match_length, _greedy(request))
             proposals[request] = drafts[:_room(request)]
         if self.config.adaptive:
-            gains = {request: self._gains(request.request_id, len(drafts))
+            gains = {request: [self._acceptance(request.request_id) ** (j + 1)
+                               for j in range(len(drafts))]
                      for request, drafts in proposals.items()}
             counts = allocate_drafts(base_tokens, gains, self.cost, base_reads=base_reads,
                                      draft_reads=_draft_reads(proposals))
@@ -131,14 +122,6 @@ class Drafter:
             request.spec_token_ids = drafts[:counts[request]]
             if drafts and not request.spec_token_ids:
                 self._recover(request.request_id)
-
-    def _gains(self, request_id: str, count: int) -> list[float]:
-        """The chance that the first j + 1 of a request's `count` drafts are all right."""
-        match_length, greedy = self._match_length.get(request_id, (0, True))
-        if match_length:
-            return self.by_length[greedy].gains(match_length, count)
-        acceptance = self._acceptance(request_id)
-        return [acceptance ** (j + 1) for j in range(count)]
 
     def _any_constrained(self, requests) -> bool:
         """Whether a request could get structured output's forced spans (judged by their own,
@@ -183,9 +166,6 @@ class Drafter:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
         # drafts tried: the accepted ones, and the first rejected one if any
-        match_length, greedy = self._match_length.get(request_id, (0, True))
-        if match_length:
-            self.by_length[greedy].observe(match_length, num_drafts, num_accepted)
         key = self._estimate_of.get(request_id, request_id)
         if num_accepted:
             self._retry.pop(key, None)
@@ -224,7 +204,6 @@ class Drafter:
             self.acceptance.pop(key, None)
             self._retry.pop(key, None)
         self._estimate_of.pop(request_id, None)
-        self._match_length.pop(request_id, None)
 
     def _acceptance(self, request_id: str) -> float:
         """The running estimate the request's current drafts are judged by."""
@@ -236,11 +215,6 @@ def _prior(key: str | tuple[str, str]) -> float:
     """The acceptance a request's drafts are judged by before any history (forced spans: their
     own)."""
     return PRIOR_FORCED_ACCEPTANCE if isinstance(key, tuple) else PRIOR_ACCEPTANCE
-
-
-def _greedy(request) -> bool:
-    """Whether the request samples greedily (parameters without the notion count as greedy)."""
-    return bool(getattr(request.sampling_params, "greedy", True))
 
 
 def _draft_reads(requests) -> dict:

@@ -34,13 +34,11 @@ class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, max_drafts: int):
         self.low, self.high, self.max_drafts = prompt_lookup_min, prompt_lookup_max, max_drafts
         self._indexes: dict[str, _RequestIndex] = {}
-        self.last_match_length = 0  # what the last drafts continue (acceptance.py), 0 for none
 
     def propose(self, request_id: str, tokens: list[int], num_prompt_tokens: int = 0,
                 ) -> list[int]:
         """Up to max_drafts tokens that followed the longest earlier occurrence of the
         sequence's suffix (the most recent among equally long ones); [] when none."""
-        self.last_match_length = 0
         if len(tokens) <= self.low:
             return []
         index = self._indexes.get(request_id)
@@ -58,7 +56,6 @@ class NgramProposer:
                 best_end, best_length = end, length
                 if length == self.high:
                     break
-        self.last_match_length = best_length
         return tokens[best_end:best_end + self.max_drafts]
 
     def _match_length(self, tokens: list[int], end: int) -> int:

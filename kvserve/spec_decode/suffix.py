@@ -49,7 +49,6 @@ class SuffixProposer:
         # a proposal looks one bigram up instead of asking every cached output (up to
         # max_cached_requests of them: 5.5 ms a proposal at 10,000 for a bigram they lack)
         self._recent: dict[tuple[int, int], deque[tuple[_Sequence, int]]] = {}
-        self.last_match_length = 0
 
     def follow(self, request_id: str, tokens: list[int], num_prompt_tokens: int) -> _Sequence:
         """Track a request's tokens (the live list, which grows with its output) without
@@ -61,7 +60,6 @@ class SuffixProposer:
         return entry[0]
 
     def propose(self, request_id: str, tokens: list[int], num_prompt_tokens: int) -> list[int]:
-        self.last_match_length = 0  # what the drafts continue (acceptance.py), 0 for none
         if len(tokens) < KEY + 1:
             return []
         own = self.follow(request_id, tokens, num_prompt_tokens)
@@ -73,7 +71,7 @@ class SuffixProposer:
             return []
         lengths = [self._match_length(tokens, sequence.tokens, after)
                    for sequence, after in occurrences]
-        longest = self.last_match_length = max(lengths)
+        longest = max(lengths)
         best = [occurrence for occurrence, length in zip(occurrences, lengths)
                 if length == longest]
         limit = min(self.max_drafts, max(1, int(self.spec_factor * longest)))
