@@ -81,9 +81,9 @@ def test_int4_pack_round_trips():
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_kernel_matches_dequantized_linear(shape, dtype, bias, kernels):
     """Against the fp32 linear of the dequantized weights, 1..17 and 25 rows (one pass of up to
-    8 or 10 rows, two or three of equal size), both metadata dtypes. bf16: the output's rounding (<= 2^-9 relative) plus float
-    accumulation-order noise; float32: accumulation order only (the kernel adds 128 to every code
-    and takes it back per group, ~1e-6 relative)."""
+    8 or 10 rows, two or three of equal size), both metadata dtypes. bf16: the output's rounding
+    (<= 2^-9 relative) plus float accumulation-order noise; float32: accumulation order only
+    (the kernel adds 128 to every code and takes it back per group, ~1e-6 relative)."""
     rows, cols = shape
     codes, scale, zero = _int4_weights(rows, cols, seed=cols)
     generator = torch.Generator().manual_seed(1)

@@ -369,6 +369,22 @@ def test_greedy_accepts_drafts_equal_to_the_argmax_then_corrects():
     assert all(row.output_token_ids == [] for row in rows)  # restored
 
 
+def test_greedy_rows_verify_by_one_argmax_as_the_depth_loop_does():
+    """Greedy rows without logprobs or argmax-moving processors take one argmax over all rows
+    (`_verify_by_argmax`); the same logits and drafts through the depth loop (a row asking for
+    logprobs turns the shortcut off) emit the same tokens: a full match with its bonus token, a
+    first-draft miss, a mismatch mid-way, and a row without drafts."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, VOCAB, generator=generator)
+    best = logits.argmax(dim=-1).tolist()
+    drafts = [best[0:3], [(best[4] + 1) % VOCAB, 5], [best[7], (best[8] + 1) % VOCAB, 2], []]
+    fast = Sampler(0).verify(logits, [_row(temperature=0) for _ in drafts], drafts)
+    slow_rows = [_row(temperature=0) for _ in drafts[:-1]] + [_row(temperature=0, logprobs=1)]
+    slow = Sampler(0).verify(logits, slow_rows, drafts)
+    assert fast.token_ids == slow.token_ids == [best[0:4], [best[4]], best[7:9], [best[11]]]
+    assert fast.logprobs == [None] * 4
+
+
 def test_penalties_count_the_accepted_drafts():
     """Frequency penalty 1.0: after the accepted draft 5, token 5 drops to 2.0 < 2.5, so the
     second draft 5 is rejected, as a one-token-at-a-time run would have decided."""

@@ -100,6 +100,9 @@ class Sampler:
         offsets = [0]
         for row_drafts in drafts:
             offsets.append(offsets[-1] + len(row_drafts) + 1)
+        if self._argmax_verifies(rows):
+            return _verify_by_argmax(self.ops.argmax_rows(logits.contiguous()).tolist(),
+                                     offsets, drafts)
         emitted: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[TokenLogprobs] | None] = [
             [] if row.params.logprobs is not None else None for row in rows]
@@ -127,6 +130,15 @@ class Sampler:
             for row, length in zip(rows, lengths):
                 del row.output_token_ids[length:]
         return SpecSamplerOutput(emitted, logprobs)
+
+    def _argmax_verifies(self, rows: list[SamplingRow]) -> bool:
+        """Whether every row's token at every depth is its logits' argmax: greedy rows without
+        logprobs, and no processor that can move an argmax active (a processor's activity is
+        its rows', fixed through the depths). Then one argmax over all rows verifies the step:
+        the depth loop (processor updates, index copies, one call a depth) cost ~0.6 ms a
+        verification on s7, 7% of its steps."""
+        return (all(row.params.greedy and row.params.logprobs is None for row in rows)
+                and not self._active(argmax_invariant=False))
 
     def _verify_depth(self, logits: torch.Tensor, rows: list[SamplingRow], active: list[int],
                       drafts: dict[int, int], logprobs: list) -> tuple[list[int], set[int]]:
@@ -306,3 +318,21 @@ def _token_logprobs(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> 
         values, ids = row_logprobs.topk(num_top)
         top = list(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(token_id, logprob, rank, top)
+
+
+def _verify_by_argmax(best: list[int], offsets: list[int],
+                      drafts: list[list[int]]) -> SpecSamplerOutput:
+    """Greedy verification from each logits row's argmax (`best`, rows in the step's order):
+    a request emits the argmax at each depth while its draft there equals it, then the argmax
+    after its first mismatch or its bonus token after its last draft."""
+    emitted = []
+    for start, row_drafts in zip(offsets, drafts):
+        tokens = []
+        for depth, draft in enumerate(row_drafts):
+            tokens.append(best[start + depth])
+            if tokens[-1] != draft:
+                break
+        else:
+            tokens.append(best[start + len(row_drafts)])
+        emitted.append(tokens)
+    return SpecSamplerOutput(emitted, [None] * len(drafts))

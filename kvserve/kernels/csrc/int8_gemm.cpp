@@ -131,8 +131,8 @@ void panel_rows(int rows, const float* x, int64_t ldx, const uint8_t* panel, int
 // bytes per row become two vectors of bf16 pairs, (q0, q1) and (q2, q3) per 32-bit lane. An int8
 // code is exact in bf16 (at most 8 significant bits), so its bf16 is the high half of its float;
 // the products with bf16 x are exact in float, as in the FMA path. Two dot chains per row, one per
-// pair, whatever the row count: a row's logits are the same bits in a call of 1 row or of 8
-// (verification steps and plain decode steps agree).
+// pair, whatever the row count: a row's logits are the same bits in a call of 3 rows or of 12
+// (calls of 1-2 rows take the FMA path, another summation order).
 template <int B> inline __m512i code_float_bits(__m512i lanes) {
   return _mm512_castps_si512(code_byte<B>(lanes));
 }
@@ -246,7 +246,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed,
 #if KVSERVE_VEC == 16 && defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) >= kBf16MinRows) {
     const at::Tensor x_bf16 = x.contiguous();
-    if (x.size(0) > 0 && out_features > 0)
+    if (out_features > 0)
       int8_linear_vec(x_bf16.data_ptr<at::BFloat16>(), x.size(0), x_bf16.stride(0),
                       packed.data_ptr<uint8_t>(), out_features, groups, y.data_ptr<float>());
     if (bias) y.add_(bias->to(at::kFloat));
