@@ -135,8 +135,8 @@ class Sampler:
         """Whether every row's token at every depth is its logits' argmax: greedy rows without
         logprobs, and no processor that can move an argmax active (a processor's activity is
         its rows', fixed through the depths). Then one argmax over all rows verifies the step:
-        the depth loop (processor updates, index copies, one call a depth) cost ~0.6 ms a
-        verification on s7, 7% of its steps."""
+        the depth loop (processor updates, index copies, one call a depth) took 479 us for a
+        4-draft verification over SmolLM2's vocabulary, this 158."""
         return (all(row.params.greedy and row.params.logprobs is None for row in rows)
                 and not self._active(argmax_invariant=False))
 
