@@ -289,9 +289,7 @@ void int4_linear_vec(const T* x, int64_t rows, int64_t ldx, const uint8_t* packe
   for (int64_t n = 0; bias && n < out_features; ++n) bias_f[n] = widen(bias[n]);
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
   const int64_t panel_bytes = groups * Block<S>::kBytes;
-  // passes of equal size: 11 rows as 6 + 5, not 10 + 1 (a pass pays the unpacking whole)
-  const int64_t passes = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t block = (rows + passes - 1) / passes;
+  const int64_t block = rows_per_pass(rows, kRowBlock);
   // Each thread takes one contiguous run of panels: a single stream of blocks.
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     float tile[kRowBlock * kPanel];

@@ -209,9 +209,7 @@ void int8_linear_vec(const T* x, int64_t rows, int64_t ldx, const uint8_t* packe
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 8, [&](int64_t begin, int64_t end) {
     constexpr int kMaxBlock = row_block(static_cast<const T*>(nullptr));
-    // passes of equal size (13 rows: 7 + 6, not 12 + 1: a pass of one row costs a full read)
-    const int64_t passes = (rows + kMaxBlock - 1) / kMaxBlock;
-    const int64_t block = (rows + passes - 1) / passes;
+    const int64_t block = rows_per_pass(rows, kMaxBlock);
     alignas(64) float tile[kMaxBlock * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t count = std::min(kPanel, out_features - p * kPanel);

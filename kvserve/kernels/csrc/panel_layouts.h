@@ -52,6 +52,13 @@ template <typename S> inline void int4_prefetch_block(const uint8_t* block) {
 }
 #endif
 
+// Rows of x per pass over a panel when a pass takes at most `max_rows`: passes of equal size
+// (13 rows at 12 as 7 + 6, not 12 + 1), since each pass pays the panel's unpacking whole.
+inline int64_t rows_per_pass(int64_t rows, int64_t max_rows) {
+  const int64_t passes = (rows + max_rows - 1) / max_rows;
+  return passes ? (rows + passes - 1) / passes : max_rows;
+}
+
 constexpr int64_t kInt8Group = 32;
 constexpr int64_t kInt8Panel = 16;
 constexpr int64_t kInt8CodeBytes = kInt8Panel * kInt8Group;        // 512
