@@ -357,3 +357,30 @@ def test_a_replica_leaves_when_health_fails_and_returns_resubscribed():
             assert replica.foreign_blocks == 15  # 25 in use, 10 of them the router's
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_finishes_while_the_metrics_are_read_is_not_foreign_load():
+    """The report shows the replica while the router's own request still ran; that request
+    finished before the answer came back. It is still the router's, not another client's:
+    counting it as foreign once sent a session's next turn away from its cache."""
+    info = {"enabled": True, "endpoint": "tcp://127.0.0.1:1", "block_size": 16,
+            "num_kv_blocks": 100}
+    replica = Replica("http://r")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/kv_events_info":
+            return httpx.Response(200, json=info)
+        replica.inflight.pop(1, None)  # answered while the report was on its way
+        return httpx.Response(200, text="kvserve:kv_cache_usage_perc 0.3\n")
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            monitor = ReplicaMonitor([replica], http, FakeSubscriber())
+            replica.inflight[1] = 25
+            await monitor.check_all()
+            assert replica.used_blocks == 30 and replica.foreign_blocks == 5
+            assert replica.active_blocks(time.monotonic(), 3.0) == 5
+
+    asyncio.run(scenario())

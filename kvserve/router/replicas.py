@@ -124,14 +124,21 @@ class ReplicaMonitor:
         return response.json()
 
     async def _read_metrics(self, replica: Replica) -> None:
+        """The replica's load beyond the router's own requests. Its report shows some moment
+        while the GET was out, so every request the router had there at any time in that
+        window counts as the router's: one that finished meanwhile is not someone else's
+        load (counting it so sent a session's next turn away from its cache for a beat)."""
+        routed_while_asking = dict(replica.inflight)
         response = await self.http.get(replica.url + "/metrics", headers=self.headers,
                                        timeout=HEALTH_TIMEOUT_SECONDS)
         if response.status_code != 200:
             return
+        routed_while_asking.update(replica.inflight)
         values = parse_metrics(response.text)
         blocks = (replica.events_info or {}).get("num_kv_blocks") or 0
         replica.used_blocks = values.get("kvserve:kv_cache_usage_perc", 0.0) * blocks
-        replica.foreign_blocks = max(0.0, replica.used_blocks - sum(replica.inflight.values()))
+        replica.foreign_blocks = max(0.0, replica.used_blocks
+                                     - sum(routed_while_asking.values()))
         replica.num_running = int(values.get("kvserve:num_requests_running", 0))
         replica.num_waiting = int(values.get("kvserve:num_requests_waiting", 0))
         replica.prefix_queries = values.get("kvserve:prefix_cache_queries_total", 0.0)
