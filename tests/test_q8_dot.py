@@ -73,15 +73,17 @@ def _int8_packed(rows, cols, seed):
 
 
 def _assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
-    """1..17 rows (row blocks of 8 and remainders), with and without bias: the float linear of
-    x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16 output
-    rounding."""
+    """1..17 and 25 rows (passes of up to 8, or 12 with AVX512-VNNI, split evenly), with and
+    without bias, rows contiguous or a strided view (the kernel reads them in place): the float
+    linear of x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16
+    output rounding."""
     rows, cols = dense.shape
     generator = torch.Generator().manual_seed(rows + cols)
     bias = torch.randn(rows, generator=generator).to(dtype)
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
-    for m in range(1, 18):
-        x = torch.randn(m, cols, generator=generator).to(dtype)
+    for m in [*range(1, 18), 25]:
+        wide = torch.randn(m, cols + 32, generator=generator).to(dtype)
+        x = wide[:, 16:16 + cols] if m % 2 else wide[:, :cols].contiguous()
         for b in (None, bias):
             rounded = reference.quantize_activations_q8(x)
             expected = nn.functional.linear(rounded, dense, None if b is None else b.float())
