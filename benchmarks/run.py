@@ -126,6 +126,14 @@ SYSTEMS = {
     "kvserve-suffix": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
         "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 8}'],
+    # w4a8 (x rounded to int8 per group, integer dot products; AVX2's default), with suffix
+    # drafts: its verification steps on AVX512-VNNI (docs/performance.md, issue 32)
+    "kvserve-w4a8": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                  "--disable-log-requests", "--quantization", "w4a8"],
+    "kvserve-w4a8-suffix": lambda port: [
+        PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
+        "--quantization", "w4a8",
+        "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 8}'],
     "llama.cpp": lambda port: ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "start",
                                str(port), "32"],
     # llama.cpp's own context speculation (its server's --spec-type ngram-mod), s7-s9
