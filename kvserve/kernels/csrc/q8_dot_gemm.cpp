@@ -145,10 +145,10 @@ int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step) {
 }
 #endif
 
+// Into `q`, whose buffers only grow (the caller keeps one per thread: no allocation a call).
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t ldx, int64_t cols,
-                            CodeOrder order) {
-  QuantizedRows q;
+void quantize_rows(QuantizedRows& q, const T* x, int64_t rows, int64_t ldx, int64_t cols,
+                   CodeOrder order) {
   q.cols = cols;
   q.groups = cols / 32;
   q.codes.resize(rows * cols);
@@ -165,7 +165,6 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t ldx, int64_t cols,
       q.code_sum[m * q.groups + g] = code_sum;
     }
   }
-  return q;
 }
 
 inline float widen(float v) { return v; }
@@ -489,28 +488,38 @@ void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
              scalar);
 }
 
-// x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y in float (+ bias),
-// returned in x's dtype. bf16 goes both ways inside (two torch conversions a projection were
-// ~3 us each, ~0.6 ms of a decode step through the stack).
+// x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y (+ bias) in x's
+// dtype. Per call only the output is allocated: at one row, through the decode stack's 120
+// projections a step, torch conversions and per-call buffers cost more than the kernels saved
+// (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
 at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                                int64_t out_features, CodeOrder order,
                                void (*run)(const QuantizedRows&, int64_t, const at::Tensor&,
                                            int64_t, float*),
                                const at::Tensor& packed) {
-  const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
-  if (x.size(0) > 0 && out_features > 0) {
-    const QuantizedRows xq =
-        x.scalar_type() == at::kBFloat16
-            ? quantize_rows(rows.data_ptr<BFloat16>(), x.size(0), rows.stride(0), x.size(1), order)
-            : quantize_rows(rows.data_ptr<float>(), x.size(0), rows.stride(0), x.size(1), order);
-    run(xq, x.size(0), packed, out_features, y.data_ptr<float>());
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return out;
+  const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
+  thread_local QuantizedRows xq;
+  thread_local std::vector<float> scratch;  // y in float, for bf16 x
+  const bool is_float = x.scalar_type() == at::kFloat;
+  if (is_float) {
+    quantize_rows(xq, src.data_ptr<float>(), rows, src.stride(0), x.size(1), order);
+  } else {
+    quantize_rows(xq, src.data_ptr<BFloat16>(), rows, src.stride(0), x.size(1), order);
+    scratch.resize(std::max<size_t>(scratch.size(), rows * out_features));
   }
-  if (bias) y.add_(bias->to(at::kFloat));
-  if (x.scalar_type() == at::kFloat) return y;
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  to_bf16_bits(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()),
-               y.numel());
+  float* y = is_float ? out.data_ptr<float>() : scratch.data();
+  run(xq, rows, packed, out_features, y);
+  if (bias) {
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    const float* values = b.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t n = 0; n < out_features; ++n) y[m * out_features + n] += values[n];
+  }
+  if (!is_float)
+    to_bf16_bits(y, reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()), rows * out_features);
   return out;
 }
 
