@@ -7,7 +7,8 @@
 // run at the memory's pace, ~15 GB/s of a 21 GB/s roof, docs/performance.md).
 // `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed bytes and adds pairs into int16, so the
 // codes are used as they are (a mask, a shift) and one instruction does 32 multiply-adds; with
-// AVX512-VNNI `vpdpbusd` also does the add into int32. The cost is lossy: x is rounded to 127
+// AVX512-VNNI `vpdpbusd` also does the add into int32, on a whole 16-output panel per zmm (64
+// multiply-adds an instruction, twice `vdpbf16ps`'s). The cost is lossy: x is rounded to 127
 // steps of its group's absmax (x' = d * xq), as llama.cpp does on every CPU; the dot products are
 // then exact, so y = W x' exactly up to float rounding of the per-group partial sums.
 //
@@ -24,7 +25,8 @@
 //   group the int16 sums stay below 8 * 2 * 15 * 127 = 30,480, no saturation.
 // - int8: chunk c holds k = 4c..4c+3 of 16 rows, one lane each; x's codes in natural order. The
 //   signed x signed product goes through |w| and sign(x, w) (vpmaddubsw wants one operand
-//   unsigned); pairs reach 2 * 127 * 127, so each chunk widens to int32 at once.
+//   unsigned); pairs reach 2 * 127 * 127, so each chunk widens to int32 at once. On zmm
+//   (no vpsignb) through w + 128 and a correction by 128 sum(xq), as exact.
 #include "q8_dot_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -45,7 +47,7 @@ using at::Half;
 
 // With AVX512-VNNI the int4 kernel takes a whole panel (16 outputs) per zmm: vpdpbusd zmm does 64
 // multiply-adds an instruction, twice vdpbf16ps (Zen 4: one of either a cycle, measured), and the
-// per-row epilogue serves 16 outputs, not 8. The ymm halves stay for AVX2 and the Q8_0 head.
+// per-row epilogue serves 16 outputs, not 8; the Q8_0 head likewise. AVX2 keeps ymm halves.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KVSERVE_Q8_ZMM 1
 #else
