@@ -32,7 +32,6 @@ constexpr int64_t kGroup = kInt8Group;
 constexpr int64_t kPanel = kInt8Panel;
 constexpr int64_t kBlockBytes = kInt8BlockBytes;
 constexpr int kRowBlock = 8;                                  // rows of x per pass over a panel
-constexpr int64_t kPrefetchBlocks = kInt8PrefetchBlocks;
 
 inline const float* block_scales(const uint8_t* block) { return int8_block_scales(block); }
 
@@ -81,11 +80,7 @@ void panel_part(const float* x, int64_t ldx, const uint8_t* panel, int64_t group
   for (int m = 0; m < R; ++m) total[m] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * kBlockBytes;
-    if (part == 0) {
-      for (int64_t line = 0; line < kBlockBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBlocks * kBlockBytes + line),
-                     _MM_HINT_T0);
-    }
+    if (part == 0) int8_prefetch_ahead(block);
     vf dot[R][C];
     for (int m = 0; m < R; ++m)
       for (int c = 0; c < C; ++c) dot[m][c] = vzero();
@@ -164,9 +159,7 @@ void panel_bf16(const at::BFloat16* x, int64_t ldx, const uint8_t* panel, int64_
   for (int m = 0; m < R; ++m) vstore(out + m * kPanel, vzero());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + g * kBlockBytes;
-    for (int64_t line = 0; line < kBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBlocks * kBlockBytes + line),
-                   _MM_HINT_T0);
+    int8_prefetch_ahead(block);
     __m512 dot[R][2];
     for (int m = 0; m < R; ++m) dot[m][0] = dot[m][1] = vzero();
     for (int chunk = 0; chunk < 8; ++chunk) {

@@ -65,6 +65,15 @@ constexpr int64_t kInt8CodeBytes = kInt8Panel * kInt8Group;        // 512
 constexpr int64_t kInt8BlockBytes = kInt8CodeBytes + kInt8Panel * 4;  // + float32 scales
 constexpr int64_t kInt8PrefetchBlocks = 16;                         // ~9 KB ahead
 
+#if KVSERVE_VEC
+// The int8 block kInt8PrefetchBlocks after `block` into L1 (the kernels stream blocks in order).
+inline void int8_prefetch_ahead(const uint8_t* block) {
+  for (int64_t line = 0; line < kInt8BlockBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kInt8PrefetchBlocks * kInt8BlockBytes
+                                               + line), _MM_HINT_T0);
+}
+#endif
+
 inline const float* int8_block_scales(const uint8_t* block) {
   return reinterpret_cast<const float*>(block + kInt8CodeBytes);
 }

@@ -345,9 +345,7 @@ void int8_full_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
   for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < xq.groups; ++g) {
     const uint8_t* block = panel + g * kInt8BlockBytes;
-    for (int64_t line = 0; line < kInt8BlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kInt8PrefetchBlocks * kInt8BlockBytes
-                                                 + line), _MM_HINT_T0);
+    int8_prefetch_ahead(block);
     __m512i biased[8];  // chunk c: k = 4c..4c+3 of the 16 rows, one lane each, + 128
     for (int chunk = 0; chunk < 8; ++chunk)
       biased[chunk] = _mm512_xor_si512(_mm512_loadu_si512(block + chunk * 64), flip);
@@ -376,11 +374,7 @@ void int8_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
   alignas(32) __m256i codes[8], magnitudes[8];
   for (int64_t g = 0; g < xq.groups; ++g) {
     const uint8_t* block = panel + g * kInt8BlockBytes;
-    if (half == 0) {
-      for (int64_t line = 0; line < kInt8BlockBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + kInt8PrefetchBlocks * kInt8BlockBytes
-                                                   + line), _MM_HINT_T0);
-    }
+    if (half == 0) int8_prefetch_ahead(block);
     for (int chunk = 0; chunk < 8; ++chunk) {
       codes[chunk] = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(block + chunk * 64 + 32 * half));
