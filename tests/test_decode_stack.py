@@ -12,7 +12,7 @@ from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.tiny import tiny_config
 
 MODES = [("float32", "none"), ("float32", "int4"), ("float32", "w4a8"), ("bfloat16", "none"),
-         ("bfloat16", "int4")]
+         ("bfloat16", "int4"), ("bfloat16", "w4a8")]
 
 
 def _decode_logits(model, prompts, steps, eager: bool, max_len: int = 96):

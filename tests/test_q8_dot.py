@@ -128,6 +128,13 @@ def test_extreme_activations_do_not_saturate(kernels):
         torch.testing.assert_close(kernels.int4_linear_q8(x, packed, None, rows), expected)
 
 
+def test_only_vnni_builds_report_wide_integer_dots(kernels):
+    """`q8_dot_wide` (what makes `--quantization auto` pick w4a8 in bfloat16) is the build's own
+    answer: the avx512_bf16 level is compiled with AVX512-VNNI, the others are not."""
+    assert kernels.q8_dot_wide() == (kernels.isa == "avx512_bf16")
+    assert reference.q8_dot_wide() is False
+
+
 def test_w4a8_layer_keeps_float16_metadata_only_when_exact(kernels):
     """Scales and lows already in float16 (a GGUF's Q4_1) are stored in float16, losslessly;
     others stay float32. Decode rows go through the integer kernel either way."""

@@ -138,6 +138,10 @@ def test_w8a8_close_to_its_int8_weights(kernels):
 
 def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
     assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "int4"
+    # AVX512-VNNI builds: a panel per integer dot product, twice bf16's multiply-adds
+    assert resolve_quantization("auto", "Q4_1", torch.bfloat16, wide_integer_dots=True) == "w4a8"
+    assert resolve_quantization("int4", "Q4_1", torch.bfloat16, wide_integer_dots=True) == "int4"
+    assert resolve_quantization("auto", "Q6_K", torch.bfloat16, wide_integer_dots=True) == "int8"
     assert resolve_quantization("auto", "Q4_1", torch.float32) == "none"  # the exact reference
     # float32 as the machine's default (no native bf16): 4-bit weights, int8 activations
     assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "w4a8"

@@ -75,11 +75,13 @@ def engine_dtype() -> str:
 
 
 def engine_quantization(config: ModelConfig, dtype: str, dtype_is_default: bool = True) -> str:
-    """What `--quantization auto` resolves to for this checkpoint and dtype."""
+    """What `--quantization auto` resolves to for this checkpoint and dtype (on the compiled
+    kernels of this machine's selected level, as the engine loads them)."""
+    from kvserve.kernels import get_ops
     from kvserve.quant import resolve_quantization
 
     return resolve_quantization("auto", config.source_weight_type, GEMM_DTYPES[dtype],
-                                dtype_is_default)
+                                dtype_is_default, wide_integer_dots=get_ops().q8_dot_wide())
 
 
 def resolve_format(config: ModelConfig, dtype: str = "auto", quantization: str = "auto"

@@ -406,6 +406,11 @@ def int8_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return int8_linear(quantize_activations_q8(x), packed, bias, out_features).to(x.dtype)
 
 
+def q8_dot_wide() -> bool:
+    """The reference has no integer dot products: never the wide path."""
+    return False
+
+
 # ---- bf16 weight GEMM (csrc/bf16_gemm.cpp): bf16 weights in panels of 16 rows
 
 BF16_GROUP, BF16_PANEL = 32, 16

@@ -126,7 +126,8 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         if source.format == "gguf" and use_cache else None
     quantization = resolve_quantization(
         quantization, config.source_weight_type, torch_dtype,
-        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device)
+        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device,
+        _has_wide_integer_dots(device, use_cpu_kernels))
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
         model, how = _load_shard(source, config, cached, device, attention_backend,
@@ -197,6 +198,13 @@ def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
     from kvserve.kernels import get_ops
 
     return device == "cpu" and get_ops(use_cpu_kernels).int4_linear_fast()
+
+
+def _has_wide_integer_dots(device: str, use_cpu_kernels: bool) -> bool:
+    """Our w4a8 kernels take a whole panel per integer dot product (AVX512-VNNI builds)."""
+    from kvserve.kernels import get_ops
+
+    return device == "cpu" and get_ops(use_cpu_kernels).q8_dot_wide()
 
 
 def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,

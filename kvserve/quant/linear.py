@@ -323,12 +323,16 @@ def check_quantization_device(mode: str, device: str) -> None:
 
 
 def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,
-                         dtype_is_default: bool = False, device: str = "cpu") -> str:
+                         dtype_is_default: bool = False, device: str = "cpu",
+                         wide_integer_dots: bool = False) -> str:
     """`auto`, for a checkpoint that is already 4-bit (its weights stay 4-bit: the int4 codes
-    are the GGUF's Q4_1 codes): int4 in bfloat16; w4a8 in float32 chosen because this CPU has
-    no native bf16 (`dtype_is_default`: AVX2 CPUs), where the float kernels of decode batches
-    were bound by their FMAs and the float32 prefill GEMM is slow (activations rounded to int8
-    per group as llama.cpp does: +0.13% perplexity, docs/performance.md). A float32 the user
+    are the GGUF's Q4_1 codes): in bfloat16, w4a8 where our kernels multiply a whole panel per
+    integer dot-product instruction (`wide_integer_dots`: AVX512-VNNI, twice the multiply-adds
+    of bf16 ones; on Zen 4 a verification step of 8-12 rows 20-25% faster and the LM head ~1.5x,
+    for +0.41% perplexity, docs/performance.md), else int4. w4a8 in float32 chosen because this
+    CPU has no native bf16 (`dtype_is_default`: AVX2 CPUs), where the float kernels of decode
+    batches were bound by their FMAs and the float32 prefill GEMM is slow (activations rounded to
+    int8 per group as llama.cpp does: +0.13% perplexity). A float32 the user
     asked for stays the exact reference: no quantization. Off the CPU (`device` cuda, ...) the
     4-bit modes do not run: `auto` keeps the dequantized weights and asking for one of them is
     a ValueError here, at load, rather than a failure inside torch. A 5- to 8-bit checkpoint
@@ -345,7 +349,7 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     if source_weight_type not in FOUR_BIT_SOURCE_TYPES or not on_cpu:
         return "none"
     if dtype == torch.bfloat16:
-        return "int4"
+        return "w4a8" if wide_integer_dots else "int4"
     if dtype == torch.float32 and dtype_is_default:
         return "w4a8"
     return "none"

@@ -939,6 +939,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
+  m.def("q8_dot_wide", &kvserve::q8_dot_wide,
+        "whether int4_linear_q8 takes a whole 16-output panel per instruction (AVX512-VNNI)");
   // module_local: each ISA level is its own module in one process (the tests load several)
   py::class_<kvserve::StackLinear>(m, "StackLinear", py::module_local())
       .def(py::init([](std::string kind, at::Tensor panels, at::Tensor dense,

@@ -560,4 +560,6 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
   return with_quantized_rows(x, bias, out_features, CodeOrder::kNatural, run, packed);
 }
 
+bool q8_dot_wide() { return KVSERVE_Q8_ZMM; }
+
 }  // namespace kvserve

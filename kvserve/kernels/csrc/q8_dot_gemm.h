@@ -17,4 +17,9 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
 
+// Whether this build multiplies a whole 16-output panel per instruction (AVX512-VNNI zmm), where
+// integer dot products do twice the multiply-adds of bf16 ones: `--quantization auto` then picks
+// w4a8 over int4 in bfloat16 (quant/linear.py::resolve_quantization).
+bool q8_dot_wide();
+
 }  // namespace kvserve
