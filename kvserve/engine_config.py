@@ -58,8 +58,9 @@ class EngineConfig:
                                "against bf16's 128; perplexity in docs/performance.md)",
                                choices=["auto", "float32", "bfloat16", "int8"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (for 4-bit "
-                             "GGUFs: int4 in bfloat16, w4a8 where float32 is only the "
-                             "machine's default, i.e. no native bf16; for 5- to 8-bit GGUFs: "
+                             "GGUFs: w4a8 where float32 is only the machine's default (no "
+                             "native bf16) or the kernels have AVX512-VNNI, else int4 in "
+                             "bfloat16; for 5- to 8-bit GGUFs: "
                              "int8; else none), none, int4 (groupwise, exact for Q4_1 GGUFs), "
                              "int8 (groups of 32 as Q8_0 where the compiled kernels run, per "
                              "channel elsewhere), w8a8 (int8 weights, int8 activations for "
