@@ -34,7 +34,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
+
+#include <omp.h>
 
 #include "panel_layouts.h"
 #include "vec.h"
@@ -147,27 +150,55 @@ int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step) {
 }
 #endif
 
-// Into `q`, whose buffers only grow (the caller keeps one per thread: no allocation a call).
-template <typename T>
-void quantize_rows(QuantizedRows& q, const T* x, int64_t rows, int64_t ldx, int64_t cols,
-                   CodeOrder order) {
+// Sizes `q` for rows x cols (its buffers only grow: the caller keeps one, no allocation a call).
+void size_rows(QuantizedRows& q, int64_t rows, int64_t cols) {
   q.cols = cols;
   q.groups = cols / 32;
   q.codes.resize(rows * cols);
   q.step.resize(rows * q.groups);
   q.sum.resize(rows * q.groups);
   q.code_sum.resize(rows * q.groups);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < q.groups; ++g) {
-      float step;
-      const int code_sum = quantize_group(x + m * ldx + g * 32, q.codes.data() + m * cols + g * 32,
-                                          order, step);
-      q.step[m * q.groups + g] = step;
-      q.sum[m * q.groups + g] = step * static_cast<float>(code_sum);
-      q.code_sum[m * q.groups + g] = code_sum;
-    }
+}
+
+// Groups [begin, end) of x, counted over rows then groups, into `q` (sized by size_rows): each
+// group's codes and step depend on that group alone, so threads may take disjoint ranges.
+template <typename T>
+void quantize_groups(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order, int64_t begin,
+                     int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t m = i / q.groups, g = i % q.groups;
+    float step;
+    const int code_sum = quantize_group(x + m * ldx + g * 32, q.codes.data() + m * q.cols + g * 32,
+                                        order, step);
+    q.step[i] = step;
+    q.sum[i] = step * static_cast<float>(code_sum);
+    q.code_sum[i] = code_sum;
   }
 }
+
+// Where a call's outputs go: row m's outputs at m * ld, in float or as bf16 bits, bias added in
+// float first (the order the unfused path had, so results are unchanged).
+struct OutputRows {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  const float* bias = nullptr;
+  int64_t ld = 0;
+
+  // values[0 .. count) are row m's outputs n0 ..; values is scratch (the bias lands in it)
+  void store(int64_t m, int64_t n0, float* values, int64_t count) const {
+    if (bias)
+      for (int64_t i = 0; i < count; ++i) values[i] += bias[n0 + i];
+    if (f32) {
+      std::copy(values, values + count, f32 + m * ld + n0);
+    } else {
+      to_bf16_bits(values, bf16 + m * ld + n0, count);
+    }
+  }
+};
+
+// Quantizes x's groups [begin, end) (see quantize_groups); run by every thread of the kernel's
+// parallel region on its share, before the panels.
+using QuantizeRange = std::function<void(int64_t, int64_t)>;
 
 inline float widen(float v) { return v; }
 inline float widen(Half v) { return static_cast<float>(v); }
@@ -415,15 +446,31 @@ void panel_rows(int rows, Kernel kernel) {
 
 #endif  // KVSERVE_VEC
 
-// y[m, n] (float) for every row and output: each thread takes one contiguous run of panels (one
-// stream of blocks); `tile(rows, m0, panel, out)` fills out[m][16] for a row block of at most
-// `max_rows` rows (passes of equal size: each pays the panel's unpacking).
+// y[m, n] for every row and output, in one parallel region: the threads first quantize x (each
+// a share of its groups), meet at a barrier, then each takes one contiguous run of panels (one
+// stream of blocks) and stores its outputs (bias, bf16) as they come. Why one region: x's
+// quantization and y's conversion ran serially around the kernel, the other core spinning;
+// at a 9-token verification that was ~6% of the step's samples (perf, Zen 4). `tile(rows, m0,
+// panel, out)` fills out[m][16] for a row block of at most `max_rows` rows (passes of equal
+// size: each pays the panel's unpacking).
 template <typename Tile, typename Scalar>
-void run_panels(int64_t rows, int64_t out_features, int64_t panel_bytes, const uint8_t* packed,
-                float* y, int64_t max_rows, Tile tile, Scalar scalar) {
+void run_panels(const QuantizedRows& xq, int64_t rows, int64_t out_features, int64_t panel_bytes,
+                const uint8_t* packed, const OutputRows& y, const QuantizeRange& quantize,
+                int64_t max_rows, Tile tile, Scalar scalar) {
   const int64_t panels = (out_features + 15) / 16;
   const int64_t pass = rows_per_pass(rows, max_rows);
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+  const int64_t groups = rows * xq.groups;
+  at::internal::lazy_init_num_threads();
+  // at least 4 panels a thread (at::parallel_for's grain before)
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (panels + 3) / 4));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    quantize(groups * thread / team, groups * (thread + 1) / team);
+#pragma omp barrier
+    const int64_t chunk = (panels + team - 1) / team;
+    const int64_t begin = thread * chunk, end = std::min(panels, begin + chunk);
     float out[kRowBlock * 16];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* panel = packed + p * panel_bytes;
@@ -436,16 +483,15 @@ void run_panels(int64_t rows, int64_t out_features, int64_t panel_bytes, const u
         for (int m = 0; m < block_rows; ++m)
           for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
 #endif
-        for (int m = 0; m < block_rows; ++m)
-          std::copy(out + m * 16, out + m * 16 + count, y + (m0 + m) * out_features + p * 16);
+        for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
       }
     }
-  });
+  }
 }
 
 template <typename S>
 void int4_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
-             float* y) {
+             const OutputRows& y, const QuantizeRange& quantize) {
   const int64_t panel_bytes = xq.groups * Int4Block<S>::kBytes;
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
@@ -461,11 +507,11 @@ void int4_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
   auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
     return int4_dot_scalar<S>(xq, m, panel, n);
   };
-  run_panels(rows, out_features, panel_bytes, packed, y, kRowBlock, tile, scalar);
+  run_panels(xq, rows, out_features, panel_bytes, packed, y, quantize, kRowBlock, tile, scalar);
 }
 
 void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
-             float* y) {
+             const OutputRows& y, const QuantizeRange& quantize) {
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
     with_row_count(block_rows, [&](auto r) {
@@ -480,42 +526,49 @@ void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
   auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
     return int8_dot_scalar(xq, m, panel, n);
   };
-  run_panels(rows, out_features, xq.groups * kInt8BlockBytes, packed, y, kRowBlock, tile,
-             scalar);
+  run_panels(xq, rows, out_features, xq.groups * kInt8BlockBytes, packed, y, quantize, kRowBlock,
+             tile, scalar);
 }
 
 // x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y (+ bias) in x's
 // dtype. Per call only the output is allocated: at one row, through the decode stack's 120
 // projections a step, torch conversions and per-call buffers cost more than the kernels saved
 // (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
+using PanelKernel = void (*)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
+                             const OutputRows&, const QuantizeRange&);
+
 at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                               int64_t out_features, CodeOrder order,
-                               void (*run)(const QuantizedRows&, int64_t, const at::Tensor&,
-                                           int64_t, float*),
+                               int64_t out_features, CodeOrder order, PanelKernel run,
                                const at::Tensor& packed) {
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return out;
   const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
-  thread_local QuantizedRows xq;
-  thread_local std::vector<float> scratch;  // y in float, for bf16 x
-  const bool is_float = x.scalar_type() == at::kFloat;
-  if (is_float) {
-    quantize_rows(xq, src.data_ptr<float>(), rows, src.stride(0), x.size(1), order);
-  } else {
-    quantize_rows(xq, src.data_ptr<BFloat16>(), rows, src.stride(0), x.size(1), order);
-    scratch.resize(std::max<size_t>(scratch.size(), rows * out_features));
-  }
-  float* y = is_float ? out.data_ptr<float>() : scratch.data();
-  run(xq, rows, packed, out_features, y);
+  thread_local QuantizedRows buffers;
+  QuantizedRows& xq = buffers;  // the lambdas below run on other threads: not their own copy
+  size_rows(xq, rows, x.size(1));
+  at::Tensor float_bias;
+  OutputRows y;
+  y.ld = out_features;
   if (bias) {
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    const float* values = b.data_ptr<float>();
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t n = 0; n < out_features; ++n) y[m * out_features + n] += values[n];
+    float_bias = bias->to(at::kFloat).contiguous();
+    y.bias = float_bias.data_ptr<float>();
   }
-  if (!is_float)
-    to_bf16_bits(y, reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()), rows * out_features);
+  QuantizeRange quantize;
+  if (x.scalar_type() == at::kFloat) {
+    y.f32 = out.data_ptr<float>();
+    const float* data = src.data_ptr<float>();
+    quantize = [&, data](int64_t begin, int64_t end) {
+      quantize_groups(xq, data, src.stride(0), order, begin, end);
+    };
+  } else {
+    y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+    const BFloat16* data = src.data_ptr<BFloat16>();
+    quantize = [&, data](int64_t begin, int64_t end) {
+      quantize_groups(xq, data, src.stride(0), order, begin, end);
+    };
+  }
+  run(xq, rows, packed, out_features, y, quantize);
   return out;
 }
 
@@ -538,10 +591,11 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                    packed.size(2) == Int4Block<float>::kBytes),
               "int4_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 320 or 384]");
   TORCH_CHECK(!bias || bias->numel() == out_features, "int4_linear_q8: bias must be [N]");
-  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n, float* y) {
+  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n,
+                const OutputRows& y, const QuantizeRange& quantize) {
     const uint8_t* data = w.data_ptr<uint8_t>();
-    w.size(2) == Int4Block<Half>::kBytes ? int4_q8<Half>(xq, rows, data, n, y)
-                                         : int4_q8<float>(xq, rows, data, n, y);
+    w.size(2) == Int4Block<Half>::kBytes ? int4_q8<Half>(xq, rows, data, n, y, quantize)
+                                         : int4_q8<float>(xq, rows, data, n, y, quantize);
   };
   return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes, run, packed);
 }
@@ -554,8 +608,9 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                   packed.size(1) == x.size(1) / 32 && packed.size(2) == kInt8BlockBytes,
               "int8_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 576]");
   TORCH_CHECK(!bias || bias->numel() == out_features, "int8_linear_q8: bias must be [N]");
-  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n, float* y) {
-    int8_q8(xq, rows, w.data_ptr<uint8_t>(), n, y);
+  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n,
+                const OutputRows& y, const QuantizeRange& quantize) {
+    int8_q8(xq, rows, w.data_ptr<uint8_t>(), n, y, quantize);
   };
   return with_quantized_rows(x, bias, out_features, CodeOrder::kNatural, run, packed);
 }
