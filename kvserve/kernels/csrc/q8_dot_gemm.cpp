@@ -165,14 +165,19 @@ void size_rows(QuantizedRows& q, int64_t rows, int64_t cols) {
 template <typename T>
 void quantize_groups(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order, int64_t begin,
                      int64_t end) {
+  if (begin >= end) return;
+  int64_t m = begin / q.groups, g = begin % q.groups;  // one division, not one a group
+  float* steps = q.step.data();
+  float* sums = q.sum.data();
+  int32_t* code_sums = q.code_sum.data();
   for (int64_t i = begin; i < end; ++i) {
-    const int64_t m = i / q.groups, g = i % q.groups;
     float step;
     const int code_sum = quantize_group(x + m * ldx + g * 32, q.codes.data() + m * q.cols + g * 32,
                                         order, step);
-    q.step[i] = step;
-    q.sum[i] = step * static_cast<float>(code_sum);
-    q.code_sum[i] = code_sum;
+    steps[i] = step;
+    sums[i] = step * static_cast<float>(code_sum);
+    code_sums[i] = code_sum;
+    if (++g == q.groups) g = 0, ++m;
   }
 }
 
