@@ -539,6 +539,17 @@ void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
 // dtype. Per call only the output is allocated: at one row, through the decode stack's 120
 // projections a step, torch conversions and per-call buffers cost more than the kernels saved
 // (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
+// quantize_groups over src (element type T) into xq, as a QuantizeRange; xq is captured by
+// reference: the range runs on the region's other threads, whose thread_local copy is not it.
+template <typename T>
+QuantizeRange quantize_range(QuantizedRows& xq, const at::Tensor& src, CodeOrder order) {
+  const T* data = src.data_ptr<T>();
+  const int64_t ld = src.stride(0);
+  return [&xq, data, ld, order](int64_t begin, int64_t end) {
+    quantize_groups(xq, data, ld, order, begin, end);
+  };
+}
+
 using PanelKernel = void (*)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
                              const OutputRows&, const QuantizeRange&);
 
@@ -550,7 +561,7 @@ at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tens
   if (rows == 0 || out_features == 0) return out;
   const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
   thread_local QuantizedRows buffers;
-  QuantizedRows& xq = buffers;  // the lambdas below run on other threads: not their own copy
+  QuantizedRows& xq = buffers;
   size_rows(xq, rows, x.size(1));
   at::Tensor float_bias;
   OutputRows y;
@@ -562,16 +573,10 @@ at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tens
   QuantizeRange quantize;
   if (x.scalar_type() == at::kFloat) {
     y.f32 = out.data_ptr<float>();
-    const float* data = src.data_ptr<float>();
-    quantize = [&, data](int64_t begin, int64_t end) {
-      quantize_groups(xq, data, src.stride(0), order, begin, end);
-    };
+    quantize = quantize_range<float>(xq, src, order);
   } else {
     y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
-    const BFloat16* data = src.data_ptr<BFloat16>();
-    quantize = [&, data](int64_t begin, int64_t end) {
-      quantize_groups(xq, data, src.stride(0), order, begin, end);
-    };
+    quantize = quantize_range<BFloat16>(xq, src, order);
   }
   run(xq, rows, packed, out_features, y, quantize);
   return out;
