@@ -535,10 +535,6 @@ void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
              tile, scalar);
 }
 
-// x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y (+ bias) in x's
-// dtype. Per call only the output is allocated: at one row, through the decode stack's 120
-// projections a step, torch conversions and per-call buffers cost more than the kernels saved
-// (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
 // quantize_groups over src (element type T) into xq, as a QuantizeRange; xq is captured by
 // reference: the range runs on the region's other threads, whose thread_local copy is not it.
 template <typename T>
@@ -550,6 +546,10 @@ QuantizeRange quantize_range(QuantizedRows& xq, const at::Tensor& src, CodeOrder
   };
 }
 
+// x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y (+ bias) in x's
+// dtype. Per call only the output is allocated: at one row, through the decode stack's 120
+// projections a step, torch conversions and per-call buffers cost more than the kernels saved
+// (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
 using PanelKernel = void (*)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
                              const OutputRows&, const QuantizeRange&);
 
