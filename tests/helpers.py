@@ -138,11 +138,12 @@ def gguf_parsed_once() -> Iterator[None]:
 
 # ---- processes --------------------------------------------------------------------------------
 def process_alive(pid: int) -> bool:
-    """True while /proc lists the pid as anything but a zombie."""
+    """True while /proc lists the pid as anything but a zombie. A process reaped between the
+    open and the read makes the read fail with ESRCH: gone too."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 

@@ -6,9 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.helpers import process_alive, wait_gone
 
 PARENT = """
 import subprocess, sys, time
@@ -20,22 +21,11 @@ time.sleep(60)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_child_dies_with_a_parent_killed_by_sigkill():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
-    assert _alive(child_pid)
+    assert process_alive(child_pid)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child_pid)
+    assert wait_gone(child_pid, timeout=10)
