@@ -140,6 +140,30 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
         compiled.paged_attention_(qkv.bfloat16(), kv_cache.float(), out.bfloat16(), *args)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])  # the register-blocked passes
+def test_a_token_verified_among_others_gets_the_bits_of_it_decoded_alone(dim, cache_dtype,
+                                                                         compiled):
+    """Speculative decoding verifies k tokens in one task; with float32 queries each must get
+    the bits it would get decoded alone (greedy tokens equal with drafts on and off). Several
+    tokens take other passes than one (AVX2: the listed passes), so this holds only if every
+    path computes each row's scores and sums the same way."""
+    torch.manual_seed(3)
+    n, seq_len, block_size = 9, 300, 16
+    blocks = -(-seq_len // block_size)
+    table = torch.randperm(blocks + 4)[:blocks].tolist()
+    query_lens = [n] + [1] * n
+    seq_lens = [seq_len] + [seq_len - n + 1 + j for j in range(n)]
+    metadata, _ = build_attention_metadata(query_lens, seq_lens, [table] * (n + 1), block_size)
+    kv_cache = torch.randn(2, blocks + 4, block_size, KV_HEADS, dim).to(cache_dtype)
+    qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * dim).repeat(2, 1)  # the same queries twice
+    out = torch.zeros(2 * n, HEADS * dim)
+    compiled.paged_attention_(qkv, kv_cache, out, torch.arange(n + 1, dtype=torch.int32),
+                              metadata.query_start_loc.long(), metadata.seq_lens,
+                              metadata.block_tables, HEADS, KV_HEADS, dim, dim**-0.5, 0)
+    assert torch.equal(out[:n], out[n:])
+
+
 @pytest.mark.parametrize("dim", [32, 64])  # 64: the register-blocked passes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_of_a_sequence_alone_equals_it_in_a_batch(dtype, dim, compiled):

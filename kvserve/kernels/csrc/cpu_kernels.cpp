@@ -491,14 +491,124 @@ void score_rows_tiled(ForEachRow& for_each_row, const float* queries, int64_t ro
   });
   if (count) flush();
 }
+
+// AVX2 QK and PV passes for tasks of several tokens (verifications, short chunks), over a list
+// of the task's K (or V) row pointers in key order. Why: through for_each_row's callback each key
+// and value row was loaded (and widened from bf16) once per query row, and GCC kept
+// score_rows_tiled's key pointers and weigh_block's sums in memory, each key's last FMA waiting
+// on a store-to-load round trip (perf: half of the PV pass's samples on one FMA); a 9-token
+// verification (27 rows a KV head, SmolLM2) spent 17% of its AVX2 step here. These are plain
+// loops over registers that load each key chunk once for 2 rows (QK) and each value chunk once
+// for 4 (PV). Each score and sum is computed as those two compute it (the same FMA chain over
+// the same chunks, the same hadd tree, keys in order), so the bits are theirs.
+// The 4 dot products of each of R query rows with keys k[0..3] (4 chains a row; R = 2: 8 chains,
+// each key chunk loaded once for both rows), each row's 4 sums as one 128-bit vector.
+template <int DIM, int R, typename C>
+inline void dot4(const float* q, const C* const* k, __m128* sums) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = vzero();
+  for (int c = 0; c < DIM; c += kLanes) {
+    const __m256 keys[4] = {vload(k[0] + c), vload(k[1] + c), vload(k[2] + c), vload(k[3] + c)};
+    for (int r = 0; r < R; ++r) {
+      const __m256 qc = _mm256_loadu_ps(q + r * DIM + c);
+      for (int j = 0; j < 4; ++j) acc[r][j] = vfma(qc, keys[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = sum4(acc[r]);
+}
+
+// scores[r][j] for 4 keys at once (the last ones padded with copies of a real key), rows in
+// pairs; `count` of the 4 stored.
+template <int DIM, typename C>
+void score_four(const C* const* k, int count, const float* queries, int64_t rows, float scale,
+                float* scores, int64_t stride) {
+  const __m128 scales = _mm_set1_ps(scale);
+  auto store = [&](int64_t r, __m128 sums) {
+    sums = _mm_mul_ps(sums, scales);
+    if (count == 4) return _mm_storeu_ps(scores + r * stride, sums);
+    float lanes[4];
+    _mm_storeu_ps(lanes, sums);
+    for (int j = 0; j < count; ++j) scores[r * stride + j] = lanes[j];
+  };
+  __m128 sums[2];
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    dot4<DIM, 2, C>(queries + r * DIM, k, sums);
+    store(r, sums[0]);
+    store(r + 1, sums[1]);
+  }
+  if (r < rows) {
+    dot4<DIM, 1, C>(queries + r * DIM, k, sums);
+    store(r, sums[0]);
+  }
+}
+
+template <int DIM, typename C>
+void score_listed(const C* const* keys, int64_t span, const float* queries, int64_t rows,
+                  float scale, float* scores, int64_t stride) {
+  for (int64_t j = 0; j < span; j += 4) {  // 4 keys (1 KB at DIM 64) stay in L1 for every row
+    const C* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = keys[std::min(j + i, span - 1)];
+    score_four<DIM, C>(k, static_cast<int>(std::min<int64_t>(4, span - j)), queries, rows, scale,
+                       scores + j, stride);
+  }
+}
+
+// acc[r] = sum over keys of probs[r][key] * value row, for R rows and 16 output dims at once:
+// 8 registers of sums, each value chunk loaded once for the R rows. Each output's chain over the
+// keys is the same whichever rows and dims share the block.
+template <int DIM, int R, typename C>
+void weigh_listed_rows(const C* const* values, int64_t span, const float* probs, float* acc,
+                       int64_t stride) {
+  for (int d0 = 0; d0 < DIM; d0 += 2 * kLanes) {
+    __m256 sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = vzero();
+    for (int64_t key = 0; key < span; ++key) {
+      const C* v = values[key] + d0;
+      const __m256 low = vload(v), high = vload(v + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m256 weight = vset1(probs[r * stride + key]);
+        sum[r][0] = vfma(weight, low, sum[r][0]);
+        sum[r][1] = vfma(weight, high, sum[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      vstore(acc + r * DIM + d0, sum[r][0]);
+      vstore(acc + r * DIM + d0 + kLanes, sum[r][1]);
+    }
+  }
+}
+
+template <int DIM, typename C>
+void weigh_listed(const C* const* values, int64_t span, const float* probs, int64_t rows,
+                  float* acc, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    weigh_listed_rows<DIM, 4, C>(values, span, probs + r * stride, acc + r * DIM, stride);
+  const float* p = probs + r * stride;
+  float* out = acc + r * DIM;
+  switch (rows - r) {
+    case 3: weigh_listed_rows<DIM, 3, C>(values, span, p, out, stride); break;
+    case 2: weigh_listed_rows<DIM, 2, C>(values, span, p, out, stride); break;
+    case 1: weigh_listed_rows<DIM, 1, C>(values, span, p, out, stride); break;
+    default: break;
+  }
+}
 #endif
 
 // Register-blocked QK pass for head_dim 64 or 128 on vector builds; false: caller runs the
-// generic one.
+// generic one. `listed` (AVX2, several tokens: lists_rows): the key rows' pointers, in order.
 template <typename T, typename ForEachRow>
-bool score_rows_fast(ForEachRow& for_each_row, const float* queries, int64_t rows, int64_t dim,
-                     float scale, float* scores, int64_t stride) {
+bool score_rows_fast(ForEachRow& for_each_row, const T* const* listed, int64_t span,
+                     const float* queries, int64_t rows, int64_t dim, float scale, float* scores,
+                     int64_t stride) {
 #if KVSERVE_VEC == 8
+  if (listed && dim == 64) {
+    return score_listed<64, T>(listed, span, queries, rows, scale, scores, stride), true;
+  }
+  if (listed && dim == 128) {
+    return score_listed<128, T>(listed, span, queries, rows, scale, scores, stride), true;
+  }
   if (dim == 64) return score_rows_tiled<T, 64>(for_each_row, queries, rows, scale, scores, stride), true;
   if (dim == 128) return score_rows_tiled<T, 128>(for_each_row, queries, rows, scale, scores, stride), true;
 #elif KVSERVE_VEC
@@ -509,13 +619,28 @@ bool score_rows_fast(ForEachRow& for_each_row, const float* queries, int64_t row
 }
 
 template <typename T, typename ForEachRow>
-bool weigh_values_fast(ForEachRow& for_each_row, const float* probs, int64_t rows, int64_t dim,
-                       float* acc, int64_t stride) {
+bool weigh_values_fast(ForEachRow& for_each_row, const T* const* listed, int64_t span,
+                       const float* probs, int64_t rows, int64_t dim, float* acc, int64_t stride) {
+#if KVSERVE_VEC == 8
+  if (listed && dim == 64) return weigh_listed<64, T>(listed, span, probs, rows, acc, stride), true;
+  if (listed && dim == 128) {
+    return weigh_listed<128, T>(listed, span, probs, rows, acc, stride), true;
+  }
+#endif
 #if KVSERVE_VEC
   if (dim == 64) return blocked_rows<T, 64, false>(for_each_row, probs, rows, 0.f, acc, stride), true;
   if (dim == 128) return blocked_rows<T, 128, false>(for_each_row, probs, rows, 0.f, acc, stride), true;
 #endif
   return false;
+}
+
+// Whether attend_seq_head takes the listed passes: an AVX2 build, float or bf16 rows (int8 rows
+// scale each dot product after it), a head size they take, and more rows than one token's query
+// heads (a decode's few rows reuse each key row from L1 anyway).
+template <typename C>
+bool lists_rows(int64_t rows, int64_t group, int64_t dim) {
+  if constexpr (std::is_same<C, int8_t>::value || KVSERVE_VEC != 8) return false;
+  return (dim == 64 || dim == 128) && rows > group;
 }
 
 // One (sequence, KV head): its n new query tokens x G grouped query heads against every cached
@@ -564,7 +689,15 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
       }
     }
   };
-  if (!score_rows_fast<C>(for_each_row, queries, rows, dim, a.scale, scores, span)) {
+  // the listed passes' K and V row pointers, in key order
+  std::vector<const C*> listed(lists_rows<C>(rows, group, dim) ? 2 * span : 0);
+  for (int64_t half = 0; half < 2 && !listed.empty(); ++half) {
+    for_each_row(half, [&](const C* row, int64_t col, int64_t) {
+      listed[half * span + col] = row;
+    });
+  }
+  const C* const* keys = listed.empty() ? nullptr : listed.data();
+  if (!score_rows_fast<C>(for_each_row, keys, span, queries, rows, dim, a.scale, scores, span)) {
     for_each_row(0, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
       for (int64_t r = std::max<int64_t>(r0 - row_begin, 0); r < rows; ++r) {
@@ -596,7 +729,8 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
     std::fill(scores + r * span, scores + r * span + lo, 0.f);
     std::fill(scores + r * span + hi, scores + (r + 1) * span, 0.f);
   }
-  if (!weigh_values_fast<C>(for_each_row, scores, rows, dim, acc, span)) {
+  const C* const* values = listed.empty() ? nullptr : listed.data() + span;
+  if (!weigh_values_fast<C>(for_each_row, values, span, scores, rows, dim, acc, span)) {
     std::memset(acc, 0, rows * dim * sizeof(float));
     for_each_row(1, [&](const C* row, int64_t col, int64_t r0) {
       load_row(row, kv_row, dim);
