@@ -501,6 +501,7 @@ void score_rows_tiled(ForEachRow& for_each_row, const float* queries, int64_t ro
 // loops over registers that load each key chunk once for 2 rows (QK) and each value chunk once
 // for 4 (PV). Each score and sum is computed as those two compute it (the same FMA chain over
 // the same chunks, the same hadd tree, keys in order), so the bits are theirs.
+
 // The 4 dot products of each of R query rows with keys k[0..3] (4 chains a row; R = 2: 8 chains,
 // each key chunk loaded once for both rows), each row's 4 sums as one 128-bit vector.
 template <int DIM, int R, typename C>
