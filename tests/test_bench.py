@@ -449,6 +449,37 @@ def test_server_metrics_hit_rate_and_placement_behind_a_router(monkeypatch):
     assert "66.7%" in server_metrics.describe(delta, urls)
 
 
+def test_server_metrics_read_a_vllm_peers_counters(monkeypatch):
+    """vLLM names the same counters under its own prefix, per engine and model label: the
+    report adds them up as it does ours."""
+    import httpx
+
+    from kvserve.bench import server_metrics
+
+    counts = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "spec_decode_num_drafts": 0.0,
+              "spec_decode_num_draft_tokens": 0.0, "spec_decode_num_accepted_tokens": 0.0}
+
+    def fake_get(url, **_):
+        request = httpx.Request("GET", url)
+        if url.endswith("/router/state"):
+            return httpx.Response(404, request=request)
+        return httpx.Response(200, request=request, text="".join(
+            f"# TYPE vllm:{name} counter\n"
+            f'vllm:{name}_total{{engine="0",model_name="m"}} {value}\n'
+            for name, value in counts.items()))
+
+    monkeypatch.setattr(server_metrics.httpx, "get", fake_get)
+    urls, router = server_metrics.metrics_urls("http://peer", None, {})
+    before = server_metrics.read("http://peer", urls, router, {})
+    counts.update(prefix_cache_queries=400.0, prefix_cache_hits=100.0, spec_decode_num_drafts=10.0,
+                  spec_decode_num_draft_tokens=40.0, spec_decode_num_accepted_tokens=30.0)
+    delta = server_metrics.run_delta(before, server_metrics.read("http://peer", urls, router, {}))
+    assert delta["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert delta["spec_decode_acceptance_rate"] == pytest.approx(0.75)
+    assert delta["spec_decode_mean_accepted_per_step"] == pytest.approx(3.0)
+    assert "30 of 40 draft tokens accepted" in server_metrics.describe(delta, urls)
+
+
 def _vllm_result(ttft_ms: float, tpot_ms: float, output_throughput: float) -> dict:
     """A `vllm bench serve` result file's fields that we read."""
     result = {"completed": 6, "num_prompts": 6, "failed": 0, "duration": 12.5,

@@ -11,6 +11,7 @@ from kvserve.router.replicas import parse_metrics
 
 _PLACEMENT = ("decisions", "best", "chosen_blocks", "best_blocks", "index_exact")
 _SPECULATION = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # vLLM's counters
+_PREFIXES = ("kvserve", "vllm")  # ours, and a vLLM peer's
 
 
 def metrics_urls(base_url: str, explicit: list[str] | None, headers: dict) -> tuple[list[str],
@@ -34,11 +35,10 @@ def read(base_url: str, urls: list[str], router: bool, headers: dict) -> dict[st
             values = parse_metrics(httpx.get(url + "/metrics", headers=headers,
                                              timeout=10).text)
         except (httpx.HTTPError, ValueError):
-            continue  # down, or no Prometheus text (a peer server): nothing counted
-        counts["prefix_cache_queries"] += values.get("kvserve:prefix_cache_queries_total", 0.0)
-        counts["prefix_cache_hits"] += values.get("kvserve:prefix_cache_hits_total", 0.0)
-        for name in _SPECULATION:
-            counts[f"spec_decode_{name}"] += values.get(f"kvserve:spec_decode_{name}_total", 0.0)
+            continue  # down, or no Prometheus text (llama.cpp's): nothing counted
+        for name in ("prefix_cache_queries", "prefix_cache_hits",
+                     *(f"spec_decode_{name}" for name in _SPECULATION)):
+            counts[name] += _counter(values, name)
     if router:
         values = parse_metrics(httpx.get(base_url + "/metrics", headers=headers,
                                          timeout=10).text)  # the router: must answer
@@ -46,6 +46,15 @@ def read(base_url: str, urls: list[str], router: bool, headers: dict) -> dict[st
             counts[f"placement_{name}"] = values.get(f"kvserve_router:placement_{name}_total",
                                                      0.0)
     return counts
+
+
+def _counter(values: dict[str, float], name: str) -> float:
+    """A counter by its vLLM name, as kvserve or vLLM itself exports it (our counters take
+    vLLM's names under our prefix; a vLLM peer's acceptance reads in the same report)."""
+    for prefix in _PREFIXES:
+        if f"{prefix}:{name}_total" in values:
+            return values[f"{prefix}:{name}_total"]
+    return 0.0
 
 
 def run_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
