@@ -25,13 +25,13 @@ import time
 import uuid
 from collections import deque
 import dataclasses
-import socket
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import msgspec
 import zmq
 
+from kvserve.ports import free_port
 from kvserve.protocol.block_hash import HASH_ALGORITHM
 
 logger = logging.getLogger(__name__)
@@ -374,12 +374,6 @@ def make_kv_event_source(config_text: str | None, kv_manager) -> KVEventSource:
         snapshot=lambda: list(kv_manager.pool.cached),
         probe=kv_manager.num_cached_prefix_blocks)
     return KVEventSource(kv_manager.pool, publisher, kv_manager.block_size)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def with_kv_events(config, host: str):

@@ -229,3 +229,26 @@ def test_a_busy_port_is_a_clear_start_up_error():
         config = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:%d"}' % port
         with pytest.raises(ValueError, match="cannot bind"):
             make_kv_event_source(config, KVCacheManager(num_blocks=4, block_size=BLOCK))
+
+
+def test_kv_events_ports_are_taken_below_the_ephemeral_range_and_never_twice():
+    """The server picks its publisher's ports before the engine core binds them: ports from
+    the ephemeral range could go to any outgoing connection meanwhile (a CI run lost one)."""
+    import json
+
+    from kvserve.engine_config import EngineConfig
+    from kvserve.kv_events import with_kv_events
+    from kvserve.ports import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(20)] + [free_port("")]
+    assert len(set(ports)) == len(ports)
+    if low - 1024 >= 4096:  # Linux's default range leaves room below it
+        assert all(port < low for port in ports)
+    config = with_kv_events(EngineConfig(), "127.0.0.1")
+    events = json.loads(config.kv_events_config)
+    endpoints = {events["endpoint"], events["replay_endpoint"]}
+    assert len(endpoints) == 2
+    for endpoint in endpoints:
+        with zmq.Context() as context, context.socket(zmq.PUB) as publisher:
+            publisher.bind(endpoint)  # free when its owner comes to bind it

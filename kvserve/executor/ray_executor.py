@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import weakref
@@ -31,6 +30,7 @@ from kvserve.engine_config import EngineConfig
 from kvserve.executor.base import PipelinedExecutor
 from kvserve.executor.mp import WorkerDiedError, _check_model_splits
 from kvserve.models import resolve_dtype, resolve_kv_dtype
+from kvserve.ports import free_port
 from kvserve.protocol.worker import (
     ExecuteStep,
     FromWorker,
@@ -74,9 +74,7 @@ class RayWorker:
                 os.cpu_count() or 1, os.getpid())
 
     def free_port(self) -> int:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return probe.getsockname()[1]
+        return free_port("")
 
     def start(self, config: EngineConfig, rank: int, world_size: int,
               init_method: str) -> tuple[bytes, bool]:

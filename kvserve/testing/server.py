@@ -4,9 +4,7 @@ end-to-end tests."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,43 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from kvserve.platform import die_with_parent
-
-
-_ports = random.Random()  # its own generator: tests that seed `random` must not repeat ports
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port free now, never handed out before in this process, taken below the
-    kernel's ephemeral range. Why not bind(0): that port comes from the ephemeral range, where
-    any outgoing connection (a router's health check, a ZMQ connect) may take it before the
-    server binds it; CI lost a KV events port that way (2026-11-28)."""
-    low = _ephemeral_low()
-    if low - 1024 >= 4096:
-        for _ in range(256):
-            port = _ports.randrange(max(1024, low - 16384), low)
-            if port not in _handed_out and _bindable(port):
-                _handed_out.add(port)
-                return port
-    with socket.socket() as sock:  # no room below the range (or all taken): the kernel's pick
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; other systems differ, and the bind check still holds
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+from kvserve.ports import free_port
 
 
 def kv_events_config() -> str:
