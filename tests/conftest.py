@@ -21,7 +21,7 @@ os.environ.setdefault("KVSERVE_AUTOTUNE", "0")
 os.environ.setdefault("KVSERVE_ADAPTIVE_THREADS", "0")
 
 
-@pytest.fixture(scope="session", params=isa.machine_levels())
+@pytest.fixture(scope="session", params=isa.tested_levels())
 def kernels(request):
     """The compiled kernels built for each instruction-set level this CPU can execute (AVX2 and
     scalar everywhere on x86), so every vector variant is tested on any machine. A level that
@@ -32,7 +32,7 @@ def kernels(request):
         pytest.fail(str(error), pytrace=False)
 
 
-@pytest.fixture(params=isa.machine_levels())
+@pytest.fixture(params=isa.tested_levels())
 def isa_level(request):
     """The test once per kernel ISA level this machine can execute: KVSERVE_CPU_ISA caps the
     level while it runs, so the models, engines and core processes it starts load that level's

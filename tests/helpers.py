@@ -385,6 +385,30 @@ def single_process_reference(model_dir) -> tuple[list, list[float], int]:
 
 
 # ---- GGUF files -------------------------------------------------------------------------------
+def ragged_against_alone(max_len: int = 128, new_tokens: int = 8) -> dict:
+    """SmolLM2 in float32 on the paged path: the largest logit difference between the chat and
+    raw prompts run in one ragged batch and each alone, and both runs' greedy tokens (for
+    tests/test_hf_parity.py, which runs this under strict BLAS reproducibility)."""
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+    from kvserve.models.paged_loop import PagedLoop
+    from kvserve.tokenizer import load_tokenizer
+
+    source = resolve_model("smollm2-135m-instruct")
+    model, _ = load_model(source, "float32", attention_backend="paged")
+    tokenizer = load_tokenizer(source)
+    prompts = [tokenizer.encode(p) for p in chat_prompts(tokenizer) + RAW_PROMPTS]
+    batched = PagedLoop(model, num_seqs=len(prompts), max_len=max_len).step(
+        prompts, [len(p) for p in prompts], list(range(len(prompts))), all_logits=True)
+    single = PagedLoop(model, num_seqs=1, max_len=max_len)
+    worst = max((single.step([ids], [len(ids)], [0], all_logits=True)[0] - logits)
+                .abs().max().item() for ids, logits in zip(prompts, batched))
+    return {"max_logit_difference": worst,
+            "greedy_batched": PagedLoop(model, len(prompts), max_len).greedy(prompts, new_tokens),
+            "greedy_alone": [PagedLoop(model, 1, max_len).greedy([p], new_tokens)[0]
+                             for p in prompts]}
+
+
 def llama_cpp_permute(weights, num_heads: int):
     """What llama.cpp's converter does to HF Q/K rows (the inverse of our un-permute)."""
     return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])

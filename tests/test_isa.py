@@ -14,6 +14,15 @@ def test_machine_levels_are_ordered_and_start_with_scalar():
     assert list(levels) == sorted(levels, key=isa.LEVELS.index)
 
 
+def test_tested_levels_cover_each_default_path_of_this_cpu():
+    """AVX2; AVX-512 with VNNI and without bf16 (Cascade Lake's default); AVX-512 with bf16:
+    each the machine can execute is tested. Plain AVX-512 only where it is the best."""
+    levels, tested = isa.machine_levels(), isa.tested_levels()
+    assert tested[0] == "scalar" and set(tested) <= set(levels)
+    assert set(levels) - set(tested) <= {"avx512"}
+    assert levels[-1] in tested
+
+
 def test_cap_selects_that_level_or_the_best_below(monkeypatch):
     for cap in isa.LEVELS:
         monkeypatch.setenv(isa.ISA_ENV, cap)

@@ -310,6 +310,25 @@ def _until_replicas(base_url: str, count: int, timeout: float = 60.0, gone: str 
         time.sleep(0.2)
 
 
+def _indexed_blocks(base_url: str) -> int:
+    """Blocks the router's index holds, over the current replicas."""
+    return sum(info["indexed_blocks"] for info in _current_replicas(base_url).values())
+
+
+def _until_indexed(base_url: str, before: int, timeout: float = 20.0) -> int:
+    """Waits until the router's index has grown past `before` and held still for a few polls:
+    the KV events of the requests just answered have all arrived (a fixed sleep lost this race
+    on a busy 2-core machine, and a session's next turn went by load)."""
+    deadline = time.monotonic() + timeout
+    history: list[int] = []
+    while True:
+        history.append(_indexed_blocks(base_url))
+        if len(history) >= 3 and history[-1] > before and len(set(history[-3:])) == 1:
+            return history[-1]
+        assert time.monotonic() < deadline, history
+        time.sleep(0.15)
+
+
 def _complete(base_url: str, body: dict, path: str = COMPLETIONS):
     response = httpx.post(base_url + path, json=body, timeout=60)
     assert response.status_code == 200, response.text
@@ -374,6 +393,7 @@ def test_kv_aware_sessions_land_where_their_prefix_is_cached(serving):
     placed: dict[int, list[str]] = {}
     cached: dict[int, list[int]] = {}
     before = read_metrics(serving.base_url)
+    indexed = _indexed_blocks(serving.base_url)
     for turn in range(3):
         for s in range(len(sessions)):
             sessions[s] += f"\nUser: question {turn}?\nAssistant:"
@@ -384,7 +404,7 @@ def test_kv_aware_sessions_land_where_their_prefix_is_cached(serving):
             placed.setdefault(s, []).append(replica)
             cached.setdefault(s, []).append(
                 answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-        time.sleep(0.3)  # the events of this turn reach the router before the next
+        indexed = _until_indexed(serving.base_url, indexed)  # this turn's events arrived
     for s, chosen in placed.items():
         assert chosen == [chosen[0]] * 3, placed
         # the engine itself found the session's earlier turns in its cache

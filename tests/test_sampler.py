@@ -162,7 +162,7 @@ def reference_filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
     return torch.stack(probs)
 
 
-@pytest.fixture(scope="module", params=["torch", *isa.machine_levels()])
+@pytest.fixture(scope="module", params=["torch", *isa.tested_levels()])
 def ops(request):
     """The sampler's per-row passes (top-p, the draw) as torch ops, then compiled for each
     instruction-set level this machine can execute."""

@@ -11,7 +11,7 @@ from kvserve.kernels import compiled_ops, isa
 from tests.helpers import ops_of
 
 
-@pytest.fixture(scope="module", params=["torch", *isa.machine_levels()])
+@pytest.fixture(scope="module", params=["torch", *isa.tested_levels()])
 def ops(request):
     return ops_of(request.param)
 
@@ -50,7 +50,7 @@ def test_kernel_masks_exactly_the_cleared_bits(ops, vocab):
     assert int(masked[5].isfinite().sum()) == 1 and masked[5, -1] == logits[5, -1]
 
 
-@pytest.mark.parametrize("level", isa.machine_levels())
+@pytest.mark.parametrize("level", isa.tested_levels())
 def test_kernel_refuses_a_row_out_of_range(level):
     with pytest.raises(RuntimeError, match="out of range"):
         compiled_ops(level).apply_token_bitmask_(

@@ -1,8 +1,8 @@
 """`python -m kvserve.kernels [LEVEL ...]`: build the C++ CPU kernels ahead of time (make install
-does, for the level the engine will use; `all` builds every level this CPU can execute). Exits 1,
-naming the level and the compiler's error, when a level does not build, so `make install` fails
-instead of leaving an engine that cannot start; with KVSERVE_KERNELS=reference there is nothing
-to build."""
+does, for the level the engine will use; `all` builds every level the tests run,
+`isa.tested_levels()`). Exits 1, naming the level and the compiler's error, when a level does
+not build, so `make install` fails instead of leaving an engine that cannot start; with
+KVSERVE_KERNELS=reference there is nothing to build."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
               "the C++ CPU kernels")
         return 0
     requested = argv or [isa.selected_level()]
-    levels = list(isa.machine_levels()) if requested == ["all"] else requested
+    levels = list(isa.tested_levels()) if requested == ["all"] else requested
     failed = []
     for level in levels:
         try:

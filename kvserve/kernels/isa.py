@@ -15,13 +15,17 @@ from pathlib import Path
 
 ISA_ENV = "KVSERVE_CPU_ISA"
 # Lowest to highest. "scalar" is the portable build (plain loops, whatever the compiler makes of
-# them); every x86 level below adds vector paths.
-LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+# them); every x86 level below adds vector paths. `avx512_vnni` is AVX-512 with integer dot
+# products and no bf16 ones (Intel Cascade Lake: its w4a8 kernels take a whole 16-output panel
+# per `vpdpbusd`); `avx512_bf16` adds bf16 dot products (AMD Zen 4/5, Intel Sapphire Rapids on).
+LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
 # What each level needs from /proc/cpuinfo's flags (x86-64-v3 / -v4, plus BF16 dot products).
 _REQUIRED_FLAGS = {
     "scalar": (),
     "avx2": ("avx2", "fma", "f16c", "bmi2"),
     "avx512": ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl"),
+    "avx512_vnni": ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                    "avx512_vnni"),
     "avx512_bf16": ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl",
                     "avx512_bf16", "avx512_vnni"),
 }
@@ -29,6 +33,7 @@ _COMPILER_FLAGS = {
     "scalar": [],
     "avx2": ["-march=x86-64-v3"],
     "avx512": ["-march=x86-64-v4"],
+    "avx512_vnni": ["-march=x86-64-v4", "-mavx512vnni"],
     "avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
 }
 
@@ -60,6 +65,17 @@ def machine_levels() -> tuple[str, ...]:
         return ("scalar",)
     flags = cpu_flags()
     return tuple(level for level in LEVELS if all(flag in flags for flag in _REQUIRED_FLAGS[level]))
+
+
+def tested_levels() -> tuple[str, ...]:
+    """The levels the tests run every kernel and equivalence test at, lowest first: the
+    portable build, AVX2, and this CPU's AVX-512 levels that some CPU family stops at and runs
+    by default (VNNI without bf16: Cascade Lake; bf16: Zen 4/5, Sapphire Rapids). Plain
+    AVX-512 (Skylake) is tested where it is the machine's best: elsewhere its code is the AVX2
+    source built for AVX-512 and the VNNI level's without the integer dot products."""
+    levels = machine_levels()
+    return tuple(level for level in levels
+                 if level != "avx512" or level == levels[-1])
 
 
 def best_level() -> str:
