@@ -112,7 +112,7 @@ def _time_ops(model) -> dict[str, list]:
         for module, name in ((attention.qkv_proj, "qkv"), (attention.o_proj, "o"),
                              (mlp.gate_up_proj, "gate_up"), (mlp.down_proj, "down")):
             wrap(module, "forward", name)
-    wrap(model.model.stage_layers[0].self_attn.backend, "attend", "attention")
+    wrap(model.model.layer_ops.backend, "attend", "attention")
     wrap(model, "forward", "model.forward")
     wrap(model, "compute_logits", "lm head")
     return totals

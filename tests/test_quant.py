@@ -342,8 +342,8 @@ def test_unquantized_bf16_model_decodes_through_the_bf16_kernel_losslessly():
     model = random_model(tiny_config(), "bfloat16", seed=3, attention_backend="paged")
     if not model.kernel_ops.int4_linear_fast():
         pytest.skip("no vectorised kernel build")
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Bf16PanelLinear)
-    assert isinstance(model.logits_head, Bf16PanelLinear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.impl, Bf16PanelLinear)
+    assert isinstance(model.lm_head.impl, Bf16PanelLinear)
     prompt = [(5 * i + 1) % 200 + 3 for i in range(12)]
     alone = PagedLoop(model, 1, 32).step([prompt], [12], [0])[0]
     others = [[(t + k) % 200 + 3 for t in prompt] for k in range(1, 20)]

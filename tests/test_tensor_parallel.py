@@ -17,11 +17,10 @@ import torch
 
 from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.distributed.communication import Communicator
+from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.distributed.sharding import (
     kv_head_range,
     shard_config,
-    shard_rule,
-    take_shard,
     validate_tensor_parallel,
     vocab_range,
 )
@@ -44,6 +43,9 @@ REPLICATED_KV = {
 VOCAB = 1000  # not a multiple of 3: the last vocabulary shard is padded
 PROMPTS = [[(11 * i + 7 * j) % (VOCAB - 10) + 5 for j in range(3 + 2 * i)] for i in range(16)]
 DECODE_STEPS = 4
+# ragged_run's logits rows of prompt tokens (no greedy token fed back): the first step's, and
+# the second step's for the prompts finished in two chunks
+PROMPT_ROWS = [*range(len(PROMPTS)), *range(len(PROMPTS) * 3 // 2, 2 * len(PROMPTS))]
 
 
 def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DECODE_STEPS
@@ -158,9 +160,9 @@ def test_gemma3_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
 
 def test_phi3_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
     """Phi-3 / Phi-4-mini: the checkpoint's fused qkv_proj and gate_up_proj split by their q/k/v
-    and gate/up parts before each rank takes its heads and rows (`shard_rule`), Q/K rows
-    reordered per head for partial rotary, LongRoPE past its 32-position pretraining context,
-    a window on every layer."""
+    and gate/up parts before each rank takes its heads and rows (the layers' own rules), Q/K
+    rows reordered per head for partial rotary, LongRoPE past its 32-position pretraining
+    context, a window on every layer."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Phi3Config(
         vocab_size=VOCAB, **CONFIGS[pool.world_size], num_hidden_layers=2,
@@ -179,9 +181,9 @@ def test_sdpa_batched_backend_matches_one_process(pool):
 
 def test_bfloat16_shards_stay_within_rounding(pool):
     """bf16 (our bf16 GEMV panels, flash attention): partial sums rounded per rank, so close to
-    one process rather than equal; compared on the two prompt steps (no greedy feedback)."""
+    one process rather than equal; compared on the prompt rows (no greedy feedback)."""
     fields = CONFIGS[pool.world_size]
-    prompt_rows = slice(0, 2 * len(PROMPTS))
+    prompt_rows = PROMPT_ROWS
     _, expected = single_process(json.dumps(fields), "paged", "none", "bfloat16")
     for _, logits in pool.run(sharded_run, "shm", fields, "paged", "none", "bfloat16"):
         error = (logits - expected)[prompt_rows].abs().max().item()
@@ -196,9 +198,10 @@ def test_int4_shards_along_groups(pool):
 def test_w8a8_within_its_own_quantization_noise(pool):
     """w8a8 quantizes each rank's slice of the activations per token, so it is not bit-equal
     to one process; its distance from float stays that of one process's w8a8. Compared on the
-    two prompt steps only: later steps feed back greedy tokens, which such noise can flip."""
+    prompt rows only: decodes feed back greedy tokens, which such noise can flip (the second
+    step's first half decodes the first step's tokens: one flipped there, 2.66 off)."""
     fields = CONFIGS[pool.world_size]
-    prompt_rows = slice(0, 2 * len(PROMPTS))
+    prompt_rows = PROMPT_ROWS
     _, float_logits = single_process(json.dumps(fields), "paged", "none")
     _, one_process = single_process(json.dumps(fields), "paged", "w8a8")
     own_noise = (one_process - float_logits)[prompt_rows].abs().max().item()
@@ -357,26 +360,34 @@ def test_kv_heads_split_or_replicated():
 
 
 def test_vocab_shards_are_padded_to_one_width():
+    from kvserve.models.layers.embedding import TokenEmbedding
+
     assert [vocab_range(1000, 3, r) for r in range(3)] == [(0, 334, 334), (334, 668, 334),
                                                           (668, 1000, 334)]
-    weight = torch.arange(10.0).view(10, 1)
-    rule = shard_rule("model.embed_tokens.weight", tiny_config(vocab_size=10), 3, 2)
-    assert take_shard(weight, rule).flatten().tolist() == [8.0, 9.0, 0.0, 0.0]
+    embedding = TokenEmbedding(10, 1, ParallelContext(tp_rank=2, tp_size=3))
+    embedding.load(embedding.weight, torch.arange(10.0).view(10, 1))
+    assert embedding.weight.flatten().tolist() == [8.0, 9.0, 0.0, 0.0]
 
 
-def test_fused_qkv_rule_equals_the_hf_slices():
-    """The GGUF weight cache holds fused qkv_proj: its rule must give the rows the q/k/v rules
-    give on the HF tensors."""
-    config = tiny_config(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
-    model = random_model(config, "float32")
-    fused = dict(model.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].data
-    hf = model.hf_state_dict()
+def test_a_fused_qkv_tensor_shards_as_its_parts():
+    """Phi-3's checkpoints (and a GGUF's attn_qkv) hold Q, K and V in one tensor: a rank takes
+    the same rows of it as of the three HF tensors."""
+    from kvserve.models.layers.linear import qkv_parallel
+    from kvserve.quant import QuantPolicy
+
+    heads, kv_heads, head_dim, hidden = 6, 3, 16, 96
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, kv_heads, kv_heads))
     for rank in range(3):
-        pieces = [take_shard(hf[f"model.layers.0.self_attn.{p}_proj.weight"],
-                             shard_rule(f"model.layers.0.self_attn.{p}_proj.weight", config, 3,
-                                        rank)) for p in "qkv"]
-        rule = shard_rule("model.layers.0.self_attn.qkv_proj.weight", config, 3, rank)
-        assert torch.equal(take_shard(fused, rule), torch.cat(pieces))
+        layers = [qkv_parallel(hidden, head_dim, heads, kv_heads, False,
+                               QuantPolicy("none", torch.float32), "attn",
+                               ParallelContext(tp_rank=rank, tp_size=3)) for _ in range(2)]
+        for part, tensor in enumerate((q, k, v)):
+            layers[0].load(part, "weight", tensor)
+        layers[1].load(None, "weight", torch.cat([q, k, v]))
+        assert torch.equal(layers[0].weight, layers[1].weight)
+        expected = torch.cat([q[rank * 32:(rank + 1) * 32], k[rank * 16:(rank + 1) * 16],
+                              v[rank * 16:(rank + 1) * 16]])
+        assert torch.equal(layers[0].weight, expected)
 
 
 # --- the real model

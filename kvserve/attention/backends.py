@@ -1,5 +1,6 @@
-"""Attention backends, chosen by name. Each writes the new K/V into the paged cache and attends
-every new query token to its sequence's cached K/V (causally).
+"""Attention backends, chosen by name. Each attends every new query token to its sequence's
+cached K/V (causally), once the layer's op set has rotated Q and K and written the new K/V into
+the paged cache (`rope_and_cache_`), and names the op set its model's layers run (`ops`).
 
 `torch_ref` is the plain, clearly correct reference: it gathers each sequence's blocks and calls
 SDPA. Fast backends must match it (tests/test_model_paged.py). A layer with a sliding window
@@ -14,61 +15,76 @@ from typing import Callable, Protocol
 
 import torch
 
+from kvserve.attention.heads import split_heads
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels.reference import (as_stored, attend_fresh, attend_gathered, first_visible_key,
-                                       kv_as, write_kv)
+                                       kv_as)
 
 
 class AttentionBackend(Protocol):
     name: str
     supports_sliding_window: bool
+    supports_softcap: bool
+    ops: object  # the op set the model's layers run with this backend (kvserve.kernels)
 
-    def forward(
+    def attend(
         self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D]: Q and K rotated, K/V already in the cache
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row]
         metadata: AttentionMetadata,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
         scale: float,
         sliding_window: int = 0,  # > 0: keys with query position - key position < it
         softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, H * D]
         ...
 
 
 class TorchReferenceBackend:
-    """One SDPA call per sequence over its gathered blocks; slow and obviously right."""
+    """One SDPA call per sequence over its gathered blocks; slow and obviously right. Its layers
+    run on the torch reference ops."""
 
     name = "torch_ref"
     supports_sliding_window = True
     supports_softcap = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0,
-                softcap=0.0):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+    def __init__(self):
+        from kvserve.kernels import get_ops
+
+        self.ops = get_ops(False)
+
+    def attend(self, qkv, kv_cache, metadata, num_heads, num_kv_heads, head_dim, scale,
+               sliding_window=0, softcap=0.0):
+        query = split_heads(qkv, num_heads, num_kv_heads, head_dim)[0]
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         for i in range(metadata.num_seqs):
             start, end = starts[i], starts[i + 1]
             output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
                                                      scale, sliding_window, softcap)
-        return output
+        return output.view(qkv.shape[0], -1)
 
 
 class BatchedSDPABackend:
     """Fewer, larger SDPA calls: all decode rows (one query token each) in one padded call over
     their gathered blocks; prompts with no cached context attend to their own fresh K/V without
-    touching the cache; only chunked/prefix-hit prompts gather per sequence, as the reference
-    does. Same maths as `torch_ref`, far less Python per step."""
+    reading the cache; only chunked/prefix-hit prompts gather per sequence, as the reference
+    does. Same maths as `torch_ref`, far less Python per step (torch reference ops)."""
 
     name = "sdpa_batched"
     supports_sliding_window = True
     supports_softcap = True
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=0,
-                softcap=0.0):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+    def __init__(self):
+        from kvserve.kernels import get_ops
+
+        self.ops = get_ops(False)
+
+    def attend(self, qkv, kv_cache, metadata, num_heads, num_kv_heads, head_dim, scale,
+               sliding_window=0, softcap=0.0):
+        query, key, value = split_heads(qkv, num_heads, num_kv_heads, head_dim)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         decode_rows, other_rows = [], []
@@ -89,7 +105,7 @@ class BatchedSDPABackend:
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
                                                          i, scale, sliding_window, softcap)
-        return output
+        return output.view(qkv.shape[0], -1)
 
     @staticmethod
     def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window, softcap):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.heads import split_heads
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels.reference import as_stored, attend_fresh, dequantize_kv_rows
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
@@ -95,7 +96,8 @@ class PagedBackend:
         starts = metadata.query_start_loc_host
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
-            query, key, value = _split_heads(qkv[start:end], num_heads, num_kv_heads, head_dim)
+            query, key, value = (part.transpose(0, 1) for part in split_heads(
+                qkv[start:end], num_heads, num_kv_heads, head_dim))
             # attend over the K/V as stored, as every other path
             key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
             attended = attend_fresh(query, key, value, scale, sliding_window, softcap)
@@ -106,16 +108,6 @@ class PagedBackend:
                                 metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
                                 sliding_window, softcap)
         return out
-
-
-def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
-    """[n, (H + 2 KVH) * D] -> query [H, n, D], key and value [KVH, n, D] (views)."""
-    n = qkv.shape[0]
-    query, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
-                                   num_kv_heads * head_dim], dim=-1)
-    return (query.view(n, num_heads, head_dim).transpose(0, 1),
-            key.view(n, num_kv_heads, head_dim).transpose(0, 1),
-            value.view(n, num_kv_heads, head_dim).transpose(0, 1))
 
 
 def dequantized_blocks(kv_cache: torch.Tensor, metadata: AttentionMetadata,

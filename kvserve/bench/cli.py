@@ -281,7 +281,7 @@ def _perplexity(args) -> int:
 
 def _roofline(args) -> int:
     from kvserve.model_source import resolve_model
-    from kvserve.weights import load_config
+    from kvserve.models import load_config
 
     config = load_config(resolve_model(args.model))
     fmt = roofline.resolve_format(config, args.dtype, args.quantization)

@@ -1,13 +1,11 @@
-"""Which slice of each weight a tensor-parallel rank holds, and the rank's view of the config.
-
-Attention is split by heads: rank r holds query heads [r * H / tp, (r + 1) * H / tp) and the KV
-heads they read (KV heads split evenly when tp divides them, one replicated head per rank when
-tp is a multiple of them). gate/up are split by rows (column-parallel), o_proj and down_proj by
-columns (row-parallel: each rank's product is a partial sum, all-reduced). The embedding and LM
-head are split by vocabulary rows, padded to equal shards so the logits gather is one shape.
-Rules address both HF tensor names and our fused ones (the GGUF weight cache holds qkv_proj and
-gate_up_proj), and slice anything indexable: torch tensors or safetensors' lazy slices, so a rank
-reads only its bytes from a memory-mapped file.
+"""The arithmetic of tensor-parallel slices, the rank's view of the config, and pipeline stages'
+layer counts. Which slice each weight takes is its layer's own rule (models/layers/linear.py,
+embedding.py, from these helpers): attention by heads (rank r holds query heads [r * H / tp,
+(r + 1) * H / tp) and the KV heads they read: split evenly when tp divides them, one replicated
+head per rank when tp is a multiple of them), the MLP's gate/up by rows, o_proj and down_proj
+by columns (each rank's product a partial sum, all-reduced), the embedding and LM head by
+vocabulary rows padded to equal shards. A `ShardRule` slices anything indexable: torch tensors
+or safetensors' lazy slices, so a rank reads only its bytes from a memory-mapped file.
 """
 
 from __future__ import annotations
@@ -56,7 +54,11 @@ def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
 
 def kv_head_range(config: ModelConfig, tp_size: int, rank: int) -> tuple[int, int]:
     """The KV heads rank `rank` holds: its share, or the one head its query heads read."""
-    kv_heads = config.num_key_value_heads
+    return kv_heads_of_rank(config.num_key_value_heads, tp_size, rank)
+
+
+def kv_heads_of_rank(kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the model's `kv_heads` KV heads that rank `rank` holds."""
     if tp_size <= kv_heads:
         per_rank = kv_heads // tp_size
         return rank * per_rank, (rank + 1) * per_rank
@@ -81,47 +83,11 @@ class ShardRule:
     pad_to: int | None = None
 
 
-def shard_rule(name: str, config: ModelConfig, tp_size: int, rank: int) -> ShardRule | None:
-    """The rule for a tensor of the full model (HF or fused name), or None: replicated."""
-    if tp_size == 1:
-        return None
-    head_dim = config.head_dim
-    q_per_rank = config.num_attention_heads // tp_size * head_dim
-    q = (rank * q_per_rank, (rank + 1) * q_per_rank)
-    kv_first, kv_end = kv_head_range(config, tp_size, rank)
-    kv = (kv_first * head_dim, kv_end * head_dim)
-    mlp_per_rank = config.intermediate_size // tp_size
-    mlp = (rank * mlp_per_rank, (rank + 1) * mlp_per_rank)
-    q_size, kv_size, mlp_size = config.q_size, config.kv_size, config.intermediate_size
-    by_fragment = {
-        ".q_proj.": ShardRule(0, (q,)),
-        ".k_proj.": ShardRule(0, (kv,)),
-        ".v_proj.": ShardRule(0, (kv,)),
-        ".qkv_proj.": ShardRule(0, (q, _shift(kv, q_size), _shift(kv, q_size + kv_size))),
-        ".gate_proj.": ShardRule(0, (mlp,)),
-        ".up_proj.": ShardRule(0, (mlp,)),
-        ".gate_up_proj.": ShardRule(0, (mlp, _shift(mlp, mlp_size))),
-        ".o_proj.": ShardRule(1, (q,)),
-        ".down_proj.": ShardRule(1, (mlp,)),
-    }
-    for fragment, rule in by_fragment.items():
-        if fragment in name:
-            return rule
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        start, end, padded = vocab_range(config.vocab_size, tp_size, rank)
-        return ShardRule(0, ((start, end),), padded)
-    return None
-
-
-def _shift(span: tuple[int, int], offset: int) -> tuple[int, int]:
-    return span[0] + offset, span[1] + offset
-
-
 def take_shard(tensor: Any, rule: ShardRule | None) -> torch.Tensor:
     """Apply `rule` to a torch tensor or a safetensors slice (read lazily: only these bytes);
-    no rule: the tensor as given."""
+    no rule: the tensor as given (a slice read whole)."""
     if rule is None:
-        return tensor
+        return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
     pieces = []
     for start, end in rule.ranges:
         index = (slice(start, end),) if rule.dim == 0 else (slice(None), slice(start, end))

@@ -34,7 +34,7 @@ from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.sample.logits_processor import load_processor_classes
 from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
-from kvserve.weights import load_config
+from kvserve.models import load_config
 
 logger = logging.getLogger(__name__)
 

@@ -233,7 +233,7 @@ def _check_model_splits(config: EngineConfig) -> None:
         validate_tensor_parallel,
     )
     from kvserve.model_source import resolve_model
-    from kvserve.weights import load_config
+    from kvserve.models import load_config
 
     model_config = load_config(resolve_model(config.model))
     validate_tensor_parallel(model_config, config.tensor_parallel_size)

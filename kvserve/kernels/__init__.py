@@ -18,14 +18,15 @@ from kvserve.errors import KernelBuildError
 from kvserve.kernels import isa, reference
 from kvserve.kernels.cpu_ext import build_failure, load_cpu_kernels, require_cpu_kernels
 
-OP_NAMES = ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_", "paged_attention_",
+OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gelu_tanh_and_mul",
+            "rope_and_cache_", "paged_attention_",
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
             "dequantize_int32", "argmax_rows", "top_p_mask_", "draw_rows",
             "apply_token_bitmask_", "int4_linear", "int4_linear_fast", "int8_linear",
             "bf16_linear", "int4_linear_q8", "int8_linear_q8", "q8_dot_wide")
 # Compiled-only: the decoder layers as one C++ call (models/decode_stack.py); the torch reference
 # op set has none, and the model then keeps its Python loop.
-COMPILED_ONLY_NAMES = ("DecodeStack", "StackLayer", "StackLinear")
+COMPILED_ONLY_NAMES = ("DecodeStack", "StackInstruction", "StackLinear")
 KERNELS_ENV = "KVSERVE_KERNELS"
 KERNEL_CHOICES = ("compiled", "reference")
 

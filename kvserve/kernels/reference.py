@@ -28,6 +28,18 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     x.copy_(rms_norm(residual, weight, eps, weight_offset))
 
 
+def rms_norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                    weight_offset: float = 0.0) -> None:
+    """QK-norm (Qwen3, Gemma 3): each query and key head of the fused QKV rows RMS-normalised
+    over its head_dim values, in place, before RoPE."""
+    tokens, q_size = qkv.shape[0], num_heads * head_dim
+    query = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    key = qkv[:, q_size:q_size + num_kv_heads * head_dim].view(tokens, num_kv_heads, head_dim)
+    query.copy_(rms_norm(query, q_weight, eps, weight_offset))
+    key.copy_(rms_norm(key, k_weight, eps, weight_offset))
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU with the tanh GELU (HF's gelu_pytorch_tanh), Gemma's MLP."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -1,74 +1,154 @@
 """The decoder layers as one C++ call (kernels/csrc/decode_stack.cpp): the CPU's counterpart of
-capturing a CUDA graph for decode steps. A step through the fused path makes ~9 Python calls per
-layer, each with attribute lookups and binding overhead (~1.5 ms of a ~12 ms batch-1 step on a
-Zen 3); the stack runs the same ops in the same order from C++, so its outputs are the same to
-the bit (tests/test_decode_stack.py).
+capturing a CUDA graph for decode steps. A step through Python makes ~9 op calls per layer,
+each with attribute lookups and binding overhead (~1.5 ms of a ~12 ms batch-1 step on a Zen 3);
+the stack runs the same ops in the same order from C++, so its outputs are the same to the bit
+(tests/test_decode_stack.py).
 
-It applies to a model on the fused path with the compiled kernels, whole (one pipeline stage, no
-tensor parallelism, no layer-wise KV connector) of plain Llama layers (no QK-norm, no Gemma
-norms or GeGLU, one RoPE table), whose projections our kernels or a
-dense GEMM serve, and to steps whose every sequence takes the paged attention kernel (decodes
-and short chunks; the others take the Python path). `--enforce-eager` (vLLM's name) turns it off.
+The program is not written here: it is recorded by running the model's own `run_layers` once
+with a `Recorder` in place of the op set, so every family's layers (Llama's, Gemma's sandwich
+norms and GeGLU, QK-norm, per-layer RoPE tables, windows, soft caps) become a program of the
+ops they call. A layer that calls something the stack cannot run (a projection kind it has no
+kernel for, a tensor-parallel all-reduce) makes the model keep its Python loop. It applies to a
+whole model (one pipeline stage, no layer-wise KV connector, one KV cache group) with the
+compiled kernels, and to steps whose every sequence takes the paged attention kernel or, over a
+bf16 cache, the flash kernel (models/layers/decoder.py decides per step). `--enforce-eager`
+(vLLM's name) turns it off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import nn
 
-from kvserve.quant.linear import Bf16PanelLinear, Int4WeightOnlyLinear, W4A8Linear
+# kvserve::StackOp
+RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_AND_MUL, GELU_AND_MUL, NORM_HEADS, ATTENTION, ADD = range(8)
+
+
+class Unsupported(Exception):
+    """The layers call an op the stack cannot run."""
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor of the recorded step: a virtual register."""
+
+    register: int
+
+
+@dataclass
+class Instruction:
+    op: int
+    dst: Value | None = None
+    src: Value | None = None
+    aux: Value | None = None
+    settings: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """`LayerOps`' methods (models/layers/ops.py), recording the op each would run."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.program: list[Instruction] = []
+        self.registers = 1  # register 0: the stack's input, the embedded tokens
+
+    def _emit(self, op: int, src: Value, aux: Value | None = None, produces: bool = True,
+              **settings) -> Value | None:
+        dst = Value(self.registers) if produces else None
+        self.registers += produces
+        self.program.append(Instruction(op, dst, src, aux, settings))
+        return dst
+
+    def rms_norm(self, x: Value, norm: nn.Module) -> Value:
+        return self._emit(RMS_NORM, x, **_norm_settings(norm))
+
+    def add_rms_norm_(self, x: Value, residual: Value, norm: nn.Module) -> None:
+        self._emit(ADD_RMS_NORM, x, residual, produces=False, **_norm_settings(norm))
+
+    def linear(self, layer: nn.Module, x: Value) -> Value:
+        if getattr(layer, "tp", None) is not None:
+            raise Unsupported("a tensor-parallel projection (its all-reduce)")
+        stack_linear = layer.method.stack_linear(layer, self.kernels)
+        if stack_linear is None:
+            raise Unsupported(f"{type(layer.method).__name__}'s kernel")
+        return self._emit(LINEAR, x, linear=stack_linear)
+
+    def add_(self, x: Value, other: Value) -> None:
+        self._emit(ADD, x, other, produces=False)
+
+    def act_and_mul(self, gate_up: Value, activation: str) -> Value:
+        return self._emit(SILU_AND_MUL if activation == "silu" else GELU_AND_MUL, gate_up)
+
+    def norm_heads_(self, qkv: Value, attention: nn.Module) -> None:
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        self._emit(NORM_HEADS, qkv, produces=False, weight=q_norm.weight,
+                   key_weight=k_norm.weight, eps=q_norm.eps, weight_offset=q_norm.weight_offset,
+                   **_head_settings(attention))
+
+    def attention(self, attention: nn.Module, qkv: Value, positions, metadata) -> Value:
+        if attention.kv_cache is None or attention.kv_group:
+            raise Unsupported("an attention layer without its cache, or in another group")
+        return self._emit(ATTENTION, qkv, kv_cache=attention.kv_cache,
+                          cos_sin=attention.rotary.cos_sin, scale=attention.scale,
+                          sliding_window=attention.sliding_window, softcap=attention.softcap,
+                          **_head_settings(attention))
+
+    def all_reduce_(self, x: Value, tp) -> None:
+        raise Unsupported("a tensor-parallel all-reduce")
+
+
+def _norm_settings(norm: nn.Module) -> dict:
+    return {"weight": norm.weight, "eps": norm.eps, "weight_offset": norm.weight_offset}
+
+
+def _head_settings(attention: nn.Module) -> dict:
+    return {"num_heads": attention.num_heads, "num_kv_heads": attention.num_kv_heads,
+            "head_dim": attention.head_dim}
 
 
 def build_decode_stack(inner: nn.Module):
-    """The DecodeStack of a LlamaModel (the decoder, without its LM head), or None where it does
-    not apply (see the module's docstring)."""
+    """The DecodeStack of a DecoderModel (the decoder, without its LM head), or None where it
+    does not apply (see the module's docstring)."""
     ops = inner.ops
     if ops is None or not getattr(ops, "compiled", False) or not hasattr(ops, "DecodeStack"):
         return None
     if not (inner.is_first_stage and inner.is_last_stage) or not inner.stage_layers:
         return None
-    layers = []
-    for layer in inner.stage_layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        if attention.kv_cache is None or attention.tp is not None or mlp.tp is not None:
-            return None
-        if not _stack_runs_layer(layer):
-            return None
-        projections = [_stack_linear(ops, module) for module in
-                       (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(p is None for p in projections):
-            return None
-        layers.append(ops.StackLayer(layer.input_layernorm.weight,
-                                     layer.post_attention_layernorm.weight, attention.kv_cache,
-                                     *projections, attention.sliding_window))
-    first = inner.stage_layers[0].self_attn
-    return ops.DecodeStack(layers, inner.norm.weight, inner.norm.eps, first.num_heads,
-                           first.num_kv_heads, first.head_dim, first.scale)
+    recorder = Recorder(ops)
+    try:
+        hidden, _ = inner.run_layers(recorder, None, Value(0), None, None)
+    except Unsupported:
+        return None
+    physical, count = _allocate_registers(recorder.program, hidden)
+    program = [ops.StackInstruction(
+        op=i.op, dst=_slot(physical, i.dst), src=_slot(physical, i.src),
+        aux=_slot(physical, i.aux), **i.settings) for i in recorder.program]
+    return ops.DecodeStack(program, count, physical[hidden.register])
 
 
-def _stack_runs_layer(layer: nn.Module) -> bool:
-    """Whether the stack's ops are the layer's: SwiGLU between one pre-attention and one pre-MLP
-    Llama RMSNorm, attention on the global RoPE table, no QK-norm."""
-    attention = layer.self_attn
-    return (attention.q_norm is None and attention.rope_kind == "global" and not attention.softcap
-            and not layer.sandwich_norms and layer.mlp.hidden_act == "silu"
-            and not layer.input_layernorm.weight_offset)
+def _slot(physical: dict[int, int], value: Value | None) -> int:
+    return -1 if value is None else physical[value.register]
 
 
-def _stack_linear(ops, module: nn.Module):
-    """A projection as the stack's StackLinear (its kernel kind, weights, row limit), or None
-    for a kind the stack does not run."""
-    if isinstance(module, W4A8Linear):
-        return ops.StackLinear("int4_q8", module.panels, module.dense_weight, module.bias,
-                               module.out_features, module.max_rows)
-    if isinstance(module, Bf16PanelLinear):
-        return ops.StackLinear("bf16", module.panels, module.dense_weight, module.bias,
-                               module.out_features, module.max_rows)
-    if isinstance(module, Int4WeightOnlyLinear):
-        if module.ops is None:  # torch's int4 kernel: not in the stack
-            return None
-        return ops.StackLinear("int4", module.panels, module.dense_weight, module.bias,
-                               module.out_features, module.max_rows)
-    if type(module) is nn.Linear:
-        return ops.StackLinear("dense", module.weight, module.weight, module.bias,
-                               module.out_features, 0)
-    return None
+def _allocate_registers(program: list[Instruction], output: Value) -> tuple[dict[int, int], int]:
+    """Virtual registers -> the few physical ones the C++ side keeps: a value's slot is reused
+    once no later instruction reads it, so a step holds a few activations, not every layer's."""
+    last_read = {0: len(program), output.register: len(program)}
+    for index, instruction in enumerate(program):
+        for value in (instruction.src, instruction.aux):
+            if value is not None:
+                last_read[value.register] = max(last_read.get(value.register, -1), index)
+    physical, free, count = {0: 0}, [], 1
+    for index, instruction in enumerate(program):
+        dying = {value.register for value in (instruction.src, instruction.aux)
+                 if value is not None and last_read[value.register] == index}
+        free += [physical[register] for register in dying]  # this dst may take one
+        if instruction.dst is not None:
+            if free:
+                physical[instruction.dst.register] = free.pop()
+            else:
+                physical[instruction.dst.register], count = count, count + 1
+            if last_read.get(instruction.dst.register, -1) < index:  # never read
+                free.append(physical[instruction.dst.register])
+    return physical, count

@@ -1,12 +1,12 @@
-"""Quantized linear layers (int4/int8 weight-only, W8A8) and the pass that swaps them in."""
+"""How projections hold and multiply their weights: the methods chosen when a model is built
+(float, our int4/int8/w4a8/w8a8 conversions) and the quantized layers they run."""
 
 from kvserve.quant.linear import (
     QUANTIZATION_MODES,
     check_quantization_device,
-    quantize_model,
     resolve_quantization,
-    use_bf16_panels,
 )
+from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod, QuantPolicy
 
-__all__ = ["QUANTIZATION_MODES", "check_quantization_device", "quantize_model",
-           "resolve_quantization", "use_bf16_panels"]
+__all__ = ["QUANTIZATION_MODES", "ConvertMethod", "FloatMethod", "LinearMethod", "QuantPolicy",
+           "check_quantization_device", "resolve_quantization"]

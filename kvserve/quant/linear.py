@@ -39,8 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.communication import all_reduce_max
-from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.kernels import autotune
 from kvserve.kernels.reference import (
     pack_bf16,
@@ -65,9 +63,6 @@ INT_MM_MIN_ROWS = 16
 LM_HEAD_WEIGHT_ONLY_MAX_ROWS = 8
 LM_HEAD_INT8_KERNEL_MAX_ROWS = 16
 BF16_KERNEL_MAX_ROWS = 16  # our bf16 panel kernel vs oneDNN's bf16 GEMM, with autotuning off
-QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# split along K (input features) under tensor parallelism; the others along their output rows
-ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
 # Resolved once: looking an op up through torch.ops on every call costs microseconds per GEMV.
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
@@ -272,32 +267,6 @@ class Bf16PanelLinear(_PanelLinear):
                          BF16_KERNEL_MAX_ROWS)
 
 
-def _head_as_linear(model: nn.Module) -> nn.Linear:
-    """The LM head (or the tied embedding) as a float32 nn.Linear, for the layers above."""
-    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-    linear = nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(head.weight.data.float(), requires_grad=False)
-    return linear
-
-
-def use_bf16_panels(model: nn.Module, dtype: torch.dtype, ops) -> nn.Module:
-    """Unquantized bf16 models: projections and the LM head through Bf16PanelLinear, where our
-    vectorised kernels are built (in place). Called with the weights loaded, before the cast."""
-    if dtype != torch.bfloat16 or not _has_vector_kernels(ops):
-        return model
-    for parent in list(model.modules()):
-        for name in QUANTIZED_PROJECTIONS:
-            child = getattr(parent, name, None)
-            if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-                setattr(parent, name, Bf16PanelLinear(child, dtype, ops))
-    if not getattr(model, "has_lm_head", True):  # a pipeline stage before the last
-        return model
-    linear = _head_as_linear(model)
-    if linear.in_features % 32 == 0:
-        model.logits_head = Bf16PanelLinear(linear, dtype, ops)
-    return model
-
-
 def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.data.to(dtype)
 
@@ -355,54 +324,11 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     return "none"
 
 
-def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, ops=None,
-                   parallel: ParallelContext | None = None) -> nn.Module:
-    """Swap every decoder projection for its quantized version (in place). The model must still
-    hold its float32 weights, so codes come from the exact values (a GGUF's Q4_1 blocks). With
-    `parallel` (tp_size > 1) the model is a rank's shard and every rank calls this together."""
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"Unknown quantization {mode!r}; choose one of "
-                         f"{', '.join(QUANTIZATION_MODES)}")
-    if mode == "none":
-        return model
-    if mode in ("w8a8", "int4", "w4a8") and ops is None:  # eager attention paths: no op set yet
-        from kvserve.kernels import get_ops
-
-        ops = get_ops(next(model.parameters()).device.type == "cpu")  # C++ ops read CPU memory
-    parallel = active(parallel)
-    for parent in list(model.modules()):
-        for name in QUANTIZED_PROJECTIONS:
-            child = getattr(parent, name, None)
-            if isinstance(child, nn.Linear):
-                absmax = None
-                if parallel is not None and name in ROW_PARALLEL_PROJECTIONS:
-                    absmax = _whole_row_absmax(child, name, mode, parallel)
-                setattr(parent, name, _quantized(child, mode, dtype, ops, absmax))
-    if getattr(model, "has_lm_head", True):  # a pipeline stage before the last has none
-        model.logits_head = _quantized_lm_head(model, mode, dtype, ops)
-    return model
-
-
-def _whole_row_absmax(linear: nn.Linear, name: str, mode: str,
-                      parallel: ParallelContext) -> torch.Tensor | None:
-    """A row-parallel slice [N, K / tp]: int4 groups must not straddle two ranks (ValueError
-    otherwise); int8 scales need the absmax of the whole row, gathered here."""
-    if mode in ("int4", "w4a8"):
-        if linear.in_features % INT4_GROUP_SIZE:
-            raise ValueError(
-                f"int4 with tensor-parallel size {parallel.tp_size}: each rank's slice of "
-                f"{name} has {linear.in_features} input features, not a multiple of the group "
-                f"size {INT4_GROUP_SIZE}; use int8 or another tensor-parallel size")
-        return None
-    return all_reduce_max(linear.weight.data.float().abs().amax(1), parallel)
-
-
-def _quantized_lm_head(model: nn.Module, mode: str, dtype: torch.dtype, ops) -> nn.Module:
+def _quantized_head(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn.Module:
     """The LM head in int8 in every quantized mode: at one row it is a third of the bytes a step
     reads once the layers are int4. With a vectorised kernel build, groupwise (Q8_0-exact, our
     kernel); otherwise per channel on torch's int8 kernel; w8a8 also runs it on int8 units for
     batches."""
-    linear = _head_as_linear(model)
     if mode == "w8a8":
         return W8A8Linear(linear, dtype, ops)
     if _has_vector_kernels(ops) and linear.in_features % 32 == 0:

@@ -20,8 +20,9 @@ from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 6  # 4: configs hold sliding windows; 5: Gemma fields, norms less 1;
-# 6: partial rotary (Q/K rows in our head order), YaRN and LongRoPE configs, Phi-3 names
+CACHE_FORMAT_VERSION = 7  # 4: configs hold sliding windows; 5: Gemma fields, norms less 1;
+# 6: partial rotary (Q/K rows in our head order), YaRN and LongRoPE configs, Phi-3 names;
+# 7: weights under HF's names and layout (each tensor as the GGUF dequantizes)
 
 
 def artifact_path(gguf_path: Path, suffix: str) -> Path:
@@ -52,6 +53,13 @@ def save_tensors(tensors: dict, destination: Path) -> None:
         _atomic_write(destination, lambda name: save_file(tensors, name))
     except OSError as exc:  # a read-only cache dir must not stop the model from loading
         logger.warning("could not write cache entry %s: %s", destination, exc)
+
+
+def save_tensor_stream(tensors, destination: Path) -> None:
+    """(name, tensor) pairs into one safetensors file (a GGUF's dequantized weights). safetensors
+    writes from a dict, so the tensors are held until written: done once per file, then read
+    lazily."""
+    save_tensors({name: tensor.contiguous() for name, tensor in tensors}, destination)
 
 
 def cached_json(gguf_path: Path, suffix: str, compute: Callable[[], Any],

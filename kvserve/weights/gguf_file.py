@@ -17,7 +17,6 @@ import numpy as np
 
 from kvserve.config import (
     GEMMA_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
     ModelConfig,
     gemma_options,
 )
@@ -111,11 +110,6 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     arch = meta.get("general.architecture")
     if arch is None:
         raise CorruptModelFileError("GGUF file has no general.architecture key")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"Architecture {arch!r} is not supported yet; kvserve implements "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -245,8 +239,12 @@ def _longrope_scaling(meta: dict[str, Any], key: str) -> dict[str, Any]:
     return scaling
 
 
-def load_gguf_config(path: Path) -> ModelConfig:
+def load_gguf_config(path: Path, check_architecture=None) -> ModelConfig:
+    """The file's ModelConfig; `check_architecture(name, where)` first (see
+    weights.loader.load_config)."""
     reader = open_gguf(path)
+    if check_architecture is not None:
+        check_architecture(reader.metadata.get("general.architecture"), str(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     meta = read_metadata(reader)
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -279,14 +277,21 @@ def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.nda
         if name is None:
             continue
         array = dequantize_tensor(tensor)
-        if config.architecture in _PERMUTED_QK_ARCHITECTURES:
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                array = unpermute_rope_rows(array, config.num_attention_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                array = unpermute_rope_rows(array, config.num_key_value_heads)
+        heads = permuted_heads(name, config)
+        if heads:
+            array = unpermute_rope_rows(array, heads)
         if config.norm_weight_offset and name.endswith("norm.weight"):
             array = array - np.float32(config.norm_weight_offset)
         yield name, array
+
+
+def permuted_heads(name: str, config: ModelConfig) -> int:
+    """Heads of a Q or K projection llama.cpp permuted for its interleaved RoPE, else 0."""
+    if config.architecture not in _PERMUTED_QK_ARCHITECTURES:
+        return 0
+    if ".q_proj." in name:
+        return config.num_attention_heads
+    return config.num_key_value_heads if ".k_proj." in name else 0
 
 
 def dequantize_tensor(tensor) -> np.ndarray:

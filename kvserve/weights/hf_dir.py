@@ -8,22 +8,21 @@ from typing import Iterator
 
 import torch
 
-from kvserve.config import SUPPORTED_ARCHITECTURES, ModelConfig, hf_architecture_name
-from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
+from kvserve.config import ModelConfig, hf_architecture_name
+from kvserve.errors import CorruptModelFileError
 
 
-def load_hf_config(directory: Path) -> ModelConfig:
+def load_hf_config(directory: Path, check_architecture=None) -> ModelConfig:
+    """config.json as our ModelConfig; `check_architecture(name, where)` first (see
+    weights.loader.load_config)."""
     config_path = directory / "config.json"
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CorruptModelFileError(f"Cannot read {config_path}: {exc}") from exc
-    model_type = raw.get("model_type")
-    if hf_architecture_name(model_type) not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{config_path} declares model_type {model_type!r}; kvserve implements "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Gemma 3 as its text model, gemma3_text)."
-        )
+    if check_architecture is not None:
+        check_architecture(hf_architecture_name(raw.get("model_type")),
+                           f"{config_path}'s model_type")
     try:
         return ModelConfig.from_hf_dict(raw)
     except KeyError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -20,32 +21,39 @@ from kvserve.weights import cache, gguf_file, hf_dir
 logger = logging.getLogger(__name__)
 
 
-def load_config(source: ModelSource, use_cache: bool = True) -> ModelConfig:
+def load_config(source: ModelSource, use_cache: bool = True,
+                check_architecture: Callable[[str, str], None] | None = None) -> ModelConfig:
+    """The source's ModelConfig. `check_architecture(name, where)` runs on the architecture
+    the file names before anything else is parsed (the model registry's check: an
+    unsupported family fails there, not on a key its config lacks)."""
+    check = check_architecture or (lambda name, where: None)
     if source.format == "hf":
-        return hf_dir.load_hf_config(source.path)
+        return hf_dir.load_hf_config(source.path, check)
 
     def parse() -> dict:
-        return dataclasses.asdict(gguf_file.load_gguf_config(source.path))
+        return dataclasses.asdict(gguf_file.load_gguf_config(source.path, check))
 
-    return ModelConfig(**cache.cached_json(source.path, "config.json", parse, use_cache))
+    config = ModelConfig(**cache.cached_json(source.path, "config.json", parse, use_cache))
+    check(config.architecture, str(source.path))
+    return config
 
 
-def load_hf_named_tensors(source: ModelSource, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All of the checkpoint's tensors under HF names (float32 for GGUF: exact dequantization)."""
-    start = time.perf_counter()
+def load_hf_named_tensors(source: ModelSource, config: ModelConfig,
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under HF names, one at a time (float32 for GGUF: exact
+    dequantization, one tensor in memory at a time)."""
     if source.format == "hf":
-        tensors = dict(hf_dir.iter_hf_tensors(source.path))
-        logger.info("read %d tensors from %s in %.2fs", len(tensors), source.path,
-                    time.perf_counter() - start)
-        return tensors
+        yield from hf_dir.iter_hf_tensors(source.path)
+        return
+    start = time.perf_counter()
     reader = gguf_file.open_gguf(source.path)
-    tensors = {}
     items = gguf_file.iter_gguf_tensors(reader, config)
     progress = tqdm(items, total=len(reader.tensors), desc="Dequantizing GGUF", unit="tensor",
                     leave=False, disable=None)
+    count = 0
     for name, array in progress:
         # F32 tensors come straight from the read-only memory map; torch wants writable memory
-        tensors[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
-    logger.info("dequantized %d GGUF tensors from %s in %.2fs", len(tensors), source.path.name,
+        yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+        count += 1
+    logger.info("dequantized %d GGUF tensors from %s in %.2fs", count, source.path.name,
                 time.perf_counter() - start)
-    return tensors

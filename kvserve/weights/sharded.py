@@ -1,46 +1,27 @@
-"""Read one tensor-parallel rank's slice of each tensor from safetensors files.
+"""Read checkpoint tensors from safetensors files one at a time, whole or as lazy slices.
 
-safetensors' lazy slices read only the requested bytes of a memory-mapped file, so a rank of an
-HF directory or of the GGUF weight cache never holds the other ranks' weights. A GGUF that is
-not yet cached is dequantized whole and sliced in memory (its quantized blocks run along rows).
+safetensors' lazy slices read only the requested bytes of a memory-mapped file, so a
+tensor-parallel rank that takes its slice of each tensor (the model's layers apply their own
+shard rules) never reads the other ranks' weights.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
-import torch
-
-from kvserve.distributed.sharding import ShardRule, take_shard
 from kvserve.errors import CorruptModelFileError
 
 
-def iter_sharded_safetensors(files: Iterable[Path], rule_for: Callable[[str], ShardRule | None],
-                             keep: Callable[[str], bool] | None = None
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's slice) for every tensor of the files that `keep` accepts (a pipeline
-    stage's own: the others are never read); replicated tensors whole."""
-    from safetensors import safe_open
+def iter_safetensors(files: Iterable[Path], lazy: bool = False) -> Iterator[tuple[str, object]]:
+    """(name, tensor) for every tensor of the files, in file order; `lazy`: safetensors' slice
+    objects instead (index them to read: `slice[a:b]`, `slice[:]`)."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    if keep is not None and not keep(name):
-                        continue
-                    rule = rule_for(name)
-                    if rule is None:
-                        yield name, handle.get_tensor(name)
-                    else:
-                        yield name, take_shard(handle.get_slice(name), rule)
-        except (OSError, ValueError) as exc:
+                    yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
+        except (OSError, ValueError, SafetensorError) as exc:
             raise CorruptModelFileError(f"Cannot read {file}: {exc}") from exc
-
-
-def shard_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
-                  rule_for: Callable[[str], ShardRule | None]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The same slices from tensors already in memory (a freshly dequantized GGUF)."""
-    for name, tensor in tensors:
-        yield name, take_shard(tensor, rule_for(name))

@@ -16,7 +16,7 @@ from kvserve.attention import build_attention_metadata
 from kvserve.attention.kv_tensors import allocate_kv_caches
 from kvserve.distributed.communication import recv_from_prev_stage, send_to_next_stage
 from kvserve.distributed.parallel_state import ParallelContext
-from kvserve.models.llama import IntermediateTensors
+from kvserve.models.layers.decoder import IntermediateTensors
 from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sample.logits_processor import LogitsProcessor
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow, SpecSamplerOutput

@@ -203,6 +203,54 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
       }));
 }
 
+// QK-norm (Qwen3, Gemma 3): each query and key head of the fused QKV rows normalised in place
+// over its head_dim values, with the query or the key norm's weight, before RoPE.
+template <typename T>
+void rms_norm_heads_impl(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float eps,
+                         float weight_offset) {
+  const int64_t heads = num_heads + num_kv_heads, tokens = qkv.size(0);
+  at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+    RowScratch<T> scratch(head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t token = i / heads, head = i % heads;
+      T* values = qkv.data_ptr<T>() + token * qkv.stride(0) + head * head_dim;
+      load_row(values, scratch.a.data(), head_dim);
+      const T* weight = (head < num_heads ? q_weight : k_weight).data_ptr<T>();
+      rms_norm_row<T>(weight, values, head_dim, eps, weight_offset, scratch);
+    }
+  });
+}
+
+void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                     double weight_offset) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (num_heads + num_kv_heads) * head_dim,
+              "rms_norm_heads_: qkv must be [T, (H + 2 KVH) * D] rows");
+  TORCH_CHECK(q_weight.numel() == head_dim && k_weight.numel() == head_dim &&
+                  q_weight.scalar_type() == qkv.scalar_type() &&
+                  k_weight.scalar_type() == qkv.scalar_type(),
+              "rms_norm_heads_: weights of head_dim in qkv's dtype");
+  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rms_norm_heads_",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rms_norm_heads_impl<float>(qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim,
+                                   static_cast<float>(eps), static_cast<float>(weight_offset));
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rms_norm_heads_impl<BFloat16>(qkv, q_weight, k_weight, num_heads, num_kv_heads,
+                                      head_dim, static_cast<float>(eps),
+                                      static_cast<float>(weight_offset));
+      }));
+}
+
+// GeGLU (Gemma): tanh-GELU(gate) * up through ATen's own ops, so it equals the torch reference
+// (kernels/reference.py) to the bit; here so the decode stack can run it without Python.
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
+
 // ---------------------------------------------------------------- SiLU(gate) * up
 
 template <typename T>
@@ -992,13 +1040,22 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 namespace kvserve::layer_ops {  // the ops above, for C++ callers (layer_ops.h)
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return ::rms_norm(x, weight, eps, 0.0);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    double weight_offset) {
+  return ::rms_norm(x, weight, eps, weight_offset);
 }
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  ::add_rms_norm_(x, residual, weight, eps, 0.0);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                   double weight_offset) {
+  ::add_rms_norm_(x, residual, weight, eps, weight_offset);
+}
+void rms_norm_heads_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                     double weight_offset) {
+  ::rms_norm_heads_(qkv, q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps,
+                    weight_offset);
 }
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return ::silu_and_mul(gate_up); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) { return ::gelu_tanh_and_mul(gate_up); }
 void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim) {
@@ -1009,9 +1066,9 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window) {
+                      int64_t sliding_window, double softcap) {
   ::paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
-                     num_heads, num_kv_heads, head_dim, scale, sliding_window, 0.0);
+                     num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap);
 }
 
 }  // namespace kvserve::layer_ops
@@ -1024,7 +1081,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         py::arg("weight_offset") = 0.0, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_heads_", &rms_norm_heads_,
+        "QK-norm: each query and key head of fused QKV rows RMS-normalised in place",
+        py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+        py::arg("weight_offset") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [T, 2I] rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "tanh-GELU(gate) * up of [T, 2I] rows",
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache",
         py::call_guard<py::gil_scoped_release>());
@@ -1085,18 +1149,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            "one projection: kind (int4, int4_q8, bf16, dense), panels, dense copy, bias, N, "
            "the kernel's row limit");
-  py::class_<kvserve::StackLayer>(m, "StackLayer", py::module_local())
-      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
-                       at::Tensor kv_cache, kvserve::StackLinear qkv, kvserve::StackLinear o,
-                       kvserve::StackLinear gate_up, kvserve::StackLinear down,
-                       int64_t sliding_window) {
-        return kvserve::StackLayer{std::move(input_norm), std::move(post_attention_norm),
-                                   std::move(kv_cache), std::move(qkv), std::move(o),
-                                   std::move(gate_up), std::move(down), sliding_window};
-      }));
+  py::class_<kvserve::StackInstruction>(m, "StackInstruction", py::module_local())
+      .def(py::init([](int64_t op, int64_t dst, int64_t src, int64_t aux,
+                       c10::optional<at::Tensor> weight, c10::optional<at::Tensor> key_weight,
+                       double eps, double weight_offset,
+                       c10::optional<kvserve::StackLinear> linear,
+                       c10::optional<at::Tensor> kv_cache, c10::optional<at::Tensor> cos_sin,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t sliding_window, double scale, double softcap) {
+             TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kAdd),
+                         "decode stack: unknown op ", op);
+             kvserve::StackInstruction in;
+             in.op = static_cast<kvserve::StackOp>(op);
+             in.dst = dst, in.src = src, in.aux = aux;
+             if (weight) in.weight = *weight;
+             if (key_weight) in.key_weight = *key_weight;
+             in.eps = eps, in.weight_offset = weight_offset;
+             if (linear) in.linear = *linear;
+             if (kv_cache) in.kv_cache = *kv_cache;
+             if (cos_sin) in.cos_sin = *cos_sin;
+             in.num_heads = num_heads, in.num_kv_heads = num_kv_heads, in.head_dim = head_dim;
+             in.sliding_window = sliding_window, in.scale = scale, in.softcap = softcap;
+             return in;
+           }),
+           "one op of a recorded layer program (models/decode_stack.py)", py::arg("op"),
+           py::arg("dst") = -1, py::arg("src") = -1, py::arg("aux") = -1,
+           py::arg("weight") = py::none(), py::arg("key_weight") = py::none(),
+           py::arg("eps") = 0.0, py::arg("weight_offset") = 0.0,
+           py::arg("linear") = py::none(), py::arg("kv_cache") = py::none(),
+           py::arg("cos_sin") = py::none(), py::arg("num_heads") = 0,
+           py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
+           py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0);
   py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<std::vector<kvserve::StackLayer>, at::Tensor, double, int64_t, int64_t,
-                    int64_t, double>())
+      .def(py::init<std::vector<kvserve::StackInstruction>, int64_t, int64_t>(),
+           py::arg("program"), py::arg("num_registers"), py::arg("output"))
       .def("run", &kvserve::DecodeStack::run,
            "the stage's decoder layers for a step whose sequences take the paged or flash kernel",
            py::call_guard<py::gil_scoped_release>());

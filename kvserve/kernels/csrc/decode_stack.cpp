@@ -1,7 +1,7 @@
-// A stage of decoder layers in one call: see decode_stack.h for why. Every op here is the one
-// the Python fused path calls, with the same arguments, so outputs are identical; the Python
-// side (LlamaModel) decides per step whether the stack applies and `--enforce-eager` turns it
-// off.
+// A stage's decoder layers in one call: see decode_stack.h for why. Each instruction calls the
+// function the Python path's op set calls, with the same arguments, so outputs are identical;
+// the Python side (models/decode_stack.py) records the program from the layers' own forwards
+// and decides per step whether the stack applies; `--enforce-eager` turns it off.
 #include "decode_stack.h"
 
 #include "bf16_gemm.h"
@@ -11,6 +11,43 @@
 #include "q8_dot_gemm.h"
 
 namespace kvserve {
+namespace {
+
+bool known_kind(const std::string& kind) {
+  return kind == "dense" || kind == "int4_q8" || kind == "int4" || kind == "bf16";
+}
+
+// Step inputs every attention instruction reads.
+struct StepArgs {
+  const at::Tensor& positions;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& seq_ids;
+  const at::Tensor& flash_seq_ids;
+  const at::Tensor& query_start_loc;
+  const at::Tensor& seq_lens;
+  const at::Tensor& block_tables;
+};
+
+at::Tensor attend(const StackInstruction& in, at::Tensor& qkv, const StepArgs& step) {
+  at::Tensor kv_cache = in.kv_cache;
+  layer_ops::rope_and_cache_(qkv, step.positions, in.cos_sin, kv_cache, step.slot_mapping,
+                             in.num_heads, in.num_kv_heads, in.head_dim);
+  at::Tensor out = at::empty({qkv.size(0), in.num_heads * in.head_dim}, qkv.options());
+  if (step.seq_ids.numel()) {
+    layer_ops::paged_attention_(qkv, kv_cache, out, step.seq_ids, step.query_start_loc,
+                                step.seq_lens, step.block_tables, in.num_heads,
+                                in.num_kv_heads, in.head_dim, in.scale, in.sliding_window,
+                                in.softcap);
+  }
+  if (step.flash_seq_ids.numel()) {
+    flash_attention_(qkv, kv_cache, out, step.flash_seq_ids, step.query_start_loc,
+                     step.seq_lens, step.block_tables, in.num_heads, in.num_kv_heads,
+                     in.head_dim, in.scale, in.sliding_window, in.softcap);
+  }
+  return out;
+}
+
+}  // namespace
 
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   if (kind == "dense" || x.size(0) > max_rows) return at::linear(x, dense, bias);
@@ -20,54 +57,58 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   TORCH_CHECK(false, "decode stack: unknown projection kind ", kind);
 }
 
-DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double scale)
-    : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), scale_(scale),
-      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {
-  for (const StackLayer& layer : layers_) {
-    for (const StackLinear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      TORCH_CHECK(linear->kind == "dense" || linear->kind == "int4_q8" ||
-                      linear->kind == "int4" || linear->kind == "bf16",
-                  "decode stack: unknown projection kind ", linear->kind);
-    }
+DecodeStack::DecodeStack(std::vector<StackInstruction> program, int64_t num_registers,
+                         int64_t output)
+    : program_(std::move(program)), num_registers_(num_registers), output_(output) {
+  TORCH_CHECK(output >= 0 && output < num_registers, "decode stack: output register ", output,
+              " of ", num_registers);
+  for (const StackInstruction& in : program_) {
+    for (int64_t r : {in.dst, in.src, in.aux})
+      TORCH_CHECK(r < num_registers, "decode stack: register ", r, " of ", num_registers);
+    TORCH_CHECK(in.op != StackOp::kLinear || known_kind(in.linear.kind),
+                "decode stack: unknown projection kind ", in.linear.kind);
   }
 }
 
 at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
-                            const at::Tensor& cos_sin, const at::Tensor& slot_mapping,
-                            const at::Tensor& seq_ids, const at::Tensor& flash_seq_ids,
-                            const at::Tensor& query_start_loc,
+                            const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
+                            const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
-  at::Tensor hidden;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const StackLayer& layer = layers_[i];
-    if (i == 0) {
-      hidden = layer_ops::rms_norm(residual, layer.input_norm, eps_);
-    } else {
-      layer_ops::add_rms_norm_(hidden, residual, layer.input_norm, eps_);
+  const StepArgs step{positions, slot_mapping, seq_ids, flash_seq_ids, query_start_loc,
+                      seq_lens, block_tables};
+  std::vector<at::Tensor> regs(num_registers_);
+  regs[0] = residual;
+  for (const StackInstruction& in : program_) {
+    switch (in.op) {
+      case StackOp::kRmsNorm:
+        regs[in.dst] = layer_ops::rms_norm(regs[in.src], in.weight, in.eps, in.weight_offset);
+        break;
+      case StackOp::kAddRmsNorm:
+        layer_ops::add_rms_norm_(regs[in.src], regs[in.aux], in.weight, in.eps,
+                                 in.weight_offset);
+        break;
+      case StackOp::kLinear:
+        regs[in.dst] = in.linear(regs[in.src]);
+        break;
+      case StackOp::kSiluAndMul:
+        regs[in.dst] = layer_ops::silu_and_mul(regs[in.src]);
+        break;
+      case StackOp::kGeluAndMul:
+        regs[in.dst] = layer_ops::gelu_tanh_and_mul(regs[in.src]);
+        break;
+      case StackOp::kNormHeads:
+        layer_ops::rms_norm_heads_(regs[in.src], in.weight, in.key_weight, in.num_heads,
+                                   in.num_kv_heads, in.head_dim, in.eps, in.weight_offset);
+        break;
+      case StackOp::kAttention:
+        regs[in.dst] = attend(in, regs[in.src], step);
+        break;
+      case StackOp::kAdd:
+        regs[in.src].add_(regs[in.aux]);
+        break;
     }
-    at::Tensor qkv = layer.qkv(hidden);
-    at::Tensor kv_cache = layer.kv_cache;
-    layer_ops::rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads_,
-                               num_kv_heads_, head_dim_);
-    at::Tensor attended = at::empty({qkv.size(0), num_heads_ * head_dim_}, qkv.options());
-    if (seq_ids.numel()) {
-      layer_ops::paged_attention_(qkv, kv_cache, attended, seq_ids, query_start_loc, seq_lens,
-                                  block_tables, num_heads_, num_kv_heads_, head_dim_, scale_,
-                                  layer.sliding_window);
-    }
-    if (flash_seq_ids.numel()) {
-      flash_attention_(qkv, kv_cache, attended, flash_seq_ids, query_start_loc, seq_lens,
-                       block_tables, num_heads_, num_kv_heads_, head_dim_, scale_,
-                       layer.sliding_window);
-    }
-    hidden = layer.o(attended);
-    layer_ops::add_rms_norm_(hidden, residual, layer.post_attention_norm, eps_);
-    hidden = layer.down(layer_ops::silu_and_mul(layer.gate_up(hidden)));
   }
-  layer_ops::add_rms_norm_(hidden, residual, final_norm_, eps_);
-  return hidden;
+  return regs[output_];
 }
 
 }  // namespace kvserve

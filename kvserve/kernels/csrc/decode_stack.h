@@ -1,4 +1,5 @@
-// A whole stage of decoder layers as one call (decode_stack.cpp).
+// A stage's decoder layers as one call: a program of the ops the layers' Python forwards call,
+// recorded once from those forwards (models/decode_stack.py) and run here (decode_stack.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,36 +20,50 @@ struct StackLinear {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
-struct StackLayer {
-  at::Tensor input_norm, post_attention_norm, kv_cache;
-  StackLinear qkv, o, gate_up, down;
-  int64_t sliding_window = 0;
+// The ops a layer may record. Registers hold the step's tensors: register 0 is the stack's
+// input (the embedded tokens, the residual stream), the others values the ops produce.
+enum class StackOp : int64_t {
+  kRmsNorm = 0,      // dst = rms_norm(src)
+  kAddRmsNorm = 1,   // aux += src; src = rms_norm(aux)   (in place, as add_rms_norm_)
+  kLinear = 2,       // dst = linear(src)
+  kSiluAndMul = 3,   // dst = silu(gate) * up of src
+  kGeluAndMul = 4,   // dst = tanh-gelu(gate) * up of src
+  kNormHeads = 5,    // QK-norm of src's query and key heads, in place
+  kAttention = 6,    // RoPE and cache write on src (fused QKV), then dst = attention
+  kAdd = 7,          // src += aux (in place)
 };
 
-// The decoder layers of a Llama-family model on the fused path (LlamaModel._forward_fused), in
-// C++: the same ops in the same order, so the same results to the bit, without ~9 Python calls
-// per layer (~270 a step for SmolLM2), each with its attribute lookups and binding overhead.
-// Each sequence takes the attention kernel the Python path plans for it: the paged kernel
-// (decodes, chunks of 1-3 tokens) or, in bfloat16 over a bf16 cache, the flash kernel (from 4 new
-// tokens: verifications of drafts, prompts); steps that need SDPA or a dequantized cache stay
-// in Python.
+struct StackInstruction {
+  StackOp op = StackOp::kRmsNorm;
+  int64_t dst = -1, src = -1, aux = -1;
+  // norms: weight (kNormHeads: the query norm's; key_weight the key norm's), eps, offset
+  at::Tensor weight, key_weight;
+  double eps = 0.0, weight_offset = 0.0;
+  StackLinear linear;
+  // attention: the layer's cache and RoPE table, heads, scale, window, soft cap
+  at::Tensor kv_cache, cos_sin;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;
+  double scale = 1.0, softcap = 0.0;
+};
+
+// Runs the program for a step whose every sequence takes the paged attention kernel or, in
+// bfloat16 over a bf16 cache, the flash kernel (the Python side decides per step). Every op is
+// the function the Python path calls with the same arguments, so the outputs are the same to
+// the bit, without ~9 Python calls per layer.
 class DecodeStack {
  public:
-  DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+  DecodeStack(std::vector<StackInstruction> program, int64_t num_registers, int64_t output);
 
-  // residual: the embedded tokens [T, H] (updated in place, as the Python path does); returns
-  // the final normed hidden states [T, H].
-  at::Tensor run(at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos_sin,
+  // residual: the embedded tokens [T, H] (register 0, updated in place as the Python path
+  // does); returns register `output`.
+  at::Tensor run(at::Tensor residual, const at::Tensor& positions,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
-                 const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                 const at::Tensor& block_tables) const;
+                 const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc,
+                 const at::Tensor& seq_lens, const at::Tensor& block_tables) const;
 
  private:
-  std::vector<StackLayer> layers_;
-  at::Tensor final_norm_;
-  double eps_, scale_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  std::vector<StackInstruction> program_;
+  int64_t num_registers_, output_;
 };
 
 }  // namespace kvserve

@@ -1,7 +1,9 @@
-"""Building blocks shared by decoder models: RMSNorm and rotary position embeddings.
+"""Rotary position embeddings: the tables of every RoPE scaling HF transformers computes
+(linear, Llama 3, YaRN, LongRoPE), partial rotary as a reordering of heads, and rotations of keys
+already in the cache (attention sinks).
 
-Numerics follow HF transformers (norms in float32, RoPE tables in float32 cast to the activation
-dtype) so float32 runs match the reference to rounding.
+Numerics follow HF transformers (tables in float32, cast to the activation dtype), so float32
+runs match the reference to rounding.
 """
 
 from __future__ import annotations
@@ -13,26 +15,6 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.kernels.reference import kv_as, to_cache_rows
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm, or with `weight_offset` (Gemma: 1) its GemmaRMSNorm, which keeps
-    the checkpoint's weight w and scales by (1 + w) in float32."""
-
-    def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size) - weight_offset)
-        self.eps = eps
-        self.weight_offset = weight_offset
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden.dtype
-        hidden = hidden.float()
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * torch.rsqrt(variance + self.eps)
-        if self.weight_offset:
-            return (hidden * (self.weight_offset + self.weight.float())).to(input_dtype)
-        return self.weight * hidden.to(input_dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig, kind: str = "global") -> torch.Tensor:
@@ -167,7 +149,7 @@ def rotary_head_order(config: ModelConfig) -> torch.Tensor | None:
     passed = list(range(rotary, dim))
     first = list(range(rotary_half)) + passed[: half - rotary_half]
     second = list(range(rotary_half, rotary)) + passed[half - rotary_half:]
-    return torch.tensor(first + second)
+    return torch.tensor(first + second, device="cpu")  # real values, even under a meta build
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,0 +1,35 @@
+"""The gated MLP: down(act(gate(x)) * up(x)) with gate and up as one projection (two parts),
+SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.distributed.parallel_state import ParallelContext
+from kvserve.models.layers.linear import column_parallel, row_parallel
+from kvserve.quant import QuantPolicy
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str,
+                 quant: QuantPolicy, prefix: str, parallel: ParallelContext | None = None,
+                 fused_checkpoint: bool = False):
+        """`intermediate_size`: the whole model's; `prefix`: the module's checkpoint name;
+        `fused_checkpoint`: the checkpoint holds gate_up_proj (Phi-3), not gate/up."""
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: one of {', '.join(ACTIVATIONS)}")
+        self.hidden_act = activation
+        self.gate_up_proj = column_parallel(
+            hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
+            False, quant, prefix, parallel, fused_name="gate_up_proj",
+            export_fused=fused_checkpoint)
+        self.down_proj = row_parallel(intermediate_size, hidden_size, "down_proj", False, quant,
+                                      prefix, parallel)
+
+    def forward(self, ops, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = ops.linear(self.gate_up_proj, hidden)
+        return ops.linear(self.down_proj, ops.act_and_mul(gate_up, self.hidden_act))

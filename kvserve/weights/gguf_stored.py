@@ -1,0 +1,66 @@
+"""A GGUF's tensors for loading as the file stores them: block-quantized ones as `QuantizedRows`
+(never dequantized here), float ones as torch tensors, under HF's names and in HF's row order
+(weights/gguf_file.py keeps the metadata and names, and no torch, for the router's tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.weights.gguf_file import (
+    dequantize_tensor,
+    hf_tensor_name,
+    permuted_heads,
+    unpermute_rope_rows,
+)
+from kvserve.weights.quantized_rows import QuantizedRows
+
+
+def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]]:
+    """Yield (HF name, tensor in HF layout) for every tensor the model uses, block-quantized
+    ones as the file stores them (`QuantizedRows`, its rows in HF's order: llama.cpp's Q/K
+    permutation undone by moving whole rows), float ones as float32 torch tensors (Gemma's
+    norms less 1, as `iter_gguf_tensors`)."""
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, config.architecture)
+        if name is None:
+            continue
+        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            array = dequantize_tensor(tensor)
+            if config.norm_weight_offset and name.endswith("norm.weight"):
+                array = array - np.float32(config.norm_weight_offset)
+            yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+            continue
+        rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
+                             int(tensor.shape[0]), _block_elements(tensor), tensor.name)
+        heads = permuted_heads(name, config)
+        if heads:
+            rows = rows[torch.from_numpy(unpermute_rope_rows(
+                np.arange(rows.shape[0])[:, None], heads)[:, 0])]
+        yield name, rows
+
+
+def tensor_types(reader, config: ModelConfig) -> dict[str, str]:
+    """HF name -> how the file stores it (a GGMLQuantizationType name), for the tensors the
+    model uses: what each projection's method is chosen from."""
+    return {name: tensor.tensor_type.name for tensor in reader.tensors
+            if (name := hf_tensor_name(tensor.name, config.architecture)) is not None}
+
+
+def _block_elements(tensor) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[tensor.tensor_type][0]
+
+
+def _rows_bytes(tensor) -> np.ndarray:
+    """A block-quantized tensor's bytes as rows (a view of the memory map): [rows, row bytes]
+    for a 2-D weight."""
+    data = tensor.data
+    rows = int(np.prod(tensor.shape[1:], dtype=np.int64))
+    return data.reshape(rows, -1)
+
+
