@@ -1,0 +1,429 @@
+// GGUF tensors into panels (gguf_layouts.h) and back to the file's values.
+//
+// Packing is a memory-bound pass over the model at load (a 4.7 GB Q4_K_M file must take seconds
+// on 2 cores), so rows are decoded with word-wide bit tricks and each (panel, file block) is
+// written whole while it is in L1: every byte of it belongs to exactly one of its 16 rows, so no
+// zeroing pass precedes it (only a last, partial panel is zeroed first).
+//
+// Dequantizing gives gguf.quants.dequantize's float32 values to the bit: the same float
+// operations in the same order per format (Q4_K: (d * sc) * q - (dmin * m)), never fused
+// (-ffp-contract=off), then a cast to bfloat16 where asked (round to nearest even).
+#include "gguf_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "gguf_layouts.h"
+#include "panel_layouts.h"
+#include "vec.h"
+
+namespace kvserve {
+namespace {
+
+using at::Half;
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
+
+float f16_to_float(uint16_t bits) { return static_cast<float>(Half(bits, Half::from_bits())); }
+
+// ---- the file's blocks -> codes (one byte each, k order) for one row
+
+// Elements j < 16 in the low nibbles of qs[j], j >= 16 in the high nibbles of qs[j - 16]
+// (Q4_0, Q4_1, Q5_0, Q5_1).
+void split_nibbles(const uint8_t* qs, uint8_t q[32]) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = qs[j] & 0x0F;
+    q[j + 16] = qs[j] >> 4;
+  }
+}
+
+// The low (shift 0) or high (shift 4) nibbles of 32 bytes (the K-quants' sub-blocks).
+void nibbles_of(const uint8_t* bytes, int shift, uint8_t q[32]) {
+  for (int k = 0; k < 32; ++k) q[k] = (bytes[k] >> shift) & 0x0F;
+}
+
+// Q5_0/Q5_1's fifth bits: bit j of the little-endian 32-bit qh is element j's.
+void add_fifth_bits(const uint8_t* qh, uint8_t q[32]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  for (int j = 0; j < 32; ++j) q[j] |= ((bits >> j) & 1) << 4;
+}
+
+// ---- codes -> the layout, row n of a block
+
+// Low 4 bits of q (k order) into the int4 layout: per chunk c the row's 32-bit lane holds the
+// bytes (k0 | k2 << 4, k4 | k6 << 4, k1 | k3 << 4, k5 | k7 << 4) of k = 8c..8c+7. In a 64-bit
+// word of the chunk's 8 codes, v | v >> 12 puts k_i | k_(i+2) << 4 in byte i; bytes 0, 4, 1, 5
+// of that are the lane.
+void put_codes(uint8_t* codes, int64_t n, const uint8_t q[32]) {
+  for (int c = 0; c < 4; ++c) {
+    uint64_t v;
+    std::memcpy(&v, q + 8 * c, sizeof(v));
+    v &= 0x0F0F0F0F0F0F0F0FULL;
+    const uint64_t t = v | (v >> 12);
+    const uint32_t lane = static_cast<uint32_t>((t & 0xFF) | ((t >> 24) & 0xFF00) |
+                                                ((t << 8) & 0xFF0000) | ((t >> 16) & 0xFF000000));
+    std::memcpy(codes + c * kInt4ChunkBytes + 4 * (n % kInt4Panel), &lane, sizeof(lane));
+  }
+}
+
+// The bits of q above the low 4 into row n's 4 bytes of each of the group's planes.
+template <int HighBits> void put_high_bits(uint8_t* planes, int64_t n, const uint8_t q[32]) {
+  uint8_t bytes[HighBits][4] = {};
+  for (int k = 0; k < 32; ++k) {
+    const LaneSlot slot = lane_slot(n, k);
+    const int bit = slot.vector * HighBits;
+    bytes[bit / 8][slot.byte % 4] |= static_cast<uint8_t>((q[k] >> 4) << (bit % 8));
+  }
+  for (int plane = 0; plane < HighBits; ++plane)
+    std::memcpy(planes + 64 * plane + 4 * (n % kInt4Panel), bytes[plane], 4);
+}
+
+template <typename L> void put_group(uint8_t* block, int s, int64_t n, const uint8_t q[32]) {
+  put_codes(L::codes(block, s), n, q);
+  if constexpr (L::kHighBits > 0) put_high_bits<L::kHighBits>(L::planes(block, s), n, q);
+}
+
+// Row n's 32 codes of group s (k order, high bits included).
+template <typename L> void row_codes(const uint8_t* block, int s, int64_t n, uint8_t q[32]) {
+#if KVSERVE_VEC
+  // the row's 4 bytes of each chunk: low nibbles are k (0, 4, 1, 5) of the chunk, high nibbles
+  // (2, 6, 3, 7); interleaved that is (0, 2, 4, 6, 1, 3, 5, 7), which one shuffle puts in order
+  const uint8_t* codes = L::codes(block, s);
+  const int64_t lane = 4 * (n % kInt4Panel);
+  uint32_t words[4];
+  for (int c = 0; c < 4; ++c) std::memcpy(&words[c], codes + c * kInt4ChunkBytes + lane, 4);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m128i low = _mm_and_si128(bytes, low4);                      // vectors 2c, byte 4c + i
+  __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  // vectors 2c + 1
+  if constexpr (L::kHighBits == 1) {  // vector v's bit is bit v of the plane byte
+    uint32_t plane;
+    std::memcpy(&plane, L::planes(block, s) + lane, 4);
+    const __m128i spread = _mm_set1_epi32(static_cast<int32_t>(plane));
+    const __m128i low_bit = _mm_setr_epi8(1, 1, 1, 1, 4, 4, 4, 4, 16, 16, 16, 16, 64, 64, 64, 64);
+    const __m128i high_bit = _mm_slli_epi16(low_bit, 1);
+    const __m128i fifth = _mm_set1_epi8(0x10);
+    low = _mm_or_si128(low, _mm_and_si128(
+        _mm_cmpeq_epi8(_mm_and_si128(spread, low_bit), low_bit), fifth));
+    high = _mm_or_si128(high, _mm_and_si128(
+        _mm_cmpeq_epi8(_mm_and_si128(spread, high_bit), high_bit), fifth));
+  } else if constexpr (L::kHighBits == 2) {  // vector v's bits at 2 (v % 4) of plane v / 4
+    uint32_t first, second;
+    std::memcpy(&first, L::planes(block, s) + lane, 4);
+    std::memcpy(&second, L::planes(block, s) + 64 + lane, 4);
+    const __m128i spread = _mm_setr_epi32(first, first, second, second);
+    const __m128i two = _mm_set1_epi8(0x03);
+    // chunks 0, 2: shifts 0 (low) and 2 (high); chunks 1, 3: 4 and 6
+    const __m128i low_bits = _mm_blend_epi16(spread, _mm_srli_epi16(spread, 4), 0xCC);
+    const __m128i high_bits = _mm_blend_epi16(_mm_srli_epi16(spread, 2),
+                                              _mm_srli_epi16(spread, 6), 0xCC);
+    low = _mm_or_si128(low, _mm_slli_epi16(_mm_and_si128(low_bits, two), 4));
+    high = _mm_or_si128(high, _mm_slli_epi16(_mm_and_si128(high_bits, two), 4));
+  }
+  const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm_shuffle_epi8(_mm_unpacklo_epi8(low, high), order));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm_shuffle_epi8(_mm_unpackhi_epi8(low, high), order));
+#else
+  for (int k = 0; k < 32; ++k) q[k] = static_cast<uint8_t>(code_at<L>(block, s, n, k));
+#endif
+}
+
+// ---- the formats: pack(raw, block, n) writes row n (0..15) of a block from the row's file
+// block and returns whether it fits the layout; dequantize(block, n, out) writes the block's
+// block_values values of row n (any row of the panel's) as gguf.quants.dequantize computes them.
+
+// Q4_0, Q4_1, Q5_0, Q5_1: d f16, m f16 (WithMin), qh u32 (Q5), qs[16]; w = d * (q - 8) or
+// d * (q - 16), or w = d * q + m. The layouts hold d and then m; Q4_0's is int4_linear_q8's,
+// whose second array is the low, -8d: exact in float16 while |d| <= 8188.
+template <typename L, bool WithMin> struct SmallFormat {
+  using Layout = L;
+  static constexpr int kOffset = 8 << L::kHighBits;
+  static constexpr int kQs = 2 + 2 * WithMin + 4 * L::kHighBits;
+
+  static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
+    uint8_t q[32];
+    split_nibbles(raw + kQs, q);
+    if constexpr (L::kHighBits > 0) add_fifth_bits(raw + kQs - 4, q);
+    put_group<L>(block, 0, n, q);
+    const uint16_t d = load_u16(raw);
+    store_u16(L::halves(block, 0) + 2 * n, d);
+    if constexpr (WithMin) store_u16(L::halves(block, 1) + 2 * n, load_u16(raw + 2));
+    if constexpr (!WithMin && L::kHighBits == 0) {
+      const float exact = -8.f * f16_to_float(d);
+      const Half low(exact);
+      store_u16(L::halves(block, 1) + 2 * n, low.x);
+      return static_cast<float>(low) == exact || std::isnan(exact);
+    }
+    return true;
+  }
+  static void dequantize(const uint8_t* block, int64_t n, float* out) {
+    uint8_t q[32];
+    row_codes<L>(block, 0, n, q);
+    const float d = half_at(L::halves(block, 0), n);
+    if constexpr (WithMin) {
+      const float m = half_at(L::halves(block, 1), n);
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(q[k]) + m;
+    } else {
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(q[k] - kOffset);
+    }
+  }
+};
+using Q4_0Format = SmallFormat<Int4Layout, false>;
+using Q4_1Format = SmallFormat<Int4Layout, true>;
+using Q5_0Format = SmallFormat<Q5_0Layout, false>;
+using Q5_1Format = SmallFormat<Q5_1Layout, true>;
+
+struct Q8_0Format {
+  // d f16, qs[32] int8; w = q * d. The int8 layout: chunk c holds k = 4c..4c+3 of row n at
+  // bytes 4n..4n+3, then float32 scales.
+  static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
+    for (int c = 0; c < 8; ++c) std::memcpy(block + c * 64 + 4 * n, raw + 2 + 4 * c, 4);
+    const float d = f16_to_float(load_u16(raw));
+    std::memcpy(block + kInt8CodeBytes + 4 * n, &d, sizeof(d));
+    return true;
+  }
+  static void dequantize(const uint8_t* block, int64_t n, float* out) {
+    const float d = int8_block_scales(block)[n % kInt8Panel];
+    for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(int8_code_at(block, n, k)) * d;
+  }
+};
+
+// Q4_K and Q5_K: d f16, dmin f16, 12 bytes of 6-bit scales and mins (gguf's get_scale_min), then
+// Q5_K's qh[32] (bit s of qh[l]: element l of sub-block s), then qs[128] (sub-block s: the
+// nibbles s % 2 of qs[32 (s / 2) ..]); w = (d * sc) * q - (dmin * m).
+template <int HighBits> struct KFormat {
+  using Layout = KLayout<HighBits>;
+  static constexpr int64_t kQs = 16 + 32 * HighBits;
+
+  static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
+    const uint8_t* packed = raw + 4;  // d[0:4], m[4:8], m_d[8:12]
+    for (int s = 0; s < 8; ++s) {
+      uint8_t q[32];
+      nibbles_of(raw + kQs + 32 * (s / 2), 4 * (s % 2), q);
+      if constexpr (HighBits == 1)
+        for (int l = 0; l < 32; ++l) q[l] |= ((raw[16 + l] >> s) & 1) << 4;
+      put_group<Layout>(block, s, n, q);
+      const int i = s % 4;
+      const bool low = s < 4;
+      Layout::scales(block, s)[n] = low ? packed[i] & 0x3F
+                                        : (packed[8 + i] & 0x0F) | ((packed[i] >> 2) & 0x30);
+      Layout::mins(block, s)[n] = low ? packed[4 + i] & 0x3F
+                                      : (packed[8 + i] >> 4) | ((packed[4 + i] >> 2) & 0x30);
+    }
+    store_u16(Layout::d(block) + 2 * n, load_u16(raw));
+    store_u16(Layout::dmin(block) + 2 * n, load_u16(raw + 2));
+    return true;
+  }
+  static void dequantize(const uint8_t* block, int64_t n, float* out) {
+    const float d = half_at(Layout::d(block), n), dmin = half_at(Layout::dmin(block), n);
+    for (int s = 0; s < 8; ++s) {
+      uint8_t q[32];
+      row_codes<Layout>(block, s, n, q);
+      const float scale = d * static_cast<float>(Layout::scales(block, s)[n % kInt4Panel]);
+      const float low = dmin * static_cast<float>(Layout::mins(block, s)[n % kInt4Panel]);
+      for (int k = 0; k < 32; ++k) out[32 * s + k] = scale * static_cast<float>(q[k]) - low;
+    }
+  }
+};
+
+// Q6_K: ql[128], qh[64], scales[16] int8, d f16. Group g of 32 (half h = g / 4, s = g % 4): low
+// nibbles s / 2 of ql[64h + 32 (s % 2) ..], bits 2s..2s+1 of qh[32h ..]; w = (d * sc) * (q - 32)
+// with one scale per 16.
+struct Q6_KFormat {
+  using Layout = Q6_KLayout;
+  static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
+    for (int g = 0; g < 8; ++g) {
+      const int h = g / 4, s = g % 4;
+      uint8_t q[32];
+      nibbles_of(raw + 64 * h + 32 * (s % 2), 4 * (s / 2), q);
+      for (int l = 0; l < 32; ++l) q[l] |= ((raw[128 + 32 * h + l] >> (2 * s)) & 3) << 4;
+      put_group<Layout>(block, g, n, q);
+    }
+    for (int j = 0; j < 16; ++j) Layout::scales(block, j)[n] = raw[192 + j];
+    store_u16(Layout::d(block) + 2 * n, load_u16(raw + 208));
+    return true;
+  }
+  static void dequantize(const uint8_t* block, int64_t n, float* out) {
+    const float d = half_at(Layout::d(block), n);
+    for (int g = 0; g < 8; ++g) {
+      uint8_t q[32];
+      row_codes<Layout>(block, g, n, q);
+      for (int k = 0; k < 32; ++k) {
+        const auto sc = static_cast<int8_t>(Layout::scales(block, 2 * g + k / 16)[n % kInt4Panel]);
+        out[32 * g + k] = (d * static_cast<float>(sc)) * static_cast<float>(q[k] - 32);
+      }
+    }
+  }
+};
+
+template <typename Fn> void with_format(GgufType type, Fn fn) {
+  switch (type) {
+    case GgufType::kQ4_0: return fn(Q4_0Format());
+    case GgufType::kQ4_1: return fn(Q4_1Format());
+    case GgufType::kQ5_0: return fn(Q5_0Format());
+    case GgufType::kQ5_1: return fn(Q5_1Format());
+    case GgufType::kQ8_0: return fn(Q8_0Format());
+    case GgufType::kQ4_K: return fn(KFormat<0>());
+    case GgufType::kQ5_K: return fn(KFormat<1>());
+    case GgufType::kQ6_K: return fn(Q6_KFormat());
+  }
+}
+
+constexpr GgufFormat kFormats[] = {
+    {"Q4_0", GgufType::kQ4_0, 32, 18, Int4Layout::kBytes},
+    {"Q4_1", GgufType::kQ4_1, 32, 20, Int4Layout::kBytes},
+    {"Q5_0", GgufType::kQ5_0, 32, 22, Q5_0Layout::kBytes},
+    {"Q5_1", GgufType::kQ5_1, 32, 24, Q5_1Layout::kBytes},
+    {"Q8_0", GgufType::kQ8_0, 32, 34, kInt8BlockBytes},
+    {"Q4_K", GgufType::kQ4_K, 256, 144, Q4_KLayout::kBytes},
+    {"Q5_K", GgufType::kQ5_K, 256, 176, Q5_KLayout::kBytes},
+    {"Q6_K", GgufType::kQ6_K, 256, 210, Q6_KLayout::kBytes},
+};
+
+// The file's rows into panels (parallel over panels); false if a block does not fit the layout.
+template <typename Format>
+bool pack_panels(const uint8_t* raw, int64_t rows, int64_t row_bytes, const GgufFormat& format,
+                 uint8_t* out, int64_t blocks) {
+  const int64_t panels = (rows + kInt4Panel - 1) / kInt4Panel;
+  const int64_t panel_bytes = blocks * format.panel_block_bytes;
+  std::atomic<bool> fits{true};
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    bool ok = true;
+    for (int64_t p = begin; p < end; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      const int64_t count = std::min<int64_t>(kInt4Panel, rows - p * kInt4Panel);
+      if (count < kInt4Panel) std::memset(panel, 0, panel_bytes);
+      const uint8_t* first = raw + p * kInt4Panel * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t n = 0; n < count; ++n)
+          ok &= Format::pack(first + n * row_bytes + b * format.block_bytes,
+                             panel + b * format.panel_block_bytes, n);
+    }
+    if (!ok) fits = false;
+  });
+  return fits;
+}
+
+}  // namespace
+
+const GgufFormat& gguf_format(const std::string& qtype) {
+  for (const GgufFormat& format : kFormats)
+    if (qtype == format.name) return format;
+  TORCH_CHECK_VALUE(false, "GGUF type ", qtype, " has no panel layout; supported: Q4_0, Q4_1, "
+                    "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
+}
+
+void dequantize_panel_rows(const GgufFormat& format, const at::Tensor& panels,
+                           const int64_t* rows, int64_t first, at::Tensor& out) {
+  const int64_t count = out.size(0), cols = out.size(1);
+  const int64_t blocks = cols / format.block_values;
+  const uint8_t* data = panels.data_ptr<uint8_t>();
+  const int64_t panel_bytes = panels.size(1) * format.panel_block_bytes;
+  const bool to_float = out.scalar_type() == at::kFloat;
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t row_bytes = cols * out.element_size();
+  with_format(format.type, [&](auto tag) {
+    using Format = decltype(tag);
+    // ~64K values a task: a few embedding rows stay on the calling thread
+    at::parallel_for(0, count, std::max<int64_t>(1, (int64_t{1} << 16) / cols),
+                     [&](int64_t begin, int64_t end) {
+      float values[256];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = rows ? rows[i] : first + i;
+        const uint8_t* panel = data + (row / kInt4Panel) * panel_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t k0 = b * format.block_values;
+          float* target = to_float ? reinterpret_cast<float*>(dst + i * row_bytes) + k0 : values;
+          Format::dequantize(panel + b * format.panel_block_bytes, row, target);
+          if (!to_float)
+            to_bf16_bits(values, reinterpret_cast<uint16_t*>(dst + i * row_bytes) + k0,
+                         format.block_values);
+        }
+      }
+    });
+  });
+}
+
+void check_panels(const GgufFormat& format, const at::Tensor& panels, int64_t cols,
+                  const char* op) {
+  TORCH_CHECK_VALUE(panels.scalar_type() == at::kByte && panels.dim() == 3 &&
+                        panels.is_contiguous() && panels.size(2) == format.panel_block_bytes &&
+                        cols > 0 && panels.size(1) * format.block_values == cols,
+                    op, ": ", format.name, " panels of K = ", cols, " must be contiguous uint8 "
+                    "[ceil(N / 16), ", cols / format.block_values, ", ", format.panel_block_bytes,
+                    "] (gguf_pack's), got ", panels.sizes());
+}
+
+namespace {
+
+at::Tensor dequantized(const at::Tensor& panels, const std::string& qtype, const int64_t* rows,
+                       int64_t first, int64_t count, int64_t cols, at::ScalarType dtype) {
+  const GgufFormat& format = gguf_format(qtype);
+  check_panels(format, panels, cols, "gguf_dequantize");
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16,
+                    "gguf_dequantize: dtype must be float32 or bfloat16");
+  const int64_t limit = panels.size(0) * kInt4Panel;
+  for (int64_t i = 0; rows && i < count; ++i)
+    TORCH_CHECK_INDEX(rows[i] >= 0 && rows[i] < limit, "gguf_dequantize: row ", rows[i],
+                      " outside the panels' ", limit, " rows");
+  TORCH_CHECK_INDEX(rows || first + count <= limit, "gguf_dequantize: rows ", first, "..",
+                    first + count, " outside the panels' ", limit, " rows");
+  at::Tensor out = at::empty({count, cols}, panels.options().dtype(dtype));
+  if (count > 0) dequantize_panel_rows(format, panels, rows, first, out);
+  return out;
+}
+
+}  // namespace
+
+at::Tensor gguf_dequantize(const at::Tensor& panels, const std::string& qtype,
+                           const at::Tensor& rows, int64_t cols, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+                    "gguf_dequantize: rows must be int64 [R] (or a range)");
+  const at::Tensor indices = rows.contiguous();
+  return dequantized(panels, qtype, indices.data_ptr<int64_t>(), 0, indices.numel(), cols, dtype);
+}
+
+at::Tensor gguf_dequantize_range(const at::Tensor& panels, const std::string& qtype,
+                                 int64_t begin, int64_t end, int64_t cols,
+                                 at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(0 <= begin && begin <= end, "gguf_dequantize: bad row range ", begin, "..",
+                    end);
+  return dequantized(panels, qtype, nullptr, begin, end - begin, cols, dtype);
+}
+
+at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype) {
+  const GgufFormat& format = gguf_format(qtype);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2,
+              "gguf_pack: raw must be uint8 [N, row_bytes] (the tensor's bytes, one row each)");
+  const int64_t rows = raw.size(0), row_bytes = raw.size(1);
+  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes % format.block_bytes == 0, "gguf_pack: ",
+                    format.name, " rows of ", row_bytes, " bytes are not whole blocks (",
+                    format.block_bytes, " bytes per ", format.block_values, " values)");
+  const int64_t blocks = row_bytes / format.block_bytes;
+  const at::Tensor src = raw.contiguous();
+  at::Tensor out = at::empty({(rows + kInt4Panel - 1) / kInt4Panel, blocks,
+                              format.panel_block_bytes}, raw.options());
+  bool fits = true;
+  with_format(format.type, [&](auto tag) {
+    fits = pack_panels<decltype(tag)>(src.data_ptr<uint8_t>(), rows, row_bytes, format,
+                                      out.data_ptr<uint8_t>(), blocks);
+  });
+  TORCH_CHECK_VALUE(fits, "gguf_pack: a ", format.name, " block's scale d exceeds 8188, so its "
+                    "low -8d does not fit the layout's float16");
+  return out;
+}
+
+}  // namespace kvserve
