@@ -112,6 +112,10 @@ inline LaneSlot lane_slot(int64_t n, int k) {
   return {static_cast<int>(4 * (n % kInt4Panel)) + 2 * par + hb, 2 * chunk + h};
 }
 
+// The k (within the group) whose code is byte 4n + i of code vector v, any row n: lane_slot's
+// inverse.
+constexpr int lane_k(int i, int v) { return 8 * (v / 2) + 4 * (i % 2) + 2 * (v % 2) + i / 2; }
+
 // The code of w[n, k] in group s of a block, high bits included (the scalar loops).
 template <typename L> int code_at(const uint8_t* block, int s, int64_t n, int k) {
   int code = int4_code_at(L::codes(block, s), n, k);

@@ -1,9 +1,11 @@
 // GGUF tensors into panels (gguf_layouts.h) and back to the file's values.
 //
-// Packing is a memory-bound pass over the model at load (a 4.7 GB Q4_K_M file must take seconds
-// on 2 cores), so rows are decoded with word-wide bit tricks and each (panel, file block) is
-// written whole while it is in L1: every byte of it belongs to exactly one of its 16 rows, so no
-// zeroing pass precedes it (only a last, partial panel is zeroed first).
+// Packing is a pass over the whole model at load (a 4.7 GB Q4_K_M file must take seconds on 2
+// cores), so in vector builds a row's group of 32 codes is one ymm: decoded from the file's
+// nibbles and bits in a few instructions, then put into the layout by byte shuffles (the codes'
+// lanes) and vpmovmskb (the bit planes) instead of 32 byte loops (8x slower). Each (panel, file
+// block) is written whole while it is in L1: every byte of it belongs to exactly one of its 16
+// rows, so no zeroing pass precedes it (only a last, partial panel is zeroed first).
 //
 // Dequantizing gives gguf.quants.dequantize's float32 values to the bit: the same float
 // operations in the same order per format (Q4_K: (d * sc) * q - (dmin * m)), never fused
@@ -36,49 +38,162 @@ void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
 
 float f16_to_float(uint16_t bits) { return static_cast<float>(Half(bits, Half::from_bits())); }
 
-// ---- the file's blocks -> codes (one byte each, k order) for one row
+// ---- the file's blocks -> Codes: a row's 32 codes of a group, k order, one a byte (a ymm in
+// vector builds: the steps below are then a few instructions, not 32 byte loops)
+
+#if KVSERVE_VEC
+using Codes = __m256i;
 
 // Elements j < 16 in the low nibbles of qs[j], j >= 16 in the high nibbles of qs[j - 16]
 // (Q4_0, Q4_1, Q5_0, Q5_1).
-void split_nibbles(const uint8_t* qs, uint8_t q[32]) {
-  for (int j = 0; j < 16; ++j) {
-    q[j] = qs[j] & 0x0F;
-    q[j + 16] = qs[j] >> 4;
-  }
+Codes split_nibbles(const uint8_t* qs) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                          _mm_and_si128(bytes, low4));
 }
 
 // The low (shift 0) or high (shift 4) nibbles of 32 bytes (the K-quants' sub-blocks).
-void nibbles_of(const uint8_t* bytes, int shift, uint8_t q[32]) {
-  for (int k = 0; k < 32; ++k) q[k] = (bytes[k] >> shift) & 0x0F;
+Codes nibbles_of(const uint8_t* bytes, int shift) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0F));
 }
 
-// Q5_0/Q5_1's fifth bits: bit j of the little-endian 32-bit qh is element j's.
-void add_fifth_bits(const uint8_t* qh, uint8_t q[32]) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, sizeof(bits));
-  for (int j = 0; j < 32; ++j) q[j] |= ((bits >> j) & 1) << 4;
+// q | ((bytes[k] >> shift) & mask) << 4: Q5_K's and Q6_K's high bits, a byte per element.
+Codes with_high_bits(Codes q, const uint8_t* bytes, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)),
+                                        _mm256_set1_epi8(static_cast<char>(mask)));
+  return _mm256_or_si256(q, _mm256_slli_epi16(bits, 4));
 }
+
+// Q5_0/Q5_1's fifth bits: bit j of the little-endian 32-bit qh is element j's (byte j / 8 to
+// element j, then a test of bit j % 8).
+Codes with_fifth_bits(Codes q, const uint8_t* qh) {
+  uint32_t word;
+  std::memcpy(&word, qh, sizeof(word));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(word)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+#else
+struct Codes {
+  uint8_t q[32];
+};
+
+Codes split_nibbles(const uint8_t* qs) {
+  Codes codes;
+  for (int j = 0; j < 16; ++j) {
+    codes.q[j] = qs[j] & 0x0F;
+    codes.q[j + 16] = qs[j] >> 4;
+  }
+  return codes;
+}
+
+Codes nibbles_of(const uint8_t* bytes, int shift) {
+  Codes codes;
+  for (int k = 0; k < 32; ++k) codes.q[k] = (bytes[k] >> shift) & 0x0F;
+  return codes;
+}
+
+Codes with_high_bits(Codes codes, const uint8_t* bytes, int shift, int mask) {
+  for (int k = 0; k < 32; ++k) codes.q[k] |= ((bytes[k] >> shift) & mask) << 4;
+  return codes;
+}
+
+Codes with_fifth_bits(Codes codes, const uint8_t* qh) {
+  for (int j = 0; j < 32; ++j) codes.q[j] |= ((qh[j / 8] >> (j % 8)) & 1) << 4;
+  return codes;
+}
+#endif
 
 // ---- codes -> the layout, row n of a block
 
-// Low 4 bits of q (k order) into the int4 layout: per chunk c the row's 32-bit lane holds the
-// bytes (k0 | k2 << 4, k4 | k6 << 4, k1 | k3 << 4, k5 | k7 << 4) of k = 8c..8c+7. In a 64-bit
-// word of the chunk's 8 codes, v | v >> 12 puts k_i | k_(i+2) << 4 in byte i; bytes 0, 4, 1, 5
-// of that are the lane.
-void put_codes(uint8_t* codes, int64_t n, const uint8_t q[32]) {
-  for (int c = 0; c < 4; ++c) {
-    uint64_t v;
-    std::memcpy(&v, q + 8 * c, sizeof(v));
-    v &= 0x0F0F0F0F0F0F0F0FULL;
-    const uint64_t t = v | (v >> 12);
-    const uint32_t lane = static_cast<uint32_t>((t & 0xFF) | ((t >> 24) & 0xFF00) |
-                                                ((t << 8) & 0xFF0000) | ((t >> 16) & 0xFF000000));
-    std::memcpy(codes + c * kInt4ChunkBytes + 4 * (n % kInt4Panel), &lane, sizeof(lane));
+#if KVSERVE_VEC
+// A 32-byte shuffle control, made at compile time: byte p = index(p), -1 for zero.
+struct alignas(32) ByteTable {
+  int8_t bytes[32];
+  __m256i load() const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes)); }
+};
+template <typename Index> constexpr ByteTable byte_table(Index index) {
+  ByteTable table{};
+  for (int p = 0; p < 32; ++p) table.bytes[p] = static_cast<int8_t>(index(p));
+  return table;
+}
+
+// put_codes's: the chunks' low (v = 2c) and high (2c + 1) nibbles in their lane bytes
+constexpr ByteTable kLowNibbles = byte_table([](int p) {
+  return p % 16 < 8 ? lane_k(p % 4, 2 * (p % 16 / 4)) : -1;
+});
+constexpr ByteTable kHighNibbles = byte_table([](int p) {
+  return p % 16 < 8 ? lane_k(p % 4, 2 * (p % 16 / 4) + 1) : -1;
+});
+// put_high_bits<1>'s: byte 8i + v from k = lane_k(i, v), in the low or the high 16
+constexpr ByteTable kBitsFromLow = byte_table([](int p) {
+  const int k = lane_k(p / 8, p % 8);
+  return k < 16 ? k : -1;
+});
+constexpr ByteTable kBitsFromHigh = byte_table([](int p) {
+  const int k = lane_k(p / 8, p % 8);
+  return k >= 16 ? k - 16 : -1;
+});
+// put_high_bits<2>'s: bytes 8i + 2v' and 8i + 2v' + 1 from vector v' (4 + v') of the low (high) 16
+constexpr ByteTable kBitPairs = byte_table([](int p) { return lane_k(p / 8, p % 8 / 2); });
+
+// Low 4 bits of q (32 codes, k order) into the int4 layout: per chunk c the row's 32-bit lane
+// holds the nibbles of vectors 2c (low) and 2c + 1 (high) at its bytes i (lane_k). vpshufb
+// works per 128-bit lane, holding chunks 0-1 (2-3): each gives 8 bytes.
+inline void put_codes(uint8_t* codes, int64_t n, __m256i q) {
+  const __m256i nibbles = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+  const __m256i lanes = _mm256_or_si256(
+      _mm256_shuffle_epi8(nibbles, kLowNibbles.load()),
+      _mm256_slli_epi16(_mm256_shuffle_epi8(nibbles, kHighNibbles.load()), 4));
+  const uint64_t halves[2] = {static_cast<uint64_t>(_mm256_extract_epi64(lanes, 0)),
+                              static_cast<uint64_t>(_mm256_extract_epi64(lanes, 2))};
+  for (int c = 0; c < 4; ++c)
+    std::memcpy(codes + c * kInt4ChunkBytes + 4 * (n % kInt4Panel),
+                reinterpret_cast<const uint8_t*>(halves) + 4 * c, 4);
+}
+
+// The bits of q above the low 4 into row n's 4 bytes of each plane: the codes gathered in plane
+// bit order (byte 8i + bit of the plane's byte i), each bit shifted onto bit 7, vpmovmskb.
+template <int HighBits> inline void put_high_bits(uint8_t* planes, int64_t n, __m256i q) {
+  const __m256i low_half = _mm256_permute2x128_si256(q, q, 0x00);   // k 0..15 in both lanes
+  const __m256i high_half = _mm256_permute2x128_si256(q, q, 0x11);  // k 16..31
+  uint32_t bits[HighBits];
+  if constexpr (HighBits == 1) {  // bit v of byte i: vector v, k anywhere in 0..31
+    const __m256i gathered = _mm256_or_si256(_mm256_shuffle_epi8(low_half, kBitsFromLow.load()),
+                                             _mm256_shuffle_epi8(high_half, kBitsFromHigh.load()));
+    bits[0] = _mm256_movemask_epi8(_mm256_slli_epi16(gathered, 3));
+  } else {  // bits 2v', 2v' + 1 of plane j's byte i: vector 4j + v', k in 16j..16j+15
+    const __m256i order = kBitPairs.load();
+    const __m256i even = _mm256_set1_epi16(0x0080), odd = _mm256_set1_epi16(-0x8000);
+    for (int j = 0; j < 2; ++j) {
+      const __m256i gathered = _mm256_shuffle_epi8(j ? high_half : low_half, order);
+      bits[j] = _mm256_movemask_epi8(
+          _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(gathered, 3), even),
+                          _mm256_and_si256(_mm256_slli_epi16(gathered, 2), odd)));
+    }
+  }
+  for (int plane = 0; plane < HighBits; ++plane)
+    std::memcpy(planes + 64 * plane + 4 * (n % kInt4Panel), &bits[plane], 4);
+}
+#else
+// The portable loops: the same bytes, code by code.
+void put_codes(uint8_t* codes, int64_t n, const Codes& row) {
+  const uint8_t* q = row.q;
+  for (int k = 0; k < 32; ++k) {
+    const LaneSlot slot = lane_slot(n, k);
+    uint8_t& byte = codes[slot.vector / 2 * kInt4ChunkBytes + slot.byte];
+    byte = (slot.vector % 2 ? byte & 0x0F : byte & 0xF0) | (q[k] & 0x0F) << (4 * (slot.vector % 2));
   }
 }
 
-// The bits of q above the low 4 into row n's 4 bytes of each of the group's planes.
-template <int HighBits> void put_high_bits(uint8_t* planes, int64_t n, const uint8_t q[32]) {
+template <int HighBits> void put_high_bits(uint8_t* planes, int64_t n, const Codes& row) {
+  const uint8_t* q = row.q;
   uint8_t bytes[HighBits][4] = {};
   for (int k = 0; k < 32; ++k) {
     const LaneSlot slot = lane_slot(n, k);
@@ -88,10 +203,12 @@ template <int HighBits> void put_high_bits(uint8_t* planes, int64_t n, const uin
   for (int plane = 0; plane < HighBits; ++plane)
     std::memcpy(planes + 64 * plane + 4 * (n % kInt4Panel), bytes[plane], 4);
 }
+#endif
 
-template <typename L> void put_group(uint8_t* block, int s, int64_t n, const uint8_t q[32]) {
-  put_codes(L::codes(block, s), n, q);
-  if constexpr (L::kHighBits > 0) put_high_bits<L::kHighBits>(L::planes(block, s), n, q);
+// Row n's codes of group s into the block.
+template <typename L> void put_group(uint8_t* block, int s, int64_t n, const Codes& codes) {
+  put_codes(L::codes(block, s), n, codes);
+  if constexpr (L::kHighBits > 0) put_high_bits<L::kHighBits>(L::planes(block, s), n, codes);
 }
 
 // Row n's 32 codes of group s (k order, high bits included).
@@ -154,10 +271,9 @@ template <typename L, bool WithMin> struct SmallFormat {
   static constexpr int kQs = 2 + 2 * WithMin + 4 * L::kHighBits;
 
   static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
-    uint8_t q[32];
-    split_nibbles(raw + kQs, q);
-    if constexpr (L::kHighBits > 0) add_fifth_bits(raw + kQs - 4, q);
-    put_group<L>(block, 0, n, q);
+    Codes codes = split_nibbles(raw + kQs);
+    if constexpr (L::kHighBits > 0) codes = with_fifth_bits(codes, raw + kQs - 4);
+    put_group<L>(block, 0, n, codes);
     const uint16_t d = load_u16(raw);
     store_u16(L::halves(block, 0) + 2 * n, d);
     if constexpr (WithMin) store_u16(L::halves(block, 1) + 2 * n, load_u16(raw + 2));
@@ -211,11 +327,9 @@ template <int HighBits> struct KFormat {
   static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
     const uint8_t* packed = raw + 4;  // d[0:4], m[4:8], m_d[8:12]
     for (int s = 0; s < 8; ++s) {
-      uint8_t q[32];
-      nibbles_of(raw + kQs + 32 * (s / 2), 4 * (s % 2), q);
-      if constexpr (HighBits == 1)
-        for (int l = 0; l < 32; ++l) q[l] |= ((raw[16 + l] >> s) & 1) << 4;
-      put_group<Layout>(block, s, n, q);
+      Codes codes = nibbles_of(raw + kQs + 32 * (s / 2), 4 * (s % 2));
+      if constexpr (HighBits == 1) codes = with_high_bits(codes, raw + 16, s, 1);
+      put_group<Layout>(block, s, n, codes);
       const int i = s % 4;
       const bool low = s < 4;
       Layout::scales(block, s)[n] = low ? packed[i] & 0x3F
@@ -247,10 +361,8 @@ struct Q6_KFormat {
   static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
     for (int g = 0; g < 8; ++g) {
       const int h = g / 4, s = g % 4;
-      uint8_t q[32];
-      nibbles_of(raw + 64 * h + 32 * (s % 2), 4 * (s / 2), q);
-      for (int l = 0; l < 32; ++l) q[l] |= ((raw[128 + 32 * h + l] >> (2 * s)) & 3) << 4;
-      put_group<Layout>(block, g, n, q);
+      const Codes low = nibbles_of(raw + 64 * h + 32 * (s % 2), 4 * (s / 2));
+      put_group<Layout>(block, g, n, with_high_bits(low, raw + 128 + 32 * h, 2 * s, 3));
     }
     for (int j = 0; j < 16; ++j) Layout::scales(block, j)[n] = raw[192 + j];
     store_u16(Layout::d(block) + 2 * n, load_u16(raw + 208));
@@ -268,6 +380,13 @@ struct Q6_KFormat {
     }
   }
 };
+
+void prefetch(const uint8_t* from, int64_t bytes) {
+#if KVSERVE_VEC
+  for (int64_t line = 0; line < bytes + 63; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(from + line), _MM_HINT_T0);
+#endif
+}
 
 template <typename Fn> void with_format(GgufType type, Fn fn) {
   switch (type) {
@@ -299,6 +418,8 @@ bool pack_panels(const uint8_t* raw, int64_t rows, int64_t row_bytes, const Gguf
                  uint8_t* out, int64_t blocks) {
   const int64_t panels = (rows + kInt4Panel - 1) / kInt4Panel;
   const int64_t panel_bytes = blocks * format.panel_block_bytes;
+  // the next panel's rows: 16 streams of small steps, which the hardware prefetcher falls behind
+  const int64_t panel_rows_bytes = kInt4Panel * row_bytes;
   std::atomic<bool> fits{true};
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     bool ok = true;
@@ -308,9 +429,11 @@ bool pack_panels(const uint8_t* raw, int64_t rows, int64_t row_bytes, const Gguf
       if (count < kInt4Panel) std::memset(panel, 0, panel_bytes);
       const uint8_t* first = raw + p * kInt4Panel * row_bytes;
       for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t n = 0; n < count; ++n)
-          ok &= Format::pack(first + n * row_bytes + b * format.block_bytes,
-                             panel + b * format.panel_block_bytes, n);
+        for (int64_t n = 0; n < count; ++n) {
+          const uint8_t* block = first + n * row_bytes + b * format.block_bytes;
+          prefetch(block + panel_rows_bytes, format.block_bytes);
+          ok &= Format::pack(block, panel + b * format.panel_block_bytes, n);
+        }
     }
     if (!ok) fits = false;
   });
