@@ -36,6 +36,17 @@ uint16_t load_u16(const uint8_t* p) {
 
 void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
 
+uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// A metadata byte as float (through int: GCC's unsigned-to-float conversion kept a false
+// dependency that stalled the dequantizing loops).
+float byte_float(uint8_t v) { return static_cast<float>(static_cast<int>(v)); }
+float byte_float(int8_t v) { return static_cast<float>(static_cast<int>(v)); }
+
 float f16_to_float(uint16_t bits) { return static_cast<float>(Half(bits, Half::from_bits())); }
 
 // ---- the file's blocks -> Codes: a row's 32 codes of a group, k order, one a byte (a ymm in
@@ -216,18 +227,18 @@ template <typename L> void row_codes(const uint8_t* block, int s, int64_t n, uin
 #if KVSERVE_VEC
   // the row's 4 bytes of each chunk: low nibbles are k (0, 4, 1, 5) of the chunk, high nibbles
   // (2, 6, 3, 7); interleaved that is (0, 2, 4, 6, 1, 3, 5, 7), which one shuffle puts in order
-  const uint8_t* codes = L::codes(block, s);
+  // (loaded a lane at a time into the vector: one load of 4 stored words stalls on forwarding)
+  const uint8_t* codes = L::codes(block, s) + 4 * (n % kInt4Panel);
   const int64_t lane = 4 * (n % kInt4Panel);
-  uint32_t words[4];
-  for (int c = 0; c < 4; ++c) std::memcpy(&words[c], codes + c * kInt4ChunkBytes + lane, 4);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+  __m128i bytes = _mm_cvtsi32_si128(load_u32(codes));
+  bytes = _mm_insert_epi32(bytes, static_cast<int>(load_u32(codes + kInt4ChunkBytes)), 1);
+  bytes = _mm_insert_epi32(bytes, static_cast<int>(load_u32(codes + 2 * kInt4ChunkBytes)), 2);
+  bytes = _mm_insert_epi32(bytes, static_cast<int>(load_u32(codes + 3 * kInt4ChunkBytes)), 3);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m128i low = _mm_and_si128(bytes, low4);                      // vectors 2c, byte 4c + i
   __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);  // vectors 2c + 1
   if constexpr (L::kHighBits == 1) {  // vector v's bit is bit v of the plane byte
-    uint32_t plane;
-    std::memcpy(&plane, L::planes(block, s) + lane, 4);
-    const __m128i spread = _mm_set1_epi32(static_cast<int32_t>(plane));
+    const __m128i spread = _mm_set1_epi32(static_cast<int>(load_u32(L::planes(block, s) + lane)));
     const __m128i low_bit = _mm_setr_epi8(1, 1, 1, 1, 4, 4, 4, 4, 16, 16, 16, 16, 64, 64, 64, 64);
     const __m128i high_bit = _mm_slli_epi16(low_bit, 1);
     const __m128i fifth = _mm_set1_epi8(0x10);
@@ -236,9 +247,8 @@ template <typename L> void row_codes(const uint8_t* block, int s, int64_t n, uin
     high = _mm_or_si128(high, _mm_and_si128(
         _mm_cmpeq_epi8(_mm_and_si128(spread, high_bit), high_bit), fifth));
   } else if constexpr (L::kHighBits == 2) {  // vector v's bits at 2 (v % 4) of plane v / 4
-    uint32_t first, second;
-    std::memcpy(&first, L::planes(block, s) + lane, 4);
-    std::memcpy(&second, L::planes(block, s) + 64 + lane, 4);
+    const int first = static_cast<int>(load_u32(L::planes(block, s) + lane));
+    const int second = static_cast<int>(load_u32(L::planes(block, s) + 64 + lane));
     const __m128i spread = _mm_setr_epi32(first, first, second, second);
     const __m128i two = _mm_set1_epi8(0x03);
     // chunks 0, 2: shifts 0 (low) and 2 (high); chunks 1, 3: 4 and 6
@@ -249,10 +259,10 @@ template <typename L> void row_codes(const uint8_t* block, int s, int64_t n, uin
     high = _mm_or_si128(high, _mm_slli_epi16(_mm_and_si128(high_bits, two), 4));
   }
   const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
-                   _mm_shuffle_epi8(_mm_unpacklo_epi8(low, high), order));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm_shuffle_epi8(_mm_unpackhi_epi8(low, high), order));
+  // one 32-byte store: two 16-byte ones stalled the wider loads of the loops reading q
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_set_m128i(
+      _mm_shuffle_epi8(_mm_unpackhi_epi8(low, high), order),
+      _mm_shuffle_epi8(_mm_unpacklo_epi8(low, high), order)));
 #else
   for (int k = 0; k < 32; ++k) q[k] = static_cast<uint8_t>(code_at<L>(block, s, n, k));
 #endif
@@ -313,7 +323,16 @@ struct Q8_0Format {
   }
   static void dequantize(const uint8_t* block, int64_t n, float* out) {
     const float d = int8_block_scales(block)[n % kInt8Panel];
-    for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(int8_code_at(block, n, k)) * d;
+    alignas(32) int8_t q[32];
+#if KVSERVE_VEC  // the row's lane of each chunk as one vector: one store, read back whole
+    const uint8_t* lane = block + 4 * (n % kInt8Panel);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_setr_epi32(
+        load_u32(lane), load_u32(lane + 64), load_u32(lane + 128), load_u32(lane + 192),
+        load_u32(lane + 256), load_u32(lane + 320), load_u32(lane + 384), load_u32(lane + 448)));
+#else
+    for (int k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(int8_code_at(block, n, k));
+#endif
+    for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(q[k]) * d;
   }
 };
 
@@ -346,8 +365,8 @@ template <int HighBits> struct KFormat {
     for (int s = 0; s < 8; ++s) {
       uint8_t q[32];
       row_codes<Layout>(block, s, n, q);
-      const float scale = d * static_cast<float>(Layout::scales(block, s)[n % kInt4Panel]);
-      const float low = dmin * static_cast<float>(Layout::mins(block, s)[n % kInt4Panel]);
+      const float scale = d * byte_float(Layout::scales(block, s)[n % kInt4Panel]);
+      const float low = dmin * byte_float(Layout::mins(block, s)[n % kInt4Panel]);
       for (int k = 0; k < 32; ++k) out[32 * s + k] = scale * static_cast<float>(q[k]) - low;
     }
   }
@@ -368,15 +387,17 @@ struct Q6_KFormat {
     store_u16(Layout::d(block) + 2 * n, load_u16(raw + 208));
     return true;
   }
+  static float scale_at(const uint8_t* block, int j, int64_t n) {  // sub-block j's, row n's
+    return byte_float(static_cast<int8_t>(Layout::scales(block, j)[n % kInt4Panel]));
+  }
   static void dequantize(const uint8_t* block, int64_t n, float* out) {
     const float d = half_at(Layout::d(block), n);
     for (int g = 0; g < 8; ++g) {
       uint8_t q[32];
       row_codes<Layout>(block, g, n, q);
-      for (int k = 0; k < 32; ++k) {
-        const auto sc = static_cast<int8_t>(Layout::scales(block, 2 * g + k / 16)[n % kInt4Panel]);
-        out[32 * g + k] = (d * static_cast<float>(sc)) * static_cast<float>(q[k] - 32);
-      }
+      const float first = d * scale_at(block, 2 * g, n), second = d * scale_at(block, 2 * g + 1, n);
+      for (int k = 0; k < 32; ++k)
+        out[32 * g + k] = (k < 16 ? first : second) * static_cast<float>(q[k] - 32);
     }
   }
 };
