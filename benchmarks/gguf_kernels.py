@@ -2,7 +2,8 @@
 baseline) at one instruction-set level: weight GB/s at one row, time per call at 8 and 64 rows,
 for (N x K) = 2048 x 2048, 8192 x 2048 and 2048 x 8192, and each time against Q4_1's per weight.
 Weights stream from DRAM: each timed call reads the next of enough copies to exceed
---stream-mb (more than this CPU's L3); the median of --calls calls. Also gguf_pack's throughput
+--stream-mb (more than this CPU's L3); the median of --calls calls (a quarter at 64 rows), the
+types interleaved in --rounds rounds. Also gguf_pack's throughput
 over a tensor's file bytes. Each line says how many cores' worth of CPU other processes took
 while it was measured (/proc/stat): on a shared machine, figures taken beside a busy neighbour
 are not comparable (a 2-thread call waits whole time slices for a preempted thread).
@@ -40,30 +41,39 @@ def file_rows(qtype: str, rows: int, cols: int) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
-def median_us(call, copies: int, calls: int) -> float:
-    """The median of `calls` timed calls, call(i) reading copy i % copies."""
-    for i in range(min(copies, 8)):
-        call(i)
+def timed_us(call, copies: int, calls: int, start: int = 0) -> list[float]:
+    """`calls` timed calls (us), call(i) reading copy i % copies from copy `start` on."""
     times = []
-    for i in range(calls):
-        start = time.perf_counter()
+    for i in range(start, start + calls):
+        begin = time.perf_counter()
         call(i % copies)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6
-
-
-def measure(ops, qtype: str, n: int, k: int, args) -> dict[int, float]:
-    """us per call at each row count for one type and shape."""
-    panels = ops.gguf_pack(file_rows(qtype, n, k), qtype)
-    copies = [panels] + [panels.clone() for _ in range(args.stream_mb * 2 ** 20 // panels.numel())]
-    times = {}
-    for rows in ROWS:
-        x = torch.randn(rows, k)
-        calls = args.calls if rows < 64 else args.calls // 4
-        times[rows] = median_us(lambda i: ops.gguf_linear_q8(x, copies[i], qtype, None, n),
-                                len(copies), calls)
-    times["bytes"] = panels.numel()
+        times.append((time.perf_counter() - begin) * 1e6)
     return times
+
+
+def measure(ops, qtypes: list[str], n: int, k: int, args) -> dict[str, dict]:
+    """us per call (medians) at each row count for every type at one shape, the types
+    interleaved round by round, so drift and a neighbour's bursts hit them alike."""
+    copies, samples = {}, {}
+    for qtype in qtypes:
+        panels = ops.gguf_pack(file_rows(qtype, n, k), qtype)
+        extra = args.stream_mb * 2 ** 20 // panels.numel()
+        copies[qtype] = [panels] + [panels.clone() for _ in range(extra)]
+        samples[qtype] = {rows: [] for rows in ROWS}
+    xs = {rows: torch.randn(rows, k) for rows in ROWS}
+    for round_ in range(args.rounds):
+        for qtype in qtypes:
+            streams = copies[qtype]
+            for rows in ROWS:
+                x = xs[rows]
+                calls = max(1, args.calls // args.rounds // (4 if rows == 64 else 1))
+                call = lambda i: ops.gguf_linear_q8(x, streams[i], qtype, None, n)  # noqa: E731
+                timed_us(call, len(streams), 2, start=round_ * calls)  # warm the next copies
+                samples[qtype][rows] += timed_us(call, len(streams), calls,
+                                                 start=round_ * calls + 2)
+    return {qtype: {"bytes": copies[qtype][0].numel(),
+                    **{rows: float(np.median(samples[qtype][rows])) for rows in ROWS}}
+            for qtype in qtypes}
 
 
 def main() -> None:
@@ -72,6 +82,7 @@ def main() -> None:
     parser.add_argument("--qtypes", default=",".join(QTYPES))
     parser.add_argument("--stream-mb", type=int, default=640)
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,26 +93,25 @@ def main() -> None:
           "call; (x Q4_1): against int4_linear_q8 on Q4_1, GB/s at 1 row, time per weight at 8 "
           "and 64")
     print(f"{'qtype':6} {'N x K':>11} {'bits/w':>6} {'1 row GB/s':>16} {'8 rows us':>16} "
-          f"{'64 rows us':>17} {'neighbour':>9}")
-    baseline = {}
-    for qtype in args.qtypes.split(","):
-        for n, k in SHAPES:
-            before = cpu_load.read_cpu_sample()
-            times = measure(ops, qtype, n, k, args)
-            after = cpu_load.read_cpu_sample()
-            busy = (cpu_load.neighbour_cores(before, after, cpu_load.ticks_per_second())
-                    if before and after else float("nan"))
-            if qtype == "Q4_1":
-                baseline[n, k] = times
-            ref = baseline.get((n, k))
+          f"{'64 rows us':>17} {'neighbour':>9}")  # neighbour: over the shape's whole run
+    qtypes = args.qtypes.split(",")
+    for n, k in SHAPES:
+        before = cpu_load.read_cpu_sample()
+        results = measure(ops, qtypes, n, k, args)
+        after = cpu_load.read_cpu_sample()
+        busy = (cpu_load.neighbour_cores(before, after, cpu_load.ticks_per_second())
+                if before and after else float("nan"))
+        ref = results.get("Q4_1")
+        for qtype, times in results.items():
             ratio = {rows: (f"({times[rows] / ref[rows]:.2f}x)" if ref else "") for rows in ROWS}
             if ref:  # at one row: GB/s against Q4_1's
                 ratio[1] = f"({times['bytes'] * ref[1] / (ref['bytes'] * times[1]):.2f}x)"
             print(f"{qtype:6} {n:5d}x{k:<5d} {times['bytes'] * 8 / (n * k):6.3f} "
                   f"{times['bytes'] / times[1] / 1e3:8.2f} {ratio[1]:>7} "
                   f"{times[8]:8.1f} {ratio[8]:>7} {times[64]:9.1f} {ratio[64]:>7} {busy:9.2f}")
+    for qtype in qtypes:
         raw = file_rows(qtype, 8192, 2048)
-        pack_us = median_us(lambda i: ops.gguf_pack(raw, qtype), 1, 20)
+        pack_us = float(np.median(timed_us(lambda i: ops.gguf_pack(raw, qtype), 1, 20)))
         print(f"{qtype:6} gguf_pack 8192x2048: {raw.numel() / pack_us / 1e3:.2f} GB/s of file "
               "bytes")
 
