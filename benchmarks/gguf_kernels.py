@@ -4,7 +4,7 @@ for (N x K) = 2048 x 2048, 8192 x 2048 and 2048 x 8192, and each time against Q4
 Weights stream from DRAM: each timed call reads the next of enough copies to exceed
 --stream-mb (more than this CPU's L3); the median of --calls calls (a quarter at 64 rows), the
 types interleaved in --rounds rounds. Also gguf_pack's throughput
-over a tensor's file bytes. Each line says how many cores' worth of CPU other processes took
+over a tensor's file bytes, and gguf_linear_dequant beside at::linear (--dequant). Each line says how many cores' worth of CPU other processes took
 while it was measured (/proc/stat): on a shared machine, figures taken beside a busy neighbour
 are not comparable (a 2-thread call waits whole time slices for a preempted thread).
 
@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--stream-mb", type=int, default=640)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--dequant", default="Q4_K,Q6_K",
+                        help="types to time gguf_dequantize and gguf_linear_dequant for")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,6 +116,29 @@ def main() -> None:
         pack_us = float(np.median(timed_us(lambda i: ops.gguf_pack(raw, qtype), 1, 20)))
         print(f"{qtype:6} gguf_pack 8192x2048: {raw.numel() / pack_us / 1e3:.2f} GB/s of file "
               "bytes")
+    for qtype in args.dequant.split(",") if args.dequant else ():
+        dequant_lines(ops, qtype)
+
+
+def dequant_lines(ops, qtype: str, n: int = 8192, k: int = 2048) -> None:
+    """gguf_linear_dequant against at::linear of the same weights already dense in x's dtype
+    (what it saves: the dense copy's memory), calls alternating; and gguf_dequantize's rate."""
+    panels = ops.gguf_pack(file_rows(qtype, n, k), qtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = ops.gguf_dequantize(panels, qtype, range(n), k, dtype)
+        rows_us = float(np.median(timed_us(
+            lambda i: ops.gguf_dequantize(panels, qtype, range(512 * i, 512 * i + 512), k,
+                                          dtype), 16, 64)))
+        line = [f"{qtype:6} {dtype} {n}x{k}: dequantize {512 * k / rows_us / 1e3:.2f} G values/s"]
+        for rows in (64, 256):
+            x = torch.randn(rows, k).to(dtype)
+            ours, theirs = [], []
+            for _ in range(10):
+                ours += timed_us(lambda i: ops.gguf_linear_dequant(x, panels, qtype, None, n), 1, 1)
+                theirs += timed_us(lambda i: torch.nn.functional.linear(x, dense), 1, 1)
+            line.append(f"{rows} rows {np.median(ours) / 1e3:.2f} ms (dense "
+                        f"{np.median(theirs) / 1e3:.2f})")
+        print(", ".join(line))
 
 
 if __name__ == "__main__":
