@@ -3,10 +3,11 @@ baseline) at one instruction-set level: weight GB/s at one row, time per call at
 for (N x K) = 2048 x 2048, 8192 x 2048 and 2048 x 8192, and each time against Q4_1's per weight.
 Weights stream from DRAM: each timed call reads the next of enough copies to exceed
 --stream-mb (more than this CPU's L3); the median of --calls calls (a quarter at 64 rows), the
-types interleaved in --rounds rounds. Also gguf_pack's throughput
-over a tensor's file bytes, and gguf_linear_dequant beside at::linear (--dequant). Each line says how many cores' worth of CPU other processes took
-while it was measured (/proc/stat): on a shared machine, figures taken beside a busy neighbour
-are not comparable (a 2-thread call waits whole time slices for a preempted thread).
+types interleaved in --rounds rounds. Also gguf_pack's throughput over a tensor's file bytes,
+and gguf_linear_dequant beside at::linear (--dequant). Each shape's lines say how many cores'
+worth of CPU other processes took while it was measured (/proc/stat): on a shared machine,
+figures taken beside a busy neighbour are not comparable (a 2-thread call waits whole time
+slices for a preempted thread).
 
 Usage: .venv/bin/python benchmarks/gguf_kernels.py [--level avx2] [--threads 1] [--qtypes ...]
 """

@@ -49,8 +49,9 @@ def _assert_bits_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_pack_then_dequantize_gives_the_files_values_to_the_bit(qtype, kernels):
     """37 rows (a partial last panel), 2 super-blocks of 256 (16 groups of 32): the packed bytes
-    are the reference packer's (rows past N zero), and every row, a list of rows (repeats, any order) and a range
-    read back as gguf's float32 values exactly, or those values rounded to bfloat16."""
+    are the reference packer's (rows past N zero), and every row, a list of rows (repeats, any
+    order) and a range read back as gguf's float32 values exactly, or those values rounded to
+    bfloat16."""
     rows, cols = 37, 512
     raw = _file_rows(qtype, rows, cols, seed=len(qtype) + rows)
     expected = _file_values(raw, qtype)

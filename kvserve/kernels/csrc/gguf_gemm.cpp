@@ -261,7 +261,8 @@ template <typename L> void prefetch_group(const uint8_t* block, int s) {
 // onto bit 4 (and 5), masked and merged. Always inlined: called, GCC passed the vectors through
 // memory (Q5_K at 64 rows: ~15% slower).
 template <typename L, typename W>
-[[gnu::always_inline]] inline void unpack_group(const W& w, const uint8_t* block, int s, typename W::I codes[8]) {
+[[gnu::always_inline]] inline void unpack_group(const W& w, const uint8_t* block, int s,
+                                                typename W::I codes[8]) {
   const auto low4 = W::set8(0x0F);
   for (int c = 0; c < 4; ++c) {
     const auto words = w.bytes(L::codes(block, s) + c * kInt4ChunkBytes);

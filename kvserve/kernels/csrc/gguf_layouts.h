@@ -26,7 +26,7 @@
 //         mins [8][16] u8 (the 6-bit scales and mins unpacked, 16 rows a load)  2368 B 4.625 (4.5)
 // - Q5_K  codes [8][256] | planes [8][64] | then Q4_K's metadata               2880 B 5.625 (5.5)
 // - Q6_K  codes [8][256] | planes [8][2][64] | d [16] f16 |
-//         scales [16][16] i8 (one per sub-block of 16)                        3360 B 6.5625 (6.5625)
+//         scales [16][16] i8 (one per sub-block of 16)                      3360 B 6.5625 (6.5625)
 // Q4_0 and Q4_1 are int4_linear_q8's layout with float16 (scale, low) = (d, -8d) and (d, m)
 // (320 B, 5.0 bits), Q8_0 is int8_linear_q8's (576 B, 9.0 bits): the same kernels serve them.
 #pragma once

@@ -3,9 +3,9 @@
 // Packing is a pass over the whole model at load (a 4.7 GB Q4_K_M file must take seconds on 2
 // cores), so in vector builds a row's group of 32 codes is one ymm: decoded from the file's
 // nibbles and bits in a few instructions, then put into the layout by byte shuffles (the codes'
-// lanes) and vpmovmskb (the bit planes) instead of 32 byte loops (8x slower). Each (panel, file
-// block) is written whole while it is in L1: every byte of it belongs to exactly one of its 16
-// rows, so no zeroing pass precedes it (only a last, partial panel is zeroed first).
+// lanes) and vpmovmskb (the bit planes) instead of 32 byte loops (measured 3-8x slower). Each
+// (panel, file block) is written whole while it is in L1: every byte of it belongs to exactly
+// one of its 16 rows, so no zeroing pass precedes it (only a last, partial panel is zeroed).
 //
 // Dequantizing gives gguf.quants.dequantize's float32 values to the bit: the same float
 // operations in the same order per format (Q4_K: (d * sc) * q - (dmin * m)), never fused
@@ -228,8 +228,8 @@ template <typename L> void row_codes(const uint8_t* block, int s, int64_t n, uin
   // the row's 4 bytes of each chunk: low nibbles are k (0, 4, 1, 5) of the chunk, high nibbles
   // (2, 6, 3, 7); interleaved that is (0, 2, 4, 6, 1, 3, 5, 7), which one shuffle puts in order
   // (loaded a lane at a time into the vector: one load of 4 stored words stalls on forwarding)
-  const uint8_t* codes = L::codes(block, s) + 4 * (n % kInt4Panel);
   const int64_t lane = 4 * (n % kInt4Panel);
+  const uint8_t* codes = L::codes(block, s) + lane;
   __m128i bytes = _mm_cvtsi32_si128(load_u32(codes));
   bytes = _mm_insert_epi32(bytes, static_cast<int>(load_u32(codes + kInt4ChunkBytes)), 1);
   bytes = _mm_insert_epi32(bytes, static_cast<int>(load_u32(codes + 2 * kInt4ChunkBytes)), 2);
