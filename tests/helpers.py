@@ -716,3 +716,30 @@ def rope_both(compiled, metadata, positions, kv_cache, qkv, heads: int, kv_heads
     reference.rope_and_cache_(qkv2, positions, table, cache2, metadata.slot_mapping, heads,
                               kv_heads, dim)
     return qkv2, cache2
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+def assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
+    """1..17 and 25 rows (passes of up to 8, or 12 with AVX512-VNNI, split evenly), with and
+    without bias, rows contiguous or a strided view (the kernel reads them in place): the float
+    linear of x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16
+    output rounding."""
+    import torch
+
+    from kvserve.kernels import reference
+
+    rows, cols = dense.shape
+    generator = torch.Generator().manual_seed(rows + cols)
+    bias = torch.randn(rows, generator=generator).to(dtype)
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    for m in [*range(1, 18), 25]:
+        wide = torch.randn(m, cols + 32, generator=generator).to(dtype)
+        x = wide[:, 16:16 + cols] if m % 2 else wide[:, :cols].contiguous()
+        for b in (None, bias):
+            rounded = reference.quantize_activations_q8(x)
+            expected = torch.nn.functional.linear(rounded, dense,
+                                                  None if b is None else b.float())
+            got = kernel(x, packed, b, rows)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
+                                       atol=tolerance * expected.abs().max().item())

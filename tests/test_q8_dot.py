@@ -12,6 +12,7 @@ from kvserve.models import random_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.quant.linear import W4A8Linear, quantize_int4_groupwise
 from kvserve.testing.tiny import tiny_config
+from tests.helpers import assert_equals_linear_of_rounded_x
 
 
 def test_activation_rounding_is_per_group_absmax_over_127():
@@ -72,27 +73,6 @@ def _int8_packed(rows, cols, seed):
     return reference.pack_int8(*reference.quantize_int8_groupwise(weight))
 
 
-def _assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
-    """1..17 and 25 rows (passes of up to 8, or 12 with AVX512-VNNI, split evenly), with and
-    without bias, rows contiguous or a strided view (the kernel reads them in place): the float
-    linear of x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16
-    output rounding."""
-    rows, cols = dense.shape
-    generator = torch.Generator().manual_seed(rows + cols)
-    bias = torch.randn(rows, generator=generator).to(dtype)
-    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
-    for m in [*range(1, 18), 25]:
-        wide = torch.randn(m, cols + 32, generator=generator).to(dtype)
-        x = wide[:, 16:16 + cols] if m % 2 else wide[:, :cols].contiguous()
-        for b in (None, bias):
-            rounded = reference.quantize_activations_q8(x)
-            expected = nn.functional.linear(rounded, dense, None if b is None else b.float())
-            got = kernel(x, packed, b, rows)
-            assert got.dtype == dtype and got.shape == (m, rows)
-            torch.testing.assert_close(got.float(), expected, rtol=tolerance,
-                                       atol=tolerance * expected.abs().max().item())
-
-
 @pytest.mark.parametrize("shape", [(37, 64), (96, 1536), (130, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kernels):
@@ -100,8 +80,8 @@ def test_int4_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kerne
     for meta_dtype in (torch.float16, torch.float32):
         packed = _int4_packed(rows, cols, meta_dtype, seed=cols)
         dense = reference.unpack_int4_q8(packed, rows)
-        _assert_equals_linear_of_rounded_x(kernels.int4_linear_q8, packed, dense, dtype)
-        _assert_equals_linear_of_rounded_x(reference.int4_linear_q8, packed, dense, dtype)
+        assert_equals_linear_of_rounded_x(kernels.int4_linear_q8, packed, dense, dtype)
+        assert_equals_linear_of_rounded_x(reference.int4_linear_q8, packed, dense, dtype)
 
 
 @pytest.mark.parametrize("shape", [(37, 64), (130, 576)])
@@ -110,8 +90,8 @@ def test_int8_q8_kernel_is_the_linear_of_rounded_activations(shape, dtype, kerne
     rows, cols = shape
     packed = _int8_packed(rows, cols, seed=cols)
     dense = reference.unpack_int8(packed, rows)
-    _assert_equals_linear_of_rounded_x(kernels.int8_linear_q8, packed, dense, dtype)
-    _assert_equals_linear_of_rounded_x(reference.int8_linear_q8, packed, dense, dtype)
+    assert_equals_linear_of_rounded_x(kernels.int8_linear_q8, packed, dense, dtype)
+    assert_equals_linear_of_rounded_x(reference.int8_linear_q8, packed, dense, dtype)
 
 
 def test_extreme_activations_do_not_saturate(kernels):

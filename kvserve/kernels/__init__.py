@@ -23,7 +23,8 @@ OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gel
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
             "dequantize_int32", "argmax_rows", "top_p_mask_", "draw_rows",
             "apply_token_bitmask_", "int4_linear", "int4_linear_fast", "int8_linear",
-            "bf16_linear", "int4_linear_q8", "int8_linear_q8", "q8_dot_wide")
+            "bf16_linear", "int4_linear_q8", "int8_linear_q8", "q8_dot_wide", "gguf_pack",
+            "gguf_dequantize", "gguf_linear_q8", "gguf_linear_dequant")
 # Compiled-only: the decoder layers as one C++ call (models/decode_stack.py); the torch reference
 # op set has none, and the model then keeps its Python loop.
 COMPILED_ONLY_NAMES = ("DecodeStack", "StackInstruction", "StackLinear")

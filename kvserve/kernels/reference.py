@@ -285,12 +285,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     q[16 p + e // 2, 32 g + 8 c + 2 j + e % 2]. Rows past N are zero (computed, never stored)."""
     rows, cols = codes.shape
     groups, panels = cols // INT4_GROUP, -(-rows // INT4_PANEL)
-    padded = torch.zeros(panels * INT4_PANEL, cols, dtype=torch.uint8)
-    padded[:rows] = codes.to(torch.uint8)
-    # [p, lane, g, chunk, j, parity] -> [p, g, chunk, lane, parity, j]
-    q = padded.view(panels, INT4_PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)  # byte b of a word: nibbles j = 2b, 2b + 1
-    parts = [packed.reshape(panels, groups, INT4_CODE_BYTES)]
+    parts = [_int4_code_bytes(codes)]
     for meta in (scale, zero):
         padded_meta = torch.zeros(panels * INT4_PANEL, groups, dtype=meta_dtype)
         padded_meta[:rows] = meta.to(meta_dtype)
@@ -299,13 +294,32 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return torch.cat(parts, -1).contiguous()
 
 
+def _int4_code_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (their low 4 bits) -> the int4 layout's code bytes, uint8 [P, K / 32, 256],
+    rows past N zero."""
+    rows, cols = codes.shape
+    groups, panels = cols // INT4_GROUP, -(-rows // INT4_PANEL)
+    padded = torch.zeros(panels * INT4_PANEL, cols, dtype=torch.uint8)
+    padded[:rows] = codes.to(torch.uint8) & 15
+    # [p, lane, g, chunk, j, parity] -> [p, g, chunk, lane, parity, j]
+    q = padded.view(panels, INT4_PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)  # byte b of a word: nibbles j = 2b, 2b + 1
+    return packed.reshape(panels, groups, INT4_CODE_BYTES)
+
+
+def _int4_codes(code_bytes: torch.Tensor) -> torch.Tensor:
+    """_int4_code_bytes's inverse: uint8 [P, G, 256] -> codes uint8 [P * 16, G, 32]."""
+    panels, groups, _ = code_bytes.shape
+    codes = code_bytes.reshape(panels, groups, 4, INT4_PANEL, 2, 2)
+    q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)  # [p, g, chunk, lane, parity, j]
+    return q.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT4_PANEL, groups, INT4_GROUP)
+
+
 def _unpack_int4_parts(packed: torch.Tensor, meta_dtype: torch.dtype):
     """The panel layout -> codes float [N_padded, G, 32] and the two per-group metadata arrays
     [N_padded, G, 1] as float32."""
     panels, groups, _ = packed.shape
-    codes = packed[..., :INT4_CODE_BYTES].reshape(panels, groups, 4, INT4_PANEL, 2, 2)
-    q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)  # [p, g, chunk, lane, parity, j]
-    q = q.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT4_PANEL, groups, INT4_GROUP)
+    q = _int4_codes(packed[..., :INT4_CODE_BYTES])
     meta = packed[..., INT4_CODE_BYTES:].contiguous().view(meta_dtype).float()  # [p, g, 32]
     first, second = (part.transpose(1, 2).reshape(panels * INT4_PANEL, groups, 1)
                      for part in meta.split(INT4_PANEL, -1))
@@ -455,3 +469,207 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     weight = unpack_bf16(packed, out_features)
     out = F.linear(x.float(), weight, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+# ---- GGUF block formats kept as the file stores them (csrc/gguf_layouts.h, gguf_pack.cpp,
+# gguf_gemm.cpp): the file's codes and scales in panels of 16 rows
+
+# name: (values a file block, bytes a file block, bytes a (panel, file block) of the layout)
+GGUF_FORMATS = {"Q4_0": (32, 18, 320), "Q4_1": (32, 20, 320), "Q5_0": (32, 22, 352),
+                "Q5_1": (32, 24, 384), "Q8_0": (32, 34, 576), "Q4_K": (256, 144, 2368),
+                "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360)}
+# bits above the low 4 a code, kept in bit planes
+_HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}
+
+
+def _gguf_format(qtype: str) -> tuple[int, int, int]:
+    if qtype not in GGUF_FORMATS:
+        raise ValueError(f"GGUF type {qtype} has no panel layout; supported: "
+                         f"{', '.join(GGUF_FORMATS)}")
+    return GGUF_FORMATS[qtype]
+
+
+def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at bytes start, start + 1 of each file block: [N, B]."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def _bits(bytes_: torch.Tensor) -> torch.Tensor:
+    """Bit j of each byte: [..., bytes, 8] uint8."""
+    return (bytes_[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> [N, B, 8] each (gguf's get_scale_min)."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], -1)
+    return scales, mins
+
+
+def _gguf_decode(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A GGUF tensor's bytes [N, row_bytes] -> its codes uint8 [N, K] (high bits included) and
+    its per-block metadata: float16 [N, B], or [N, B, 8] (K-quants' scales and mins), [N, B, 16]
+    (Q6_K's int8 scales)."""
+    values, size, _ = _gguf_format(qtype)
+    rows, row_bytes = raw.shape
+    if row_bytes == 0 or row_bytes % size:
+        raise ValueError(f"gguf_pack: {qtype} rows of {row_bytes} bytes are not whole blocks "
+                         f"({size} bytes per {values} values)")
+    blocks = raw.view(rows, row_bytes // size, size)
+    if qtype == "Q8_0":
+        return blocks[..., 2:].reshape(rows, -1), {"d": _halves(blocks, 0)}
+    if qtype == "Q6_K":
+        ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [N, B, h, s % 2, l]
+        low = torch.stack([ql & 15, ql >> 4], 3)          # [N, B, h, s // 2, s % 2, l]
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        high = (qh >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3  # [N, B, h, s, l]
+        codes = low.reshape(rows, -1, 8, 32) | (high.reshape(rows, -1, 8, 32) << 4)
+        scales = blocks[..., 192:208].contiguous().view(torch.int8)  # [N, B, 16]
+        return codes.reshape(rows, -1), {"d": _halves(blocks, 208), "scales": scales}
+    if qtype in ("Q4_K", "Q5_K"):
+        qs = blocks[..., -128:].reshape(rows, -1, 4, 1, 32)
+        codes = torch.cat([qs & 15, qs >> 4], 3).reshape(rows, -1, 8, 32)
+        if qtype == "Q5_K":  # bit s of qh[l]: element l of sub-block s
+            codes = codes | (_bits(blocks[..., 16:48]).transpose(-1, -2) << 4)
+        scales, mins = _k_scales(blocks[..., 4:16])
+        meta = {"d": _halves(blocks, 0), "dmin": _halves(blocks, 2), "scales": scales,
+                "mins": mins}
+        return codes.reshape(rows, -1), meta
+    # Q4_0, Q4_1, Q5_0, Q5_1: d (m) (qh) qs[16], element j < 16 in qs[j]'s low nibble
+    with_min = qtype in ("Q4_1", "Q5_1")
+    qs = blocks[..., -16:]
+    codes = torch.cat([qs & 15, qs >> 4], -1)
+    if qtype in ("Q5_0", "Q5_1"):
+        start = 4 if with_min else 2
+        codes = codes | (_bits(blocks[..., start:start + 4]).flatten(-2) << 4)
+    meta = {"d": _halves(blocks, 0)}
+    if with_min:
+        meta["m"] = _halves(blocks, 2)
+    return codes.reshape(rows, -1), meta
+
+
+def _panel_rows(meta: torch.Tensor, panels: int) -> torch.Tensor:
+    """Per-row metadata [N, B, ...] -> [P, B, ..., 16] as bytes [P, B, -1] (rows last, zero
+    past N)."""
+    padded = torch.zeros((panels * INT4_PANEL, *meta.shape[1:]), dtype=meta.dtype)
+    padded[:meta.shape[0]] = meta
+    per_panel = padded.view(panels, INT4_PANEL, *meta.shape[1:]).movedim(1, -1).contiguous()
+    return per_panel.view(torch.uint8).reshape(panels, meta.shape[1], -1)
+
+
+def _plane_bytes(codes: torch.Tensor, high_bits: int) -> torch.Tensor:
+    """codes [N, K] -> their bit planes uint8 [P, K / 32, 64 * high_bits]: bit high_bits * v
+    (plane v * high_bits // 8) of byte b holds the bits above 4 of code vector v's byte b, the
+    code of row b // 4 at k = 8 (v // 2) + 4 (b % 2) + 2 (v % 2) + (b // 2) % 2."""
+    rows, cols = codes.shape
+    groups, panels = cols // INT4_GROUP, -(-rows // INT4_PANEL)
+    high = torch.zeros(panels * INT4_PANEL, cols, dtype=torch.int32)
+    high[:rows] = (codes >> 4).int()
+    # [p, n, g, c, hb, h, par] -> [p, g, (n, par, hb) = byte, (c, h) = vector]
+    high = high.view(panels, INT4_PANEL, groups, 4, 2, 2, 2).permute(0, 2, 1, 6, 4, 3, 5)
+    bits = (high.reshape(panels, groups, 64, 8) << (high_bits * torch.arange(8))).sum(-1)
+    planes = [(bits >> (8 * i)) & 0xFF for i in range(high_bits)]
+    return torch.cat(planes, -1).to(torch.uint8)
+
+
+def _plane_codes(planes: torch.Tensor, high_bits: int) -> torch.Tensor:
+    """_plane_bytes's inverse: uint8 [P, G, 64 * high_bits] -> the high bits [P * 16, G, 32]."""
+    panels, groups, _ = planes.shape
+    bits = sum(planes[..., 64 * i:64 * (i + 1)].int() << (8 * i) for i in range(high_bits))
+    high = (bits[..., None] >> (high_bits * torch.arange(8))) & ((1 << high_bits) - 1)
+    # [p, g, n, par, hb, c, h] -> [p, n, g, c, hb, h, par]
+    high = high.view(panels, groups, INT4_PANEL, 2, 2, 4, 2).permute(0, 2, 1, 5, 4, 6, 3)
+    return high.reshape(panels * INT4_PANEL, groups, INT4_GROUP).to(torch.uint8)
+
+
+def gguf_pack(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A GGUF tensor's bytes, uint8 [N, row_bytes] -> panels uint8 [ceil(N / 16), blocks a row,
+    bytes a (panel, block)] (the layouts of csrc/gguf_layouts.h); rows past N are zero."""
+    codes, meta = _gguf_decode(raw, qtype)
+    rows, cols = codes.shape
+    panels, blocks = -(-rows // INT4_PANEL), raw.shape[1] // GGUF_FORMATS[qtype][1]
+    if qtype == "Q8_0":
+        return pack_int8(codes.view(torch.int8), meta["d"].float())
+    if qtype in ("Q4_0", "Q4_1"):
+        low = meta["m"] if qtype == "Q4_1" else (-8 * meta["d"].float()).half()
+        d = meta["d"].float()
+        if qtype == "Q4_0" and ((d.abs() > 8188) & d.isfinite()).any():
+            raise ValueError(f"gguf_pack: a {qtype} block's scale d exceeds 8188, so its low -8d "
+                             "does not fit the layout's float16")
+        return pack_int4(codes, meta["d"], low, torch.float16)
+    parts = [_int4_code_bytes(codes).view(panels, blocks, -1)]
+    if qtype in _HIGH_BITS:
+        parts.append(_plane_bytes(codes, _HIGH_BITS[qtype]).view(panels, blocks, -1))
+    parts += [_panel_rows(value, panels) for value in meta.values()]
+    return torch.cat(parts, -1).contiguous()
+
+
+def _gguf_weights(panels: torch.Tensor, qtype: str) -> torch.Tensor:
+    """gguf_pack's panels -> the file's values float32 [P * 16, K], with gguf.quants.dequantize's
+    float operations in its order."""
+    values, _, block_bytes = _gguf_format(qtype)
+    count, blocks, _ = panels.shape
+    if qtype == "Q8_0":
+        return unpack_int8(panels, count * INT4_PANEL)
+    if qtype in ("Q4_0", "Q4_1"):
+        q, d, m = _unpack_int4_parts(panels, torch.float16)
+        return (d * (q - 8) if qtype == "Q4_0" else d * q + m).view(q.shape[0], -1)
+    groups = values // INT4_GROUP
+    code_bytes = 256 * groups
+    q = _int4_codes(panels[..., :code_bytes].reshape(count, -1, 256))
+    offset = code_bytes
+    if qtype in _HIGH_BITS:
+        plane_bytes = 64 * _HIGH_BITS[qtype] * groups
+        planes = panels[..., offset:offset + plane_bytes].reshape(count, blocks * groups, -1)
+        q = q | (_plane_codes(planes, _HIGH_BITS[qtype]) << 4)
+        offset += plane_bytes
+    q = q.float().view(count * INT4_PANEL, blocks, groups, INT4_GROUP)
+
+    def rows_of(nbytes: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        """The next per-row array: [P * 16, B, *shape] as float32."""
+        nonlocal offset
+        part = panels[..., offset:offset + nbytes].contiguous().view(dtype)
+        offset += nbytes
+        part = part.view(count, blocks, *shape, INT4_PANEL).movedim(-1, 1)
+        return part.reshape(count * INT4_PANEL, blocks, *shape).float()
+
+    d = rows_of(32, torch.float16)[..., None, None]
+    if qtype == "Q5_0":
+        weight = d * (q - 16)
+    elif qtype == "Q5_1":
+        weight = d * q + rows_of(32, torch.float16)[..., None, None]
+    elif qtype == "Q6_K":  # a scale per 16: [rows, B, 16] -> [rows, B, 8 groups, 32]
+        scales = rows_of(256, torch.int8, 16).view(-1, blocks, 8, 2).repeat_interleave(16, -1)
+        weight = (d * scales) * (q - 32)
+    else:  # Q4_K, Q5_K
+        dmin = rows_of(32, torch.float16)[..., None, None]
+        scales = rows_of(128, torch.uint8, 8)[..., None]
+        mins = rows_of(128, torch.uint8, 8)[..., None]
+        weight = (d * scales) * q - dmin * mins
+    return weight.reshape(count * INT4_PANEL, -1)
+
+
+def gguf_dequantize(panels: torch.Tensor, qtype: str, rows, in_features: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows (int64 [R] or a range) of gguf_pack's panels -> [R, K] in dtype: the float32 values
+    gguf.quants.dequantize gives, then cast."""
+    weight = _gguf_weights(panels, qtype)
+    if weight.shape[1] != in_features:
+        raise ValueError(f"gguf_dequantize: {qtype} panels {tuple(panels.shape)} do not hold "
+                         f"K = {in_features}")
+    index = torch.arange(rows.start, rows.stop) if isinstance(rows, range) else rows
+    return weight[index].to(dtype)
+
+
+def gguf_linear_q8(x: torch.Tensor, panels: torch.Tensor, qtype: str,
+                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    weight = _gguf_weights(panels, qtype)[:out_features]
+    out = F.linear(quantize_activations_q8(x), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def gguf_linear_dequant(x: torch.Tensor, panels: torch.Tensor, qtype: str,
+                        bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    weight = _gguf_weights(panels, qtype)[:out_features].to(x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

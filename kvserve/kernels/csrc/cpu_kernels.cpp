@@ -19,6 +19,7 @@
 #include "layer_ops.h"
 #include "flash_attention.h"
 #include "bf16_gemm.h"
+#include "gguf_gemm.h"
 #include "int4_gemm.h"
 #include "int8_gemm.h"
 #include "q8_dot_gemm.h"
@@ -1136,6 +1137,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_q8", &kvserve::int8_linear_q8,
         "x' @ W.T (+ bias): x rounded to int8 per group of 32, Q8_0 W, integer dot products",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_pack", &kvserve::gguf_pack,
+        "a GGUF tensor's bytes [N, row_bytes] -> panels of its own codes and scales",
+        py::arg("raw"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
+  // rows: int64 indices or a range (step 1), read while the GIL is held
+  m.def("gguf_dequantize",
+        [](const at::Tensor& panels, const std::string& qtype, const py::object& rows,
+           int64_t in_features, at::ScalarType dtype) {
+          if (PyRange_Check(rows.ptr())) {
+            const auto start = rows.attr("start").cast<int64_t>();
+            const auto stop = rows.attr("stop").cast<int64_t>();
+            TORCH_CHECK_VALUE(rows.attr("step").cast<int64_t>() == 1,
+                              "gguf_dequantize: a row range must have step 1");
+            py::gil_scoped_release release;
+            return kvserve::gguf_dequantize_range(panels, qtype, start, std::max(start, stop),
+                                                  in_features, dtype);
+          }
+          const auto indices = rows.cast<at::Tensor>();
+          py::gil_scoped_release release;
+          return kvserve::gguf_dequantize(panels, qtype, indices, in_features, dtype);
+        },
+        "rows of gguf_pack's panels -> the file's values [R, K] (float32 bit-exact) in dtype",
+        py::arg("panels"), py::arg("qtype"), py::arg("rows"), py::arg("in_features"),
+        py::arg("dtype"));
+  m.def("gguf_linear_q8", &kvserve::gguf_linear_q8,
+        "x' @ W.T (+ bias): x rounded to int8 per group of 32, GGUF W as the file stores it",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear_dequant", &kvserve::gguf_linear_dequant,
+        "x @ W.T (+ bias) with GGUF W's exact values, dequantized a slab of rows at a time",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
   m.def("q8_dot_wide", &kvserve::q8_dot_wide,

@@ -1,0 +1,34 @@
+// GGUF block formats kept as the file stores them (gguf_layouts.h): packing, dequantizing, and
+// linear layers over them (gguf_pack.cpp, gguf_gemm.cpp). qtype is gguf's GGMLQuantizationType
+// name: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace kvserve {
+
+// raw: uint8 [N, row_bytes], a GGUF tensor's bytes (rows possibly reordered by the caller) ->
+// panels uint8 [ceil(N / 16), blocks a row, panel block bytes]; rows past N are zero.
+at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype);
+
+// Rows `rows` (int64 [R]) or begin..end - 1 of gguf_pack's panels for K = cols -> [R, K] in
+// dtype (float32 or bfloat16): gguf.quants.dequantize's float32 values to the bit, then cast.
+at::Tensor gguf_dequantize(const at::Tensor& panels, const std::string& qtype,
+                           const at::Tensor& rows, int64_t cols, at::ScalarType dtype);
+at::Tensor gguf_dequantize_range(const at::Tensor& panels, const std::string& qtype,
+                                 int64_t begin, int64_t end, int64_t cols, at::ScalarType dtype);
+
+// y = x' W.T (+ bias), x' = x rounded per group of 32 to int8 steps (int4_linear_q8's), integer
+// dot products with the file's codes; x float32 or bfloat16 [M, K], y in x's dtype.
+at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const std::string& qtype,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// y = x W.T (+ bias) with the file's exact weights in x's dtype: slabs of rows dequantized into a
+// scratch buffer and multiplied by at::linear (oneDNN / MKL), never the whole matrix at once.
+at::Tensor gguf_linear_dequant(const at::Tensor& x, const at::Tensor& panels,
+                               const std::string& qtype, const c10::optional<at::Tensor>& bias,
+                               int64_t out_features);
+
+}  // namespace kvserve

@@ -1,0 +1,351 @@
+// The activation side of the integer-dot kernels (q8_dot_gemm.cpp, gguf_gemm.cpp): x rounded per
+// group of 32 to int8 codes (llama.cpp's Q8 activations), the kernels' one parallel region (x
+// quantized inside it, then panels split over threads, outputs stored as they come) and the
+// row-block dispatch. Shared so every weight format dots the same codes and steps.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+#include "panel_layouts.h"
+#include "vec.h"
+
+namespace kvserve {
+namespace q8 {
+
+using at::BFloat16;
+using at::Half;
+
+// With AVX512-VNNI the int4 kernel takes a whole panel (16 outputs) per zmm: vpdpbusd zmm does 64
+// multiply-adds an instruction, twice vdpbf16ps (Zen 4: one of either a cycle, measured), and the
+// per-row epilogue serves 16 outputs, not 8; the Q8_0 head likewise. AVX2 keeps ymm halves.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVSERVE_Q8_ZMM 1
+#else
+#define KVSERVE_Q8_ZMM 0
+#endif
+
+// rows of x per pass over a panel (the unpacked codes are shared); zmm: 8 code vectors, a total
+// per row, and scratch fit 32 registers at 12 rows
+constexpr int kRowBlock = KVSERVE_Q8_ZMM ? 12 : 8;
+
+enum class CodeOrder { kInt4Lanes, kNatural };
+
+// x quantized per group of 32: codes in the layout's lane order, and per (row, group) the step d
+// and d * sum(codes) (the exact sum of x' = d * xq, for the int4 zero-point term); the sums of
+// the codes, of the group and of its first 16 (GGUF Q6_K's sub-blocks of 16 have their own
+// scales and an offset of -32, which costs -32 * scale * sum(codes) per sub-block).
+struct QuantizedRows {
+  std::vector<int8_t> codes;  // [rows, K]
+  std::vector<float> step;    // [rows, groups]
+  std::vector<float> sum;     // [rows, groups]
+  std::vector<int32_t> code_sum;  // [rows, groups]: sum of the group's codes
+  std::vector<int32_t> half_sum;  // [rows, groups]: sum of its first 16 codes
+  int64_t cols = 0, groups = 0;
+
+  const int8_t* group_codes(int64_t m, int64_t g) const { return codes.data() + m * cols + g * 32; }
+  float step_at(int64_t m, int64_t g) const { return step[m * groups + g]; }
+  float sum_at(int64_t m, int64_t g) const { return sum[m * groups + g]; }
+  int32_t code_sum_at(int64_t m, int64_t g) const { return code_sum[m * groups + g]; }
+  int32_t half_sum_at(int64_t m, int64_t g) const { return half_sum[m * groups + g]; }
+};
+
+// Position in the stored group of the code of x[k] (k within the group).
+inline int stored_position(int k, CodeOrder order) {
+  if (order == CodeOrder::kNatural) return k;
+  // chunk of 8: stored (k0, k4, k1, k5, k2, k6, k3, k7)
+  static constexpr int kInChunk[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+  return (k & ~7) + kInChunk[k & 7];
+}
+
+// One group of 32: its codes into dst (stored order), its step and the sum of its first 16
+// codes; returns the sum of all 32.
+#if KVSERVE_VEC
+// With AVX2 (every vector build has it), equal to the scalar loop below to the bit: the absmax
+// is a max (exact in any order), the product and step are the scalar's float operations, cvtps
+// rounds to nearest even as nearbyint does in the default rounding mode, and the codes
+// (|code| <= 127) pack without saturating. The scalar loop cost ~4 ns a value: 6 us for down's
+// 1,536 inputs, on one thread while the other waits, ~0.4 ms of a batch-1 decode step.
+inline __m256 load8_float(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_float(const BFloat16* p) {  // bf16 -> float is a 16-bit shift: exact
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int& first_half) {
+  __m256 values[4];
+  __m256 absmax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    values[i] = load8_float(src + 8 * i);
+    absmax = _mm256_max_ps(absmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), values[i]));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+  step = _mm_cvtss_f32(half) / 127.f;
+  const __m256 inverse = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
+  __m256i codes[4];
+  for (int i = 0; i < 4; ++i) codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+  // packs work per 128-bit lane: bytes come out as 4-value runs of codes[0..3], low halves in
+  // the low lane; the permute restores k order
+  const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
+                                           _mm256_packs_epi32(codes[2], codes[3]));
+  __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (order == CodeOrder::kInt4Lanes) {  // each 8-value chunk as (k0, k4, k1, k5, ... k3, k7)
+    const __m128i chunk = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    bytes = _mm256_shuffle_epi8(bytes, _mm256_broadcastsi128_si256(chunk));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  // the two halves' sums side by side: lanes 0 and 1 of `both` after the reduction
+  const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(codes[0], codes[1]),
+                                           _mm256_add_epi32(codes[2], codes[3]));
+  __m128i both = _mm_add_epi32(_mm256_castsi256_si128(halves),
+                               _mm256_extracti128_si256(halves, 1));
+  both = _mm_hadd_epi32(both, both);
+  first_half = _mm_cvtsi128_si32(both);
+  return first_half + _mm_extract_epi32(both, 1);
+}
+#else
+template <typename T>
+int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int& first_half) {
+  float absmax = 0.f;
+  for (int k = 0; k < 32; ++k) absmax = std::max(absmax, std::fabs(static_cast<float>(src[k])));
+  step = absmax / 127.f;
+  const float inverse = step > 0.f ? 1.f / step : 0.f;
+  int code_sum = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int code = static_cast<int>(std::nearbyint(static_cast<float>(src[k]) * inverse));
+    dst[stored_position(k, order)] = static_cast<int8_t>(code);
+    code_sum += code;
+    if (k == 15) first_half = code_sum;
+  }
+  return code_sum;
+}
+#endif
+
+// Sizes `q` for rows x cols (its buffers only grow: the caller keeps one, no allocation a call).
+inline void size_rows(QuantizedRows& q, int64_t rows, int64_t cols) {
+  q.cols = cols;
+  q.groups = cols / 32;
+  q.codes.resize(rows * cols);
+  q.step.resize(rows * q.groups);
+  q.sum.resize(rows * q.groups);
+  q.code_sum.resize(rows * q.groups);
+  q.half_sum.resize(rows * q.groups);
+}
+
+// Groups [begin, end) of x, counted over rows then groups, into `q` (sized by size_rows): each
+// group's codes and step depend on that group alone, so threads may take disjoint ranges.
+template <typename T>
+void quantize_groups(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order, int64_t begin,
+                     int64_t end) {
+  if (begin >= end) return;
+  int64_t m = begin / q.groups, g = begin % q.groups;  // one division, not one a group
+  float* steps = q.step.data();
+  float* sums = q.sum.data();
+  int32_t* code_sums = q.code_sum.data();
+  int32_t* half_sums = q.half_sum.data();
+  for (int64_t i = begin; i < end; ++i) {
+    float step;
+    int first_half;
+    const int code_sum = quantize_group(x + m * ldx + g * 32, q.codes.data() + m * q.cols + g * 32,
+                                        order, step, first_half);
+    steps[i] = step;
+    sums[i] = step * static_cast<float>(code_sum);
+    code_sums[i] = code_sum;
+    half_sums[i] = first_half;
+    if (++g == q.groups) g = 0, ++m;
+  }
+}
+
+// Where a call's outputs go: row m's outputs at m * ld, in float or as bf16 bits, bias added in
+// float first (the order the unfused path had, so results are unchanged).
+struct OutputRows {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  const float* bias = nullptr;
+  int64_t ld = 0;
+
+  // values[0 .. count) are row m's outputs n0 ..; values is scratch (the bias lands in it)
+  void store(int64_t m, int64_t n0, float* values, int64_t count) const {
+    if (bias)
+      for (int64_t i = 0; i < count; ++i) values[i] += bias[n0 + i];
+    if (f32) {
+      std::copy(values, values + count, f32 + m * ld + n0);
+    } else {
+      to_bf16_bits(values, bf16 + m * ld + n0, count);
+    }
+  }
+};
+
+// Quantizes x's groups [begin, end) (see quantize_groups); run by every thread of the kernel's
+// parallel region on its share, before the panels.
+using QuantizeRange = std::function<void(int64_t, int64_t)>;
+
+inline float widen(float v) { return v; }
+inline float widen(Half v) { return static_cast<float>(v); }
+
+#if KVSERVE_VEC
+inline __m256i broadcast_code_word(const int8_t* codes) {
+  int32_t word;
+  std::memcpy(&word, codes, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+#if KVSERVE_Q8_ZMM
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc += w (u8) . x's 4 codes (s8) broadcast to every lane, with the broadcast embedded in the
+// instruction ({1to16}) rather than a separate vpbroadcastd (as int4_gemm.cpp's vdpbf16ps).
+inline __m512i dot_add_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+#endif
+
+#if KVSERVE_VEC
+// kernel(R) for a row block of `rows` (<= kRowBlock) rows, R as a compile-time constant.
+template <typename Kernel>
+void with_row_count(int rows, Kernel kernel) {
+  switch (rows) {
+#define KVSERVE_ROWS_CASE(R) \
+  case R: kernel(std::integral_constant<int, R>()); break;
+    KVSERVE_ROWS_CASE(1) KVSERVE_ROWS_CASE(2) KVSERVE_ROWS_CASE(3) KVSERVE_ROWS_CASE(4)
+    KVSERVE_ROWS_CASE(5) KVSERVE_ROWS_CASE(6) KVSERVE_ROWS_CASE(7) KVSERVE_ROWS_CASE(8)
+#if KVSERVE_Q8_ZMM
+    KVSERVE_ROWS_CASE(9) KVSERVE_ROWS_CASE(10) KVSERVE_ROWS_CASE(11) KVSERVE_ROWS_CASE(12)
+#endif
+#undef KVSERVE_ROWS_CASE
+    default: TORCH_CHECK(false, "q8 dot: bad row block ", rows);
+  }
+}
+
+// A panel's 16 outputs for `rows` (<= 8) rows from m0, both ymm halves.
+template <typename Kernel>
+void panel_rows(int rows, Kernel kernel) {
+  for (int half = 0; half < 2; ++half)
+    with_row_count(rows, [&](auto r) { kernel(r, half); });
+}
+
+#endif  // KVSERVE_VEC
+
+// y[m, n] for every row and output, in one parallel region: the threads first quantize x (each
+// a share of its groups), meet at a barrier, then each takes one contiguous run of panels (one
+// stream of blocks) and stores its outputs (bias, bf16) as they come. Why one region: x's
+// quantization and y's conversion ran serially around the kernel, the other core spinning;
+// at a 9-token verification that was ~6% of the step's samples (perf, Zen 4). `tile(rows, m0,
+// panel, out)` fills out[m][16] for a row block of at most `max_rows` rows (passes of equal
+// size: each pays the panel's unpacking).
+template <typename Tile, typename Scalar>
+void run_panels(const QuantizedRows& xq, int64_t rows, int64_t out_features, int64_t panel_bytes,
+                const uint8_t* packed, const OutputRows& y, const QuantizeRange& quantize,
+                int64_t max_rows, Tile tile, Scalar scalar) {
+  const int64_t panels = (out_features + 15) / 16;
+  const int64_t pass = rows_per_pass(rows, max_rows);
+  const int64_t groups = rows * xq.groups;
+  at::internal::lazy_init_num_threads();
+  // at least 4 panels a thread (at::parallel_for's grain before)
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (panels + 3) / 4));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    quantize(groups * thread / team, groups * (thread + 1) / team);
+#pragma omp barrier
+    const int64_t chunk = (panels + team - 1) / team;
+    const int64_t begin = thread * chunk, end = std::min(panels, begin + chunk);
+    float out[kRowBlock * 16];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = packed + p * panel_bytes;
+      const int64_t count = std::min<int64_t>(16, out_features - p * 16);
+      for (int64_t m0 = 0; m0 < rows; m0 += pass) {
+        const int block_rows = static_cast<int>(std::min<int64_t>(pass, rows - m0));
+#if KVSERVE_VEC
+        tile(block_rows, m0, panel, out);
+#else
+        for (int m = 0; m < block_rows; ++m)
+          for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
+#endif
+        for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
+      }
+    }
+  }
+}
+
+// quantize_groups over src (element type T) into xq, as a QuantizeRange; xq is captured by
+// reference: the range runs on the region's other threads, whose thread_local copy is not it.
+template <typename T>
+QuantizeRange quantize_range(QuantizedRows& xq, const at::Tensor& src, CodeOrder order) {
+  const T* data = src.data_ptr<T>();
+  const int64_t ld = src.stride(0);
+  return [&xq, data, ld, order](int64_t begin, int64_t end) {
+    quantize_groups(xq, data, ld, order, begin, end);
+  };
+}
+
+// x (float32 or bfloat16, [M, K]) quantized as it is (rows may be strided), y (+ bias) in x's
+// dtype. Per call only the output is allocated: at one row, through the decode stack's 120
+// projections a step, torch conversions and per-call buffers cost more than the kernels saved
+// (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
+using PanelKernel = void (*)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
+                             const OutputRows&, const QuantizeRange&);
+
+inline at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                               int64_t out_features, CodeOrder order, PanelKernel run,
+                               const at::Tensor& packed) {
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return out;
+  const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
+  thread_local QuantizedRows buffers;
+  QuantizedRows& xq = buffers;
+  size_rows(xq, rows, x.size(1));
+  at::Tensor float_bias;
+  OutputRows y;
+  y.ld = out_features;
+  if (bias) {
+    float_bias = bias->to(at::kFloat).contiguous();
+    y.bias = float_bias.data_ptr<float>();
+  }
+  QuantizeRange quantize;
+  if (x.scalar_type() == at::kFloat) {
+    y.f32 = out.data_ptr<float>();
+    quantize = quantize_range<float>(xq, src, order);
+  } else {
+    y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+    quantize = quantize_range<BFloat16>(xq, src, order);
+  }
+  run(xq, rows, packed, out_features, y, quantize);
+  return out;
+}
+
+inline void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, name,
+              ": x must be [M, K] with K divisible by 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": x must be float32 or bfloat16");
+}
+
+}  // namespace q8
+}  // namespace kvserve

@@ -1,0 +1,146 @@
+"""GGUF's block formats kept as the file stores them (csrc/gguf_layouts.h): packing gives the
+reference layout byte for byte, dequantizing gives gguf.quants.dequantize's float32 values to the
+bit, the integer-dot kernel is the float linear of the rounded activations and the file's
+weights, the dequantizing one the float linear of x and those weights. At every kernel level,
+and for the torch reference ops."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from kvserve.kernels import reference
+from tests.helpers import assert_equals_linear_of_rounded_x
+
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# byte offsets of each K-quant block's float16 scales (d, and dmin for Q4_K/Q5_K)
+_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _file_rows(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A GGUF tensor's bytes [rows, row_bytes]: gguf.quants.quantize of random weights where the
+    package implements the type, else random blocks with finite float16 scales of either sign."""
+    generator = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _SCALE_OFFSETS:
+        weight = generator.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(weight, kind)))
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = generator.integers(0, 256, (rows, cols // block_values, block_bytes), np.uint8)
+    for offset in _SCALE_OFFSETS[qtype]:
+        scale = (generator.standard_normal((rows, cols // block_values)) * 1e-2).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def _file_values(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def _assert_bits_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    bits = torch.int32 if got.dtype == torch.float32 else torch.int16
+    mismatched = (got.view(bits) != expected.view(bits)).sum().item()
+    assert mismatched == 0, f"{mismatched} values differ"
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_pack_then_dequantize_gives_the_files_values_to_the_bit(qtype, kernels):
+    """37 rows (a partial last panel), 2 super-blocks of 256 (16 groups of 32): the packed bytes
+    are the reference packer's (rows past N zero), and every row, a list of rows (repeats, any
+    order) and a range read back as gguf's float32 values exactly, or those values rounded to
+    bfloat16."""
+    rows, cols = 37, 512
+    raw = _file_rows(qtype, rows, cols, seed=len(qtype) + rows)
+    expected = _file_values(raw, qtype)
+    panels = kernels.gguf_pack(raw, qtype)
+    assert torch.equal(panels, reference.gguf_pack(raw, qtype))
+    assert panels.shape[2] == reference.GGUF_FORMATS[qtype][2]
+    picked = torch.tensor([36, 0, 17, 17, 5])
+    for ops in (kernels, reference):
+        _assert_bits_equal(ops.gguf_dequantize(panels, qtype, range(rows), cols, torch.float32),
+                           expected)
+        _assert_bits_equal(ops.gguf_dequantize(panels, qtype, picked, cols, torch.float32),
+                           expected[picked])
+        _assert_bits_equal(ops.gguf_dequantize(panels, qtype, range(16, 33), cols,
+                                               torch.bfloat16), expected[16:33].bfloat16())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_kernel_is_the_linear_of_rounded_activations(qtype, dtype, kernels):
+    """37 outputs of K = 512, x rounded as int4_linear_q8 rounds it: the float linear of x' and
+    the file's weights (assert_equals_linear_of_rounded_x's row counts, bias, strides)."""
+    raw = _file_rows(qtype, 37, 512, seed=3 * len(qtype))
+    panels, dense = reference.gguf_pack(raw, qtype), _file_values(raw, qtype)
+    for ops in (kernels, reference):
+        def kernel(x, packed, bias, rows, ops=ops):
+            return ops.gguf_linear_q8(x, packed, qtype, bias, rows)
+        assert_equals_linear_of_rounded_x(kernel, panels, dense, dtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_largest_codes_do_not_saturate(qtype, kernels):
+    """Every code at its maximum (31, or 63 for Q6_K) against x at +-absmax: vpmaddubsw's int16
+    pair sums reach 2 * 63 * 127 = 16,002; a saturating or overflowing sum would be visibly
+    wrong."""
+    rows, cols = 16, 256
+    raw = _file_rows(qtype, rows, cols, seed=1)
+    blocks = raw.view(rows, cols // reference.GGUF_FORMATS[qtype][0], -1)
+    scales = {"Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[qtype]
+    code_bytes = {"Q5_0": slice(2, 22), "Q5_1": slice(4, 24), "Q5_K": slice(16, 176),
+                  "Q6_K": slice(0, 192)}[qtype]
+    blocks[..., code_bytes] = 0xFF
+    if qtype == "Q6_K":
+        blocks[..., 192:208] = 127
+    for offset in scales:
+        blocks[..., offset:offset + 2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    panels, dense = kernels.gguf_pack(raw, qtype), _file_values(raw, qtype)
+    for sign in (1.0, -1.0):
+        x = torch.full((2, cols), sign * 3.0)
+        torch.testing.assert_close(kernels.gguf_linear_q8(x, panels, qtype, None, rows),
+                                   nn.functional.linear(x, dense))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_kernel_is_the_linear_of_the_files_weights(qtype, dtype, kernels):
+    """600 outputs of K = 256 (two slabs of rows, the second partial), with and without bias:
+    at::linear of x and the exact weights in x's dtype."""
+    rows, cols = 600, 256
+    raw = _file_rows(qtype, rows, cols, seed=5 * len(qtype))
+    panels, dense = reference.gguf_pack(raw, qtype), _file_values(raw, qtype).to(dtype)
+    generator = torch.Generator().manual_seed(cols)
+    bias = torch.randn(rows, generator=generator)
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    for m in (1, 7, 33):
+        x = torch.randn(m, cols, generator=generator).to(dtype)
+        for b in (None, bias):
+            expected = nn.functional.linear(x.float(), dense.float(),
+                                            None if b is None else b.to(dtype).float())
+            for ops in (kernels, reference):
+                got = ops.gguf_linear_dequant(x, panels, qtype, b, rows)
+                assert got.dtype == dtype and got.shape == (m, rows)
+                torch.testing.assert_close(got.float(), expected, rtol=tolerance,
+                                           atol=tolerance * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("ops_name", ["kernels", "reference"])
+def test_malformed_inputs_are_clear_errors(ops_name, kernels):
+    """A raw tensor whose rows are not whole blocks, panels of another K, an unknown type, and a
+    Q4_0 scale whose -8d overflows float16: errors naming the type and the sizes."""
+    ops = kernels if ops_name == "kernels" else reference
+    raw = _file_rows("Q4_K", 4, 256, seed=0)
+    with pytest.raises(ValueError, match=r"Q4_K rows of 143 bytes .*144 bytes per 256 values"):
+        ops.gguf_pack(raw[:, :143].contiguous(), "Q4_K")
+    panels = ops.gguf_pack(raw, "Q4_K")
+    with pytest.raises(ValueError, match="Q4_K panels"):
+        ops.gguf_dequantize(panels, "Q4_K", range(4), 512, torch.float32)
+    with pytest.raises(ValueError, match="IQ2_XS has no panel layout"):
+        ops.gguf_pack(raw, "IQ2_XS")
+    huge = _file_rows("Q4_0", 1, 32, seed=0)
+    huge[0, :2] = torch.tensor([9000.0], dtype=torch.float16).view(torch.uint8)
+    with pytest.raises(ValueError, match="Q4_0 block's scale d exceeds 8188"):
+        ops.gguf_pack(huge, "Q4_0")
