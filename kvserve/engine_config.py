@@ -57,17 +57,17 @@ class EngineConfig:
                                "symmetric int8 with a float32 scale: 68 bytes a row of 64 "
                                "against bf16's 128; perplexity in docs/performance.md)",
                                choices=["auto", "float32", "bfloat16", "int8"])
-    quantization: str = _opt("auto", "weights of the decoder projections: auto (for 4-bit "
-                             "GGUFs: w4a8 where float32 is only the machine's default (no "
-                             "native bf16) or the kernels have AVX512-VNNI, else int4 in "
-                             "bfloat16; for 5- to 8-bit GGUFs: "
-                             "int8; else none), none, int4 (groupwise, exact for Q4_1 GGUFs), "
-                             "int8 (groups of 32 as Q8_0 where the compiled kernels run, per "
-                             "channel elsewhere), w8a8 (int8 weights, int8 activations for "
-                             "batches; +4%% perplexity on SmolLM2) or w4a8 (int4 weights, "
-                             "decode activations rounded to int8 per group of 32 for integer "
-                             "dot products, as llama.cpp)",
-                             choices=["auto", "none", "int4", "int8", "w8a8", "w4a8"])
+    quantization: str = _opt("auto", "weights of the decoder projections: auto (for a GGUF "
+                             "in bfloat16, or in float32 where the machine has no native "
+                             "bf16: gguf; else none), gguf (the file's own block types, "
+                             "Q4_0-Q8_0 and Q4_K-Q6_K, at their own bits per weight; decode "
+                             "activations rounded to int8 per group of 32 for integer dot "
+                             "products, as llama.cpp; other block types as w4a8), none, int4 "
+                             "(groupwise, exact for Q4_1 GGUFs), int8 (groups of 32 as Q8_0 "
+                             "where the compiled kernels run, per channel elsewhere), w8a8 "
+                             "(int8 weights, int8 activations for batches; +4%% perplexity on "
+                             "SmolLM2) or w4a8 (int4 weights, int8 activations as gguf's)",
+                             choices=["auto", "none", "gguf", "int4", "int8", "w8a8", "w4a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
     autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape on "

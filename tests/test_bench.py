@@ -279,7 +279,7 @@ def test_roofline_bytes_per_weight_of_each_format():
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_roofline_dtype_follows_native_bf16(monkeypatch, native_bf16):
     import kvserve.platform
-    from kvserve.kernels import get_ops, isa
+    from kvserve.kernels import isa
     from kvserve.model_source import resolve_model
     from kvserve.quant import resolve_quantization
     from kvserve.weights import load_config
@@ -291,11 +291,10 @@ def test_roofline_dtype_follows_native_bf16(monkeypatch, native_bf16):
     assert roofline.engine_dtype() == expected
     config = load_config(resolve_model())
     fmt = roofline.resolve_format(config)
-    # the machine's default dtype keeps a 4-bit checkpoint 4-bit, float32 included
-    wide = get_ops().q8_dot_wide()  # AVX512-VNNI builds: w4a8 in bfloat16 too
+    # the machine's default dtype keeps a GGUF in its block types, float32 included
     assert fmt.dtype == expected and fmt.quantization == resolve_quantization(
-        "auto", config.source_weight_type, roofline.GEMM_DTYPES[expected], True,
-        wide_integer_dots=wide) == ("int4" if native_bf16 and not wide else "w4a8")
+        "auto", config.source_weight_type, roofline.GEMM_DTYPES[expected], True) == "gguf"
+    assert fmt.layer_bytes_per_weight == 0.625  # Q4_1 blocks: a float16 scale and low
     assert roofline.resolve_format(config, "float32").quantization == "none"  # asked for: exact
     assert roofline.resolve_format(config, "bfloat16", "int4").layer_bytes_per_weight == 0.625
     assert roofline.resolve_format(config, "float32", "w4a8").layer_bytes_per_weight == 0.625

@@ -137,28 +137,27 @@ def test_w8a8_close_to_its_int8_weights(kernels):
     assert error < 0.02  # per-token int8 activations: ~0.5% here
 
 
-def test_auto_keeps_four_bit_sources_four_bit_unless_float32_was_asked_for():
-    assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "int4"
-    # AVX512-VNNI builds: a panel per integer dot product, twice bf16's multiply-adds
-    assert resolve_quantization("auto", "Q4_1", torch.bfloat16, wide_integer_dots=True) == "w4a8"
-    assert resolve_quantization("int4", "Q4_1", torch.bfloat16, wide_integer_dots=True) == "int4"
-    assert resolve_quantization("auto", "Q6_K", torch.bfloat16, wide_integer_dots=True) == "int8"
+def test_auto_keeps_a_ggufs_block_types_unless_float32_was_asked_for():
+    assert resolve_quantization("auto", "Q4_1", torch.bfloat16) == "gguf"
+    assert resolve_quantization("auto", "Q4_K", torch.bfloat16) == "gguf"
+    assert resolve_quantization("auto", "Q6_K", torch.bfloat16) == "gguf"
+    assert resolve_quantization("auto", "Q3_K", torch.bfloat16) == "gguf"  # layers -> w4a8
+    assert resolve_quantization("int4", "Q4_1", torch.bfloat16) == "int4"
     assert resolve_quantization("auto", "Q4_1", torch.float32) == "none"  # the exact reference
-    # float32 as the machine's default (no native bf16): 4-bit weights, int8 activations
-    assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "w4a8"
+    # float32 as the machine's default (no native bf16): the file's blocks too
+    assert resolve_quantization("auto", "Q4_1", torch.float32, dtype_is_default=True) == "gguf"
     assert resolve_quantization("auto", "F32", torch.float32, dtype_is_default=True) == "none"
     assert resolve_quantization("auto", "BF16", torch.bfloat16) == "none"
-    assert resolve_quantization("auto", None, torch.bfloat16) == "none"
-    assert resolve_quantization("w8a8", None, torch.float32) == "w8a8"
+    assert resolve_quantization("auto", None, torch.bfloat16) == "none"  # an HF directory
 
 
-def test_auto_keeps_five_to_eight_bit_sources_eight_bit():
-    """Gemma 3 270M's mostly-Q5_0/Q6_K file: int8 per group (+0.6% perplexity) rather than
-    4-bit (+25%), unless float32 was asked for; never off the CPU."""
+def test_auto_keeps_five_to_eight_bit_sources_as_stored():
+    """Gemma 3 270M's mostly-Q5_0/Q6_K file: its own blocks (before, int8 per group: +0.6%
+    perplexity), unless float32 was asked for; never off the CPU."""
     for source in ("Q5_0", "Q6_K", "Q8_0"):
-        assert resolve_quantization("auto", source, torch.bfloat16) == "int8"
+        assert resolve_quantization("auto", source, torch.bfloat16) == "gguf"
         assert resolve_quantization("auto", source, torch.float32, dtype_is_default=True) == \
-            "int8"
+            "gguf"
         assert resolve_quantization("auto", source, torch.float32) == "none"
         assert resolve_quantization("auto", source, torch.bfloat16, device="cuda") == "none"
 
@@ -170,7 +169,7 @@ def test_four_bit_modes_refuse_other_devices_at_load():
     assert resolve_quantization("auto", "Q4_1", torch.bfloat16, device="cuda") == "none"
     assert resolve_quantization("auto", "Q4_1", torch.float32, True, device="cuda:0") == "none"
     assert resolve_quantization("int8", "Q4_1", torch.bfloat16, device="cuda") == "int8"
-    for mode in ("int4", "w4a8"):
+    for mode in ("int4", "w4a8", "gguf"):
         with pytest.raises(ValueError, match=f"'{mode}' runs on the CPU only"):
             resolve_quantization(mode, "Q4_1", torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="CPU only"):
@@ -225,8 +224,8 @@ def test_perplexity_bounds_on_smollm2(smollm_source):
     assert results["w8a8"] <= results["none"] * 1.05
 
 
-# The default path of each CPU family that has one (`--quantization auto` on a 4-bit GGUF):
-# kernel level -> the default activations' dtype there. w4a8 everywhere.
+# The default path of each CPU family that has one (`--quantization auto` on a GGUF): kernel
+# level -> the default activations' dtype there. The file's blocks (`gguf`) everywhere.
 DEFAULT_CPU_PATHS = {"avx2": torch.float32,          # Zen 3
                      "avx512_vnni": torch.float32,   # Cascade Lake: VNNI, no bf16
                      "avx512_bf16": torch.bfloat16}  # Zen 4/5, Sapphire Rapids
@@ -236,10 +235,12 @@ DEFAULT_CPU_PATHS = {"avx2": torch.float32,          # Zen 3
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("level", [level for level in isa.tested_levels()
                                    if level in DEFAULT_CPU_PATHS])
-def test_each_default_cpu_path_keeps_w4a8_within_1pct_of_int4(smollm_source, level):
+def test_each_default_cpu_path_keeps_gguf_within_1pct_of_int4(smollm_source, level):
     """What `auto` runs on each CPU family (the level capped by KVSERVE_CPU_ISA, so any AVX-512
-    machine runs all three): w4a8 in the level's default dtype, scored in decode-sized steps (16
-    tokens) against int4 scored the same way, over the first 4 windows (2,044 predictions).
+    machine runs all three): the file's Q4_1 and Q8_0 blocks with activations rounded to int8
+    (`gguf`; w4a8's kernels and values on this file) in the level's default dtype, scored in
+    decode-sized steps (16 tokens) against int4 scored the same way, over the first 4 windows
+    (2,044 predictions).
 
     One window is not enough: w4a8 rounds activations to int8, and a last-bit difference
     upstream (an AVX2 and an AVX-512 RMSNorm sum in different orders) moves some of those
@@ -257,15 +258,14 @@ def test_each_default_cpu_path_keeps_w4a8_within_1pct_of_int4(smollm_source, lev
     with kernel_level(level):
         dtype = default_dtype("cpu")
         assert dtype == DEFAULT_CPU_PATHS[level]
-        assert resolve_quantization("auto", "Q4_1", dtype, dtype_is_default=True,
-                                    wide_integer_dots=get_ops(True).q8_dot_wide()) == "w4a8"
+        assert resolve_quantization("auto", "Q4_1", dtype, dtype_is_default=True) == "gguf"
         scored = {}
-        for mode in ("int4", "w4a8"):
+        for mode in ("int4", "gguf"):
             model, _ = load_model(smollm_source, dtype, attention_backend="paged",
                                   quantization=mode)
             scored[mode] = perplexity(model, tokens, 512, max_windows=4,
                                       chunk=16)["perplexity"]
-    assert scored["w4a8"] <= scored["int4"] * 1.01, scored
+    assert scored["gguf"] <= scored["int4"] * 1.01, scored
 
 
 def test_int8_groupwise_recovers_q8_0_exactly_and_packs_round_trip():

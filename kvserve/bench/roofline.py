@@ -49,13 +49,21 @@ class ModelCost:
     kv_bytes_per_token: float
 
 
-def weight_format(dtype: str, quantization: str) -> WeightFormat:
+def weight_format(dtype: str, quantization: str, source_type: str | None = None
+                  ) -> WeightFormat:
     """int4: 4-bit codes plus a scale and a zero per group of 32, both in the activation dtype
-    (bf16: 0.5 + 4/32 = 0.625 bytes); w4a8: float16 scale and low (0.625); int8/w8a8: 1 byte (per-channel scales add < 1%); the LM
-    head of every quantized mode is int8; none: the dtype's width."""
+    (bf16: 0.5 + 4/32 = 0.625 bytes); w4a8: float16 scale and low (0.625); int8/w8a8: 1 byte
+    (per-channel scales add < 1%); gguf: the bytes our panels of the file's block type
+    (`source_type`, its layers') take (Q4_K 0.578, Q4_1 0.625); the LM head of every quantized
+    mode taken as int8; none: the dtype's width."""
     element = DTYPE_BYTES[dtype]
     if quantization == "none":
         return WeightFormat(dtype, quantization, element, element)
+    if quantization == "gguf":
+        from kvserve.kernels.reference import GGUF_FORMATS
+
+        values, _, panel_bytes = GGUF_FORMATS[source_type]
+        return WeightFormat(dtype, quantization, panel_bytes / (16 * values), 1.0)
     if quantization == "int4":
         layer = 0.5 + 2 * element / INT4_GROUP_SIZE
     elif quantization == "w4a8":  # float16 scales and lows (a GGUF's Q4_1)
@@ -81,7 +89,7 @@ def engine_quantization(config: ModelConfig, dtype: str, dtype_is_default: bool 
     from kvserve.quant import resolve_quantization
 
     return resolve_quantization("auto", config.source_weight_type, GEMM_DTYPES[dtype],
-                                dtype_is_default, wide_integer_dots=get_ops().q8_dot_wide())
+                                dtype_is_default and get_ops().int4_linear_fast())
 
 
 def resolve_format(config: ModelConfig, dtype: str = "auto", quantization: str = "auto"
@@ -90,7 +98,7 @@ def resolve_format(config: ModelConfig, dtype: str = "auto", quantization: str =
     dtype = engine_dtype() if dtype_is_default else dtype
     if quantization == "auto":
         quantization = engine_quantization(config, dtype, dtype_is_default)
-    return weight_format(dtype, quantization)
+    return weight_format(dtype, quantization, config.source_weight_type)
 
 
 def roof_gemm_dtype(dtype: str, native_bf16: bool) -> str:

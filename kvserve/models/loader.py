@@ -5,11 +5,12 @@ device, then allocated: only what the layers keep exists (a projection converted
 its panels, never a float32 copy of the model). Checkpoint tensors then stream through the
 model's loaders one at a time, each projection converting itself when its last part arrives.
 
-A GGUF is dequantized to HF-named float32 tensors once and cached as safetensors (weights/
-cache.py); later loads read that file lazily, tensor by tensor. With a ParallelContext of more
-than one rank (`parallel=`) the model is the rank's shard: its pipeline stage's layers, each
-taking its tensor-parallel slice of the tensors it is handed (lazy safetensors slices: a rank
-reads only its bytes).
+A GGUF is read from its memory map tensor by tensor, block-quantized tensors as the file stores
+them (weights/quantized_rows.py): kept so by `gguf` (the file's own numbers and bits), or
+dequantized one tensor at a time by a converting method. Nothing is written to the cache
+directory. With a ParallelContext of more than one rank (`parallel=`) the model is the rank's
+shard: its pipeline stage's layers, each taking its tensor-parallel slice of the tensors it is
+handed (lazy safetensors slices and GGUF rows: a rank reads only its bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 
 from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
-from kvserve.distributed.communication import world_barrier
 from kvserve.kernels import get_ops
 from kvserve.distributed.parallel_state import (
     ParallelContext,
@@ -33,7 +33,7 @@ from kvserve.distributed.parallel_state import (
 from kvserve.model_source import ModelSource
 from kvserve.models.registry import check_architecture, model_class_for
 from kvserve.quant import QuantPolicy, resolve_quantization
-from kvserve.weights import cache, load_hf_named_tensors
+from kvserve.weights import gguf_file, gguf_stored
 from kvserve.weights import load_config as read_config
 from kvserve.weights.hf_dir import safetensors_files
 from kvserve.weights.sharded import iter_safetensors
@@ -67,9 +67,11 @@ def load_config(source: ModelSource, use_cache: bool = True) -> ModelConfig:
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
                 attention_backend: str = "torch_ref", use_cpu_kernels: bool = True,
-                quantization: str = "none", parallel: ParallelContext | None = None):
+                quantization: str = "none", parallel: ParallelContext | None = None,
+                source_types: dict[str, str] | None = None):
     """The family's model for `config` (the whole model's; with `parallel`, this rank's share
-    is built), allocated on `device` in `dtype`, awaiting `load_weights`."""
+    is built), allocated on `device` in `dtype`, awaiting `load_weights`. `source_types`: how
+    the checkpoint stores each tensor (a GGUF's block types), which `gguf` keeps."""
     # the compiled kernels read CPU memory; other devices run the torch versions of the ops
     use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
     backend = get_attention_backend(attention_backend, use_cpu_kernels)
@@ -77,7 +79,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     # kernels only); quantized ones need our kernels whatever path attends
     kernels = getattr(backend, "ops", None) if quantization == "none" \
         else get_ops(use_cpu_kernels)
-    quant = QuantPolicy(quantization, dtype, kernels, parallel)
+    quant = QuantPolicy(quantization, dtype, kernels, parallel, source_types)
     with torch.device("meta"):
         model = model_class_for(config.architecture)(config, backend, parallel, quant)
     for param in model.parameters():  # on meta: free; allocated in dtype below
@@ -107,40 +109,35 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     config = dataclasses.replace(load_config(source, use_cache), max_model_len=max_model_len)
     quantization = resolve_quantization(
         quantization, config.source_weight_type, torch_dtype,
-        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device,
-        _has_wide_integer_dots(device, use_cpu_kernels))
+        dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device)
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
-                        quantization, parallel)
-    tensors, how = _checkpoint_tensors(source, config, use_cache, parallel)
-    model.load_weights(_on_device(tensors, device))
-    logger.info("model %s (%s, quantization %s) loaded %s in %.2fs", source.name, torch_dtype,
-                quantization, how, time.perf_counter() - start)
+                        quantization, parallel, _source_types(source, config))
+    built = time.perf_counter()
+    model.load_weights(_on_device(_checkpoint_tensors(source, config, parallel), device))
+    logger.info("model %s (%s, quantization %s) from %s: config and build %.2fs, weights "
+                "%.2fs", source.name, torch_dtype, quantization, source.path, built - start,
+                time.perf_counter() - built)
     return model, model.config
 
 
-def _checkpoint_tensors(source: ModelSource, config: ModelConfig, use_cache: bool,
+def _checkpoint_tensors(source: ModelSource, config: ModelConfig,
                         parallel: ParallelContext | None):
-    """(HF-named tensors, lazily, and a phrase for the log). A GGUF is dequantized into the
-    weight cache first (by rank 0 alone when several ranks load together)."""
+    """HF-named tensors, lazily, one at a time: an HF directory's (lazy slices when several
+    ranks each take theirs), or a GGUF's as the file stores them (block-quantized ones as
+    `QuantizedRows`, which each layer keeps, or dequantizes if its method converts)."""
     if source.format == "hf":
-        return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel)), \
-            f"from {source.path}"
-    cached = cache.artifact_path(source.path, "weights.safetensors") if use_cache else None
-    if cached is None:
-        return load_hf_named_tensors(source, config), f"from {source.path}"
-    if is_distributed(parallel):
-        # every rank meets at the barrier, whatever it sees on disk: deciding per rank whether
-        # the cache exists deadlocked when rank 0 wrote it before a slower rank looked
-        if parallel.rank == 0 and not cached.is_file():
-            cache.save_tensor_stream(load_hf_named_tensors(source, config), cached)
-        world_barrier()
-    elif not cached.is_file():
-        cache.save_tensor_stream(load_hf_named_tensors(source, config), cached)
-    if not cached.is_file():  # an unwritable cache directory
-        return load_hf_named_tensors(source, config), f"from {source.path}"
-    return iter_safetensors([cached], lazy=is_distributed(parallel)), f"from cache {cached}"
+        return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel))
+    reader = gguf_file.open_gguf(source.path)
+    return gguf_stored.iter_gguf_stored(reader, config)
+
+
+def _source_types(source: ModelSource, config: ModelConfig) -> dict[str, str]:
+    """A GGUF's tensor types by HF name (empty for an HF directory)."""
+    if source.format != "gguf":
+        return {}
+    return gguf_stored.tensor_types(gguf_file.open_gguf(source.path), config)
 
 
 def _on_device(tensors: Iterable, device: str | torch.device) -> Iterator:
@@ -152,14 +149,9 @@ def _on_device(tensors: Iterable, device: str | torch.device) -> Iterator:
 
 
 def _has_fast_low_bit_kernels(device: str, use_cpu_kernels: bool) -> bool:
-    """Our vectorised int4/int8 kernels are loaded (else torch's int4 op, slower than a float32
-    GEMV on AVX2, would serve the 4-bit layers)."""
+    """Our vectorised low-bit kernels are loaded (the scalar build's are slower than a float32
+    GEMV, and the torch reference versions dequantize whole matrices per call)."""
     return device == "cpu" and get_ops(use_cpu_kernels).int4_linear_fast()
-
-
-def _has_wide_integer_dots(device: str, use_cpu_kernels: bool) -> bool:
-    """Our w4a8 kernels take a whole panel per integer dot product (AVX512-VNNI builds)."""
-    return device == "cpu" and get_ops(use_cpu_kernels).q8_dot_wide()
 
 
 def random_model(config: ModelConfig, dtype: str | torch.dtype = "float32", seed: int = 0,

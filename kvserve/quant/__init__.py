@@ -6,7 +6,8 @@ from kvserve.quant.linear import (
     check_quantization_device,
     resolve_quantization,
 )
-from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod, QuantPolicy
+from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod
+from kvserve.quant.policy import QuantPolicy
 
 __all__ = ["QUANTIZATION_MODES", "ConvertMethod", "FloatMethod", "LinearMethod", "QuantPolicy",
            "check_quantization_device", "resolve_quantization"]

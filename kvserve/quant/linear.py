@@ -48,7 +48,7 @@ from kvserve.kernels.reference import (
 )
 
 # plus "auto", see resolve_quantization
-QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8")
+QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8", "gguf")
 INT4_GROUP_SIZE = 32
 # Row counts at which the low-bit kernels stop winning. Our kernels' limits are measured per
 # shape on the machine at start-up (kvserve/kernels/autotune.py); these fixed values apply with
@@ -271,17 +271,13 @@ def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.data.to(dtype)
 
 
-# GGUF storage types whose weights int4 represents with (near) no loss; exact for Q4_1.
-FOUR_BIT_SOURCE_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-# 5- to 8-bit checkpoints (Gemma 3 270M's "Q4_K_M" is mostly Q5_0 and Q6_K: its rows of 640 do
-# not fit K-quants' 256-blocks): re-quantized to 4 bits they lose far more than the file did
-# (+25% perplexity on Gemma 3 270M), to 8 bits per group of 32 little (Q8_0: nothing).
-EIGHT_BIT_SOURCE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# How a checkpoint may store float weights: a GGUF's float types, an HF directory's dtypes
+FLOAT_SOURCE_TYPES = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
 
 
 # Modes whose weights live in torch's CPU-only int4 packing (`_weight_int4pack_mm_for_cpu`) or
 # our C++ kernels: they run on CPU models only.
-CPU_ONLY_MODES = ("int4", "w4a8")
+CPU_ONLY_MODES = ("int4", "w4a8", "gguf")
 
 
 def check_quantization_device(mode: str, device: str) -> None:
@@ -292,35 +288,24 @@ def check_quantization_device(mode: str, device: str) -> None:
 
 
 def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,
-                         dtype_is_default: bool = False, device: str = "cpu",
-                         wide_integer_dots: bool = False) -> str:
-    """`auto`, for a checkpoint that is already 4-bit (its weights stay 4-bit: the int4 codes
-    are the GGUF's Q4_1 codes): in bfloat16, w4a8 where our kernels multiply a whole panel per
-    integer dot-product instruction (`wide_integer_dots`: AVX512-VNNI, twice the multiply-adds
-    of bf16 ones; on Zen 4 a verification step of 8-12 rows 20-25% faster and the LM head ~1.5x,
-    for +0.41% perplexity, docs/performance.md), else int4. w4a8 in float32 chosen because this
-    CPU has no native bf16 (`dtype_is_default`: AVX2 CPUs), where the float kernels of decode
-    batches were bound by their FMAs and the float32 prefill GEMM is slow (activations rounded to
-    int8 per group as llama.cpp does: +0.13% perplexity). A float32 the user
-    asked for stays the exact reference: no quantization. Off the CPU (`device` cuda, ...) the
-    4-bit modes do not run: `auto` keeps the dequantized weights and asking for one of them is
-    a ValueError here, at load, rather than a failure inside torch. A 5- to 8-bit checkpoint
-    (`EIGHT_BIT_SOURCE_TYPES`) gets `int8` on the CPU unless float32 was asked for: Gemma 3
-    270M's decode step took 144 ms in float32 (its 262k x 640 LM head alone 82 ms), and
-    re-quantizing its 5-bit weights to 4 bits cost +25% perplexity."""
+                         dtype_is_default: bool = False, device: str = "cpu") -> str:
+    """`auto`, for a GGUF whose layers are block-quantized, on a CPU with our vector kernels
+    (`dtype_is_default` is only true there, see load_model), in bfloat16 or in a float32 the
+    machine chose: `gguf`, the file's own numbers at its own bits per weight where our kernels
+    keep its block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; others converted to
+    w4a8), activations rounded to int8 per group of 32 in decode-sized batches as llama.cpp
+    does. A float32 the user asked for stays the exact reference: no quantization; so does a
+    checkpoint of float weights. Off the CPU (`device` cuda, ...) the 4-bit and stored modes do
+    not run: `auto` keeps the dequantized weights and asking for one of them is a ValueError
+    here, at load, rather than a failure inside torch."""
     check_quantization_device(mode, device)
-    on_cpu = torch.device(device).type == "cpu"
     if mode != "auto":
         return mode
-    if source_weight_type in EIGHT_BIT_SOURCE_TYPES and on_cpu and (
-            dtype == torch.bfloat16 or dtype_is_default):
-        return "int8"
-    if source_weight_type not in FOUR_BIT_SOURCE_TYPES or not on_cpu:
-        return "none"
-    if dtype == torch.bfloat16:
-        return "w4a8" if wide_integer_dots else "int4"
-    if dtype == torch.float32 and dtype_is_default:
-        return "w4a8"
+    on_cpu = torch.device(device).type == "cpu"
+    block_quantized = source_weight_type is not None and \
+        source_weight_type not in FLOAT_SOURCE_TYPES
+    if on_cpu and block_quantized and (dtype == torch.bfloat16 or dtype_is_default):
+        return "gguf"
     return "none"
 
 
@@ -333,7 +318,7 @@ def _quantized_head(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn
         return W8A8Linear(linear, dtype, ops)
     if _has_vector_kernels(ops) and linear.in_features % 32 == 0:
         return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS,
-                                   int8_activations=mode == "w4a8")
+                                   int8_activations=mode in ("w4a8", "gguf"))
     return Int8WeightOnlyLinear(linear, dtype, max_rows=LM_HEAD_WEIGHT_ONLY_MAX_ROWS)
 
 

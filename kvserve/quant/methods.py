@@ -19,14 +19,13 @@ from torch import nn
 
 from kvserve.distributed.communication import all_reduce_max
 from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.weights.quantized_rows import QuantizedRows
 from kvserve.quant.linear import (
-    QUANTIZATION_MODES,
     Bf16PanelLinear,
     Int4WeightOnlyLinear,
     W4A8Linear,
     _has_vector_kernels,
     _quantized,
-    _quantized_head,
 )
 
 
@@ -56,7 +55,7 @@ class LinearMethod:
         raise NotImplementedError(f"{type(self).__name__} keeps no float weights to export")
 
 
-def _part_rows(layer: nn.Module, part: int) -> slice:
+def part_rows(layer: nn.Module, part: int) -> slice:
     offsets = layer.part_offsets()
     return slice(offsets[part], offsets[part + 1])
 
@@ -79,7 +78,7 @@ class FloatMethod(LinearMethod):
         layer.impl = None
 
     def load_part(self, layer, part, kind, tensor):
-        getattr(layer, kind).data[_part_rows(layer, part)].copy_(tensor)
+        getattr(layer, kind).data[part_rows(layer, part)].copy_(as_float(tensor))
 
     def finish(self, layer):
         if self.bf16_panels and layer.in_features % 32 == 0:
@@ -122,7 +121,7 @@ class ConvertMethod(LinearMethod):
             shape = (layer.out_features, layer.in_features) if kind == "weight" \
                 else (layer.out_features,)
             layer.staged[kind] = torch.empty(shape, dtype=torch.float32)
-        layer.staged[kind][_part_rows(layer, part)].copy_(tensor)
+        layer.staged[kind][part_rows(layer, part)].copy_(as_float(tensor))
 
     def finish(self, layer):
         linear = _as_linear(layer.staged["weight"], layer.staged.get("bias"))
@@ -143,6 +142,11 @@ class ConvertMethod(LinearMethod):
 
     def stack_linear(self, layer, kernels):
         return _stack_linear(kernels, layer.impl)
+
+
+def as_float(tensor) -> torch.Tensor:
+    """A checkpoint tensor's values: a GGUF block-quantized one dequantized (gguf's float32)."""
+    return tensor.dequantize() if isinstance(tensor, QuantizedRows) else tensor
 
 
 def _as_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -168,35 +172,3 @@ def _stack_linear(kernels, impl: nn.Module):
         return None
     return kernels.StackLinear(kind, impl.panels, impl.dense_weight, impl.bias, impl.out_features,
                                impl.max_rows)
-
-
-class QuantPolicy:
-    """The engine's quantization choice, as each layer's method."""
-
-    def __init__(self, mode: str, dtype: torch.dtype, kernels=None,
-                 parallel: ParallelContext | None = None):
-        if mode not in QUANTIZATION_MODES:
-            raise ValueError(f"Unknown quantization {mode!r}; choose one of "
-                             f"{', '.join(QUANTIZATION_MODES)}")
-        if mode in ("w8a8", "int4", "w4a8") and kernels is None:
-            from kvserve.kernels import get_ops
-
-            kernels = get_ops(True)
-        self.mode, self.dtype, self.kernels, self.parallel = mode, dtype, kernels, parallel
-
-    def method(self, prefix: str, parts, row_parallel: bool = False) -> LinearMethod:
-        """The method of the projection at `prefix` (its parts' checkpoint tensors)."""
-        if self.mode == "none":
-            return FloatMethod(self.dtype, self.kernels)
-        return ConvertMethod(self.mode, self.dtype, self.kernels, self.parallel, row_parallel)
-
-    def head_impl(self, weight: torch.Tensor) -> nn.Module | None:
-        """The LM head's layer from its float weights [vocab rows, hidden] (None: a plain
-        F.linear on the weights as held)."""
-        linear = _as_linear(weight.float(), None)
-        if self.mode != "none":
-            return _quantized_head(linear, self.mode, self.dtype, self.kernels)
-        if self.dtype == torch.bfloat16 and _has_vector_kernels(self.kernels) and \
-                linear.in_features % 32 == 0:
-            return Bf16PanelLinear(linear, self.dtype, self.kernels)
-        return None

@@ -1,9 +1,9 @@
-"""On-disk cache of what a GGUF file costs seconds to decode: weights, config and tokenizer.
+"""On-disk cache of what a GGUF file costs seconds to parse: its config and tokenizer (a few KB
+to MB of JSON; the weights are read from the file itself each load, never copied here).
 
-Opening a GGUF in Python (metadata parsing) takes ~3 s and dequantizing it several more; the cache
-turns a second load into memory-mapping one safetensors file. Entries are keyed by the GGUF's
-absolute path, size and mtime plus a format version, so an edited file is reconverted. The
-directory is `$KVSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvserve`, else `~/.cache/kvserve`.
+Entries are keyed by the GGUF's absolute path, size and mtime plus a format version, so an
+edited file is parsed again. The directory is `$KVSERVE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/kvserve`, else `~/.cache/kvserve`.
 """
 
 from __future__ import annotations
@@ -44,22 +44,6 @@ def _atomic_write(destination: Path, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
-
-
-def save_tensors(tensors: dict, destination: Path) -> None:
-    from safetensors.torch import save_file
-
-    try:
-        _atomic_write(destination, lambda name: save_file(tensors, name))
-    except OSError as exc:  # a read-only cache dir must not stop the model from loading
-        logger.warning("could not write cache entry %s: %s", destination, exc)
-
-
-def save_tensor_stream(tensors, destination: Path) -> None:
-    """(name, tensor) pairs into one safetensors file (a GGUF's dequantized weights). safetensors
-    writes from a dict, so the tensors are held until written: done once per file, then read
-    lazily."""
-    save_tensors({name: tensor.contiguous() for name, tensor in tensors}, destination)
 
 
 def cached_json(gguf_path: Path, suffix: str, compute: Callable[[], Any],

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -266,23 +266,6 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if match and match.group(2) in layer_names:
         return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
-
-
-def iter_gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, float32 array in HF layout) for every tensor the model uses. Gemma's
-    converter stores each norm as 1 + weight (llama.cpp multiplies by it directly); HF's
-    weight is that minus 1, as its GGUF loader computes it."""
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, config.architecture)
-        if name is None:
-            continue
-        array = dequantize_tensor(tensor)
-        heads = permuted_heads(name, config)
-        if heads:
-            array = unpermute_rope_rows(array, heads)
-        if config.norm_weight_offset and name.endswith("norm.weight"):
-            array = array - np.float32(config.norm_weight_offset)
-        yield name, array
 
 
 def permuted_heads(name: str, config: ModelConfig) -> int:

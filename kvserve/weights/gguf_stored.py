@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.errors import UnsupportedQuantizationError
 from kvserve.weights.gguf_file import (
     dequantize_tensor,
     hf_tensor_name,
@@ -22,25 +23,48 @@ from kvserve.weights.quantized_rows import QuantizedRows
 def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]]:
     """Yield (HF name, tensor in HF layout) for every tensor the model uses, block-quantized
     ones as the file stores them (`QuantizedRows`, its rows in HF's order: llama.cpp's Q/K
-    permutation undone by moving whole rows), float ones as float32 torch tensors (Gemma's
-    norms less 1, as `iter_gguf_tensors`)."""
+    permutation undone by moving whole rows), float ones as float32 torch tensors. Gemma's
+    converter stores each norm as 1 + weight (llama.cpp multiplies by it directly); HF's
+    weight is that minus 1, as its GGUF loader computes it."""
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, config.architecture)
         if name is None:
             continue
+        heads = permuted_heads(name, config)
         if tensor.tensor_type.name in ("F32", "F16", "BF16"):
             array = dequantize_tensor(tensor)
+            if heads:
+                array = unpermute_rope_rows(array, heads)
             if config.norm_weight_offset and name.endswith("norm.weight"):
                 array = array - np.float32(config.norm_weight_offset)
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))
             continue
+        _check_readable(tensor)
         rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
                              int(tensor.shape[0]), _block_elements(tensor), tensor.name)
-        heads = permuted_heads(name, config)
         if heads:
             rows = rows[torch.from_numpy(unpermute_rope_rows(
                 np.arange(rows.shape[0])[:, None], heads)[:, 0])]
         yield name, rows
+
+
+def _check_readable(tensor) -> None:
+    """A block type neither our kernels nor the gguf package can read is an error naming the
+    tensor, before any of it is used."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    from kvserve.kernels.reference import GGUF_FORMATS
+
+    if tensor.tensor_type.name in GGUF_FORMATS:
+        return
+    block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+    try:  # one block: the package raises NotImplementedError for a type it cannot read
+        quants.dequantize(np.asarray(tensor.data).reshape(-1)[:block_bytes], tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise UnsupportedQuantizationError(
+            f"Tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, which neither "
+            "kvserve's kernels nor the gguf package can read. Re-quantize the model to one of "
+            "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K or an IQ type.") from exc
 
 
 def tensor_types(reader, config: ModelConfig) -> dict[str, str]:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
 
-import torch
 
 from kvserve.config import ModelConfig, hf_architecture_name
 from kvserve.errors import CorruptModelFileError
@@ -37,15 +35,3 @@ def safetensors_files(directory: Path) -> list[Path]:
             "convert them with save_pretrained(safe_serialization=True))."
         )
     return files
-
-
-def iter_hf_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
-    for file in safetensors_files(directory):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        except (OSError, ValueError, SafetensorError) as exc:
-            raise CorruptModelFileError(f"Cannot read {file}: {exc}") from exc

@@ -22,7 +22,7 @@ class QuantizedRows:
         """`data`: uint8 [rows, row_bytes]; `block`: values per block along a row."""
         self.qtype, self.cols, self.block, self.name = qtype, cols, block, name
         self.data = data
-        if cols % block or data.shape[1] % (cols // block):
+        if cols % block or not cols or data.shape[1] % (cols // block):
             raise CorruptModelFileError(
                 f"tensor {name!r} ({qtype}): {data.shape[1]} bytes a row do not hold {cols} "
                 f"values in blocks of {block}")

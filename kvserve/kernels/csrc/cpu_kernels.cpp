@@ -1175,12 +1175,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: each ISA level is its own module in one process (the tests load several)
   py::class_<kvserve::StackLinear>(m, "StackLinear", py::module_local())
       .def(py::init([](std::string kind, at::Tensor panels, at::Tensor dense,
-                       c10::optional<at::Tensor> bias, int64_t out_features, int64_t max_rows) {
+                       c10::optional<at::Tensor> bias, int64_t out_features, int64_t max_rows,
+                       std::string qtype, std::vector<kvserve::StackLinear> segments) {
              return kvserve::StackLinear{std::move(kind), std::move(panels), std::move(dense),
-                                         std::move(bias), out_features, max_rows};
+                                         std::move(bias), out_features, max_rows,
+                                         std::move(qtype), std::move(segments)};
            }),
-           "one projection: kind (int4, int4_q8, bf16, dense), panels, dense copy, bias, N, "
-           "the kernel's row limit");
+           "one projection: kind (int4, int4_q8, bf16, dense, gguf, concat), panels, dense copy, "
+           "bias, N, the kernel's row limit, a gguf block type, a concat's segments",
+           py::arg("kind"), py::arg("panels"), py::arg("dense"), py::arg("bias"),
+           py::arg("out_features"), py::arg("max_rows"), py::arg("qtype") = "",
+           py::arg("segments") = std::vector<kvserve::StackLinear>());
   py::class_<kvserve::StackInstruction>(m, "StackInstruction", py::module_local())
       .def(py::init([](int64_t op, int64_t dst, int64_t src, int64_t aux,
                        c10::optional<at::Tensor> weight, c10::optional<at::Tensor> key_weight,

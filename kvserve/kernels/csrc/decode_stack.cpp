@@ -6,6 +6,7 @@
 
 #include "bf16_gemm.h"
 #include "flash_attention.h"
+#include "gguf_gemm.h"
 #include "int4_gemm.h"
 #include "layer_ops.h"
 #include "q8_dot_gemm.h"
@@ -14,7 +15,8 @@ namespace kvserve {
 namespace {
 
 bool known_kind(const std::string& kind) {
-  return kind == "dense" || kind == "int4_q8" || kind == "int4" || kind == "bf16";
+  return kind == "dense" || kind == "int4_q8" || kind == "int4" || kind == "bf16" ||
+         kind == "gguf" || kind == "concat";
 }
 
 // Step inputs every attention instruction reads.
@@ -50,6 +52,15 @@ at::Tensor attend(const StackInstruction& in, at::Tensor& qkv, const StepArgs& s
 }  // namespace
 
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
+  if (kind == "concat") {
+    std::vector<at::Tensor> outputs;
+    for (const StackLinear& segment : segments) outputs.push_back(segment(x));
+    return at::cat(outputs, -1);
+  }
+  if (kind == "gguf") {
+    return x.size(0) > max_rows ? gguf_linear_dequant(x, panels, qtype, bias, out_features)
+                                : gguf_linear_q8(x, panels, qtype, bias, out_features);
+  }
   if (kind == "dense" || x.size(0) > max_rows) return at::linear(x, dense, bias);
   if (kind == "int4_q8") return int4_linear_q8(x, panels, bias, out_features);
   if (kind == "int4") return int4_linear(x, panels, bias, out_features);

@@ -47,7 +47,8 @@ class CausalLM(nn.Module):
         self.parallel = active(parallel)
         self.quant = quant or QuantPolicy("none", torch.float32)
         self.model = DecoderModel(self.config, backend, parallel, self._make_layer,
-                                  self.norm_weight_offset, self.embedding_multiplier(config))
+                                  self.norm_weight_offset, self.embedding_multiplier(config),
+                                  self.quant)
         self.has_lm_head = self.model.is_last_stage
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, self.quant,
@@ -156,8 +157,11 @@ class CausalLM(nn.Module):
                 for checkpoint, (part, kind) in module.checkpoint_names(parent, own).items():
                     loaders[checkpoint] = ("linear", module, part, kind)
                 owned.update(id(p) for p in module.parameters())
-        if self.lm_head is not None:
-            owned.update(id(p) for p in self.lm_head.parameters())
+        for module in (self.lm_head, self.model.embed_tokens):
+            if module is not None:
+                owned.update(id(p) for p in module.parameters())
+        if isinstance(self.model.embed_tokens, TokenEmbedding):
+            loaders["model.embed_tokens.weight"] = ("embedding",)
         for module_name, module in self.named_modules():
             custom = getattr(module, "param_loaders", {})
             for local, param in module.named_parameters(recurse=False):
@@ -197,15 +201,16 @@ class CausalLM(nn.Module):
             layer.load(part, weight_or_bias, tensor)
         elif kind == "head":
             self.lm_head.load(tensor)
+        elif kind == "embedding":
+            self.model.embed_tokens.load(tensor)
+            if self.lm_head is not None and self.lm_head.tied:
+                self.lm_head.load(tensor)
         else:
             _, param, load = loader
             if load is not None:
                 load(param, tensor)
             else:
                 param.data.copy_(_whole(tensor))
-            if name == "model.embed_tokens.weight" and self.lm_head is not None \
-                    and self.lm_head.tied:
-                self.lm_head.load(tensor)
 
     def _check_complete(self, loaders: dict[str, tuple], loaded: set[str]) -> None:
         missing = sorted(name for name, loader in loaders.items()
@@ -230,9 +235,7 @@ class CausalLM(nn.Module):
                 rows = sum(p.full_rows for p in layer.parts) if part is None \
                     else layer.parts[part].full_rows
                 shapes[name] = (rows, layer.full_in_features) if kind == "weight" else (rows,)
-            elif loader[0] == "head":
-                shapes[name] = (self.config.vocab_size, self.config.hidden_size)
-            elif name == "model.embed_tokens.weight":
+            elif loader[0] in ("head", "embedding"):
                 shapes[name] = (self.config.vocab_size, self.config.hidden_size)
             else:
                 shapes[name] = tuple(loader[1].shape)
@@ -241,6 +244,12 @@ class CausalLM(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our float weights under HF checkpoint names, in HF's order (one rank's model)."""
         state = {}
+        embedding = self.model.embed_tokens
+        if isinstance(embedding, TokenEmbedding):
+            if embedding.weight is None:
+                raise NotImplementedError("an embedding kept in its file's blocks keeps no float "
+                                          "weights to export")
+            state["model.embed_tokens.weight"] = embedding.weight.data.clone()
         for name, loader in self.checkpoint_loaders().items():
             if loader[0] == "param":
                 _, param, load = loader

@@ -72,7 +72,8 @@ LayerFactory = Callable[[int, str, RotaryEmbedding], nn.Module]
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
                  parallel: ParallelContext | None, make_layer: LayerFactory,
-                 norm_weight_offset: float = 0.0, embedding_multiplier: float | None = None):
+                 norm_weight_offset: float = 0.0, embedding_multiplier: float | None = None,
+                 quant=None):
         super().__init__()
         pp_rank, pp_size = stage_of(parallel)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
@@ -82,8 +83,8 @@ class DecoderModel(nn.Module):
         # the last stage keeps the embedding too when the LM head is tied to it
         self.holds_embedding = self.is_first_stage or (self.is_last_stage
                                                        and config.tie_word_embeddings)
-        self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size, parallel) \
-            if self.holds_embedding else PPMissingLayer()
+        self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size, parallel,
+                                           quant) if self.holds_embedding else PPMissingLayer()
         self.embedding_multiplier = embedding_multiplier
         self.rotary_emb = RotaryEmbedding(config)  # the global table: every layer's but these
         kinds = {config.layer_rope(i) for i in range(self.start_layer, self.end_layer)}
@@ -182,7 +183,7 @@ class DecoderModel(nn.Module):
             # whether PagedBackend.attend plans flash rows (the Python path reuses our plan),
             # and whether the stack can run them (an int8 cache is dequantized for flash)
             attention = self.stage_layers[0].self_attn
-            self._stack_plans_flash = self.embed_tokens.weight.dtype == torch.bfloat16 and \
+            self._stack_plans_flash = self.layer_dtype == torch.bfloat16 and \
                 not attention.softcap and self.ops.flash_attention_supported(attention.head_dim)
             self._stack_runs_flash = self._stack_plans_flash and \
                 attention.kv_cache.dtype == torch.bfloat16
@@ -193,6 +194,12 @@ class DecoderModel(nn.Module):
                 (plan.flash_seq_ids.numel() and not self._stack_runs_flash):
             return None
         return self._decode_stack
+
+    @property
+    def layer_dtype(self) -> torch.dtype:
+        """The activations' dtype: the first layer's float parameters' (its norms')."""
+        return next(p.dtype for p in self.stage_layers[0].parameters()
+                    if p.is_floating_point())
 
     def reset_decode_stack(self) -> None:
         """Forget the stack (new KV tensors, changed layers): the next step builds it again."""

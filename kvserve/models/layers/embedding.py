@@ -17,6 +17,7 @@ from torch import nn
 from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.distributed.sharding import ShardRule, take_shard, vocab_range
 from kvserve.quant import QuantPolicy
+from kvserve.quant.methods import as_float
 
 
 def _vocab_rule(vocab_size: int, parallel: ParallelContext | None) -> ShardRule | None:
@@ -27,27 +28,44 @@ def _vocab_rule(vocab_size: int, parallel: ParallelContext | None) -> ShardRule 
 
 
 class TokenEmbedding(nn.Module):
+    """The table as float rows (`weight`), or, where the quant policy keeps the file's block
+    type (`gguf`), as packed blocks whose looked-up rows are dequantized each step (`stored`:
+    the tied LM head then multiplies the same blocks)."""
+
     def __init__(self, vocab_size: int, hidden_size: int,
-                 parallel: ParallelContext | None = None):
+                 parallel: ParallelContext | None = None, quant: QuantPolicy | None = None):
         super().__init__()
         self.parallel = active(parallel)
         self.rule = _vocab_rule(vocab_size, self.parallel)
         rows = vocab_size if self.rule is None else self.rule.pad_to
         self.vocab_start, self.vocab_end = (0, vocab_size) if self.rule is None \
             else self.rule.ranges[0]
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
-        self.param_loaders = {"weight": self.load}
+        self.quant = quant
+        self.keeps_blocks = quant is not None and \
+            quant.stored_type("model.embed_tokens.weight") is not None
+        self.stored: nn.Module | None = None
+        self.weight = None if self.keeps_blocks else \
+            nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
-    def load(self, param: torch.Tensor, tensor) -> None:
+    def load(self, tensor) -> None:
         """The whole model's table -> this rank's rows."""
-        param.data.copy_(take_shard(tensor, self.rule))
+        rows = take_shard(tensor, self.rule)
+        if self.keeps_blocks:
+            self.stored = self.quant.head_impl(rows)
+        else:
+            self.weight.data.copy_(as_float(rows))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.stored is not None:
+            return self.stored.rows(ids, self.quant.dtype)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel is None:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
-        embedded = F.embedding(local_ids, self.weight)
+        embedded = self.lookup(local_ids)
         embedded.masked_fill_(outside.unsqueeze(-1), 0)
         self.parallel.communicator.all_reduce_(embedded)
         return embedded
@@ -75,10 +93,14 @@ class LogitsHead(nn.Module):
     def load(self, tensor) -> None:
         """The whole model's head (or, tied, embedding) weights, as read: float32 for a
         quantized head, so its codes come from the exact values (a GGUF's Q8_0 blocks)."""
-        rows = take_shard(tensor, self.rule)
-        self.impl = self.quant.head_impl(rows)
-        if self.impl is None and not self.tied:
-            self.weight = nn.Parameter(rows.to(self.quant.dtype), requires_grad=False)
+        if self.tied and self._tied[0].stored is not None:  # the embedding's blocks, shared
+            self.impl = self._tied[0].stored
+        else:
+            rows = take_shard(tensor, self.rule)
+            self.impl = self.quant.head_impl(rows)
+            if self.impl is None and not self.tied:
+                self.weight = nn.Parameter(as_float(rows).to(self.quant.dtype),
+                                           requires_grad=False)
         self.loaded = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -166,12 +166,14 @@ class PartitionedLinear(nn.Module):
                 f"parts={[p.name for p in self.parts]}, method={type(self.method).__name__}")
 
 
-def reorder_head_rows(rows, order: torch.Tensor) -> torch.Tensor:
-    """Each head's head_dim rows (or entries, for a bias) taken in `order`."""
-    rows = rows if isinstance(rows, torch.Tensor) else rows[:]
+def reorder_head_rows(rows, order: torch.Tensor):
+    """Each head's head_dim rows (or entries, for a bias) taken in `order`: a torch tensor, a
+    lazy safetensors slice (read whole) or a GGUF tensor's quantized rows (moved whole)."""
+    if not isinstance(rows, torch.Tensor) and not hasattr(rows, "qtype"):
+        rows = rows[:]
     head_dim = order.shape[0]
-    heads = rows.reshape(-1, head_dim, *rows.shape[1:])
-    return heads[:, order].reshape(rows.shape)
+    index = torch.arange(rows.shape[0]).view(-1, head_dim)[:, order].flatten()
+    return rows[index]
 
 
 def _even_rows(full: int, parallel: ParallelContext | None) -> tuple[tuple[int, int], ...] | None:
@@ -191,7 +193,8 @@ def column_parallel(in_features: int, parts: list[tuple[str, int]], bias: bool,
     model); `prefix`: the parent module's checkpoint prefix."""
     parallel = active(parallel)
     specs = [LinearPart(name, rows, _even_rows(rows, parallel)) for name, rows in parts]
-    return PartitionedLinear(in_features, specs, bias, quant.method(prefix, specs),
+    names = [spec.name for spec in specs] + [fused_name] * (fused_name is not None)
+    return PartitionedLinear(in_features, specs, bias, quant.method(prefix, names),
                              fused_name=fused_name, export_fused=export_fused)
 
 
@@ -204,7 +207,7 @@ def row_parallel(in_features: int, out_features: int, name: str, bias: bool,
     columns = _even_rows(in_features, parallel)
     local_in = in_features if columns is None else columns[0][1] - columns[0][0]
     layer = PartitionedLinear(local_in, specs, bias,
-                              quant.method(prefix, specs, row_parallel=parallel is not None),
+                              quant.method(prefix, [name], row_parallel=parallel is not None),
                               input_rule=None if columns is None else ShardRule(1, columns),
                               full_in_features=in_features)
     layer.tp = parallel
@@ -230,6 +233,7 @@ def qkv_parallel(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: 
     specs = [LinearPart(names[0], q_rows, q_span, reorder_heads=True),
              LinearPart(names[1], kv_rows, kv_span, reorder_heads=True),
              LinearPart(names[2], kv_rows, kv_span)]
-    return PartitionedLinear(hidden_size, specs, bias, quant.method(prefix, specs),
+    return PartitionedLinear(hidden_size, specs, bias,
+                             quant.method(prefix, [*names, fused_name]),
                              head_order=head_order, head_dim=head_dim, fused_name=fused_name,
                              export_fused=export_fused)

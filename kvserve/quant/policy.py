@@ -1,0 +1,88 @@
+"""The engine's quantization choice, as each layer's method: decided per projection when the
+model is built, from the mode and, for a GGUF, how the file stores that projection's tensors.
+
+- `none`: float weights in the activation dtype (`FloatMethod`).
+- `int4`, `int8`, `w4a8`, `w8a8`: our formats, converted from float one layer at a time
+  (`ConvertMethod`).
+- `gguf`: the file's own block types where our kernels keep them (`StoredMethod`: Q4_0, Q4_1,
+  Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); float tensors stay float; a block type we have no kernel
+  for (Q2_K, Q3_K, the IQ types) is converted to w4a8 (4-bit codes, int8 activations) rather
+  than expanded to float.
+
+The LM head: int8 in every converting mode, the file's type under `gguf`, bf16 panels in
+unquantized bfloat16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.distributed.parallel_state import ParallelContext
+from kvserve.quant.linear import (
+    QUANTIZATION_MODES,
+    Bf16PanelLinear,
+    _has_vector_kernels,
+    _quantized_head,
+)
+from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod, _as_linear
+from kvserve.quant.stored import STORED_TYPES, StoredLinear, StoredMethod, pack_segments
+from kvserve.weights.quantized_rows import QuantizedRows
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# what a block type without a kernel of ours becomes under `gguf`
+UNKEPT_TYPE_MODE = "w4a8"
+
+
+class QuantPolicy:
+    def __init__(self, mode: str, dtype: torch.dtype, kernels=None,
+                 parallel: ParallelContext | None = None,
+                 source_types: dict[str, str] | None = None):
+        """`source_types`: checkpoint tensor name -> how the file stores it (a GGUF's
+        GGMLQuantizationType names; empty for an HF directory)."""
+        if mode not in QUANTIZATION_MODES:
+            raise ValueError(f"Unknown quantization {mode!r}; choose one of "
+                             f"{', '.join(QUANTIZATION_MODES)}")
+        if mode in ("w8a8", "int4", "w4a8", "gguf") and kernels is None:
+            from kvserve.kernels import get_ops
+
+            kernels = get_ops(True)
+        self.mode, self.dtype, self.kernels, self.parallel = mode, dtype, kernels, parallel
+        self.source_types = source_types or {}
+
+    def stored_type(self, name: str) -> str | None:
+        """The block type the file keeps checkpoint tensor `name` in, when the layer keeps it
+        too (`gguf` mode and a type our kernels run), else None."""
+        stored = self.source_types.get(name)
+        return stored if self.mode == "gguf" and stored in STORED_TYPES else None
+
+    def method(self, prefix: str, names: list[str], row_parallel: bool = False) -> LinearMethod:
+        """The method of the projection under `prefix` fed by checkpoint tensors `names`
+        (relative to it: its parts', and the fused one's where a checkpoint fuses them)."""
+        mode = self.mode
+        if mode == "none":
+            return FloatMethod(self.dtype, self.kernels)
+        if mode == "gguf":
+            types = {self.source_types.get(f"{prefix}.{name}.weight") for name in names} - {None}
+            if types and types <= set(STORED_TYPES):
+                return StoredMethod(self.dtype, self.kernels)
+            if types <= set(FLOAT_TYPES):
+                return FloatMethod(self.dtype, self.kernels)
+            mode = UNKEPT_TYPE_MODE
+        return ConvertMethod(mode, self.dtype, self.kernels, self.parallel, row_parallel)
+
+    def head_impl(self, weight) -> nn.Module | None:
+        """The LM head's layer from its weights [vocab rows, hidden] as read (None: a plain
+        F.linear on the weights as held)."""
+        if isinstance(weight, QuantizedRows):
+            if self.mode == "gguf" and weight.qtype in STORED_TYPES:
+                return StoredLinear(pack_segments([weight], self.kernels), None, weight.cols,
+                                    self.kernels)
+            weight = weight.dequantize()
+        linear = _as_linear(weight.float(), None)
+        if self.mode != "none":
+            return _quantized_head(linear, self.mode, self.dtype, self.kernels)
+        if self.dtype == torch.bfloat16 and _has_vector_kernels(self.kernels) and \
+                linear.in_features % 32 == 0:
+            return Bf16PanelLinear(linear, self.dtype, self.kernels)
+        return None

@@ -1,0 +1,140 @@
+"""Weights kept as the file stores them: a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
+Q6_K blocks, packed for our kernels (kernels/csrc/gguf_layouts.h) at the file's own bits per
+weight, never dequantized and re-quantized to another grid.
+
+A projection's parts may be stored in different types (a Q4_K_M file keeps some V projections
+in Q6_K beside Q4_K queries and keys): consecutive parts of one type are packed together, each
+such segment multiplied by its own kernel into its columns of the output. Decode-sized batches
+take the integer-dot kernels (activations rounded to int8 per group of 32, as llama.cpp does);
+larger ones dequantize slabs of rows into the activation dtype and run the dense GEMM
+(`gguf_linear_dequant`), so no dense copy of the weights is ever kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.kernels.reference import GGUF_FORMATS
+from kvserve.quant.methods import LinearMethod, part_rows
+from kvserve.weights.quantized_rows import QuantizedRows
+
+# the block types our kernels keep as stored
+STORED_TYPES = tuple(GGUF_FORMATS)
+# rows up to which the integer-dot kernels serve a call (the dequantized GEMM above): a decode
+# batch or a verification of drafts; prefill chunks are compute-bound, where the dense GEMM on
+# dequantized slabs is the faster on every CPU measured
+STORED_KERNEL_MAX_ROWS = 16
+
+
+@dataclass
+class Segment:
+    """Consecutive output rows stored in one type: their panels, and where they go."""
+
+    qtype: str
+    panels: torch.Tensor
+    rows: int
+    start: int  # first output column
+
+
+class StoredLinear(nn.Module):
+    """y = x W.T (+ b) over W held in the file's block types, one segment per run of parts of a
+    type (usually one)."""
+
+    def __init__(self, segments: list[Segment], bias: torch.Tensor | None, in_features: int,
+                 kernels, max_rows: int = STORED_KERNEL_MAX_ROWS):
+        super().__init__()
+        self.segments = segments
+        for index, segment in enumerate(segments):  # buffers: they move and count as the model's
+            self.register_buffer(f"panels_{index}", segment.panels)
+        self.register_buffer("bias", bias)
+        self.in_features = in_features
+        self.out_features = sum(segment.rows for segment in segments)
+        self.kernels = kernels
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels.gguf_linear_q8 if x.shape[0] <= self.max_rows \
+            else self.kernels.gguf_linear_dequant
+        if len(self.segments) == 1:
+            segment = self.segments[0]
+            return kernel(x, segment.panels, segment.qtype, self.bias, segment.rows)
+        outputs = [kernel(x, segment.panels, segment.qtype,
+                          None if self.bias is None else
+                          self.bias[segment.start:segment.start + segment.rows], segment.rows)
+                   for segment in self.segments]
+        return torch.cat(outputs, dim=-1)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of W (an embedding lookup), dequantized to dtype: one segment only."""
+        segment = self.segments[0]
+        return self.kernels.gguf_dequantize(segment.panels, segment.qtype, index,
+                                            self.in_features, dtype)
+
+
+def pack_segments(parts: list[QuantizedRows], kernels) -> list[Segment]:
+    """The parts' rows (in order) packed into one segment per run of a type."""
+    segments: list[Segment] = []
+    start, run = 0, []
+    for part in parts + [None]:
+        if run and (part is None or part.qtype != run[0].qtype):
+            rows = QuantizedRows.cat(run) if len(run) > 1 else run[0]
+            segments.append(Segment(rows.qtype, kernels.gguf_pack(rows.bytes(), rows.qtype),
+                                    rows.shape[0], start))
+            start += rows.shape[0]
+            run = []
+        if part is not None:
+            run.append(part)
+    return segments
+
+
+class StoredMethod(LinearMethod):
+    """A projection whose parts are all in types our kernels keep (`STORED_TYPES`)."""
+
+    def __init__(self, dtype: torch.dtype, kernels):
+        self.dtype, self.kernels = dtype, kernels
+
+    def create_weights(self, layer):
+        layer.impl = None
+        layer.staged = {}
+
+    def load_part(self, layer, part, kind, tensor):
+        if kind == "weight":
+            if not isinstance(tensor, QuantizedRows):
+                raise TypeError(f"a stored-format projection got a {type(tensor).__name__}, "
+                                "not a quantized tensor")
+            layer.staged[part] = tensor
+            return
+        if "bias" not in layer.staged:
+            layer.staged["bias"] = torch.empty(layer.out_features, dtype=self.dtype)
+        layer.staged["bias"][part_rows(layer, part)].copy_(tensor)
+
+    def finish(self, layer):
+        parts = [layer.staged[index] for index in range(len(layer.parts))]
+        layer.impl = StoredLinear(pack_segments(parts, self.kernels), layer.staged.get("bias"),
+                                  layer.in_features, self.kernels)
+        layer.staged = {}
+
+    def apply(self, layer, x):
+        return layer.impl.forward(x)
+
+    def stack_linear(self, layer, kernels):
+        return stored_stack_linear(kernels, layer.impl)
+
+
+def stored_stack_linear(kernels, impl: StoredLinear):
+    """The decode stack's StackLinear of a stored projection: one "gguf" kernel a segment,
+    a "concat" of them for several (with each its slice of the bias, as `forward`)."""
+    parts = [kernels.StackLinear(
+        "gguf", segment.panels, segment.panels,
+        None if impl.bias is None or len(impl.segments) == 1 else
+        impl.bias[segment.start:segment.start + segment.rows],
+        segment.rows, impl.max_rows, segment.qtype) for segment in impl.segments]
+    if len(parts) == 1:
+        segment = impl.segments[0]
+        return kernels.StackLinear("gguf", segment.panels, segment.panels, impl.bias,
+                                   segment.rows, impl.max_rows, segment.qtype)
+    empty = impl.segments[0].panels.new_empty(0)
+    return kernels.StackLinear("concat", empty, empty, None, impl.out_features, 0, "", parts)

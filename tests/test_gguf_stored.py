@@ -1,0 +1,195 @@
+"""A GGUF served in its own block types (`--quantization gguf`, what `auto` picks for one): a
+tiny Llama stored as a Q4_K_M file stores a model (Q4_K projections, Q6_K values and down
+projections, a Q8_0 tied embedding, or a Q6_K output and a Q4_K embedding untied) against the same
+file dequantized by the gguf package into a float32 model.
+
+The weights are the file's numbers to the bit; prompts of more than 16 tokens (the dequantized
+GEMM) give the float model's logits within 1e-3; decode rows, whose activations the integer-dot
+kernels round to int8 per group of 32 (as llama.cpp does), give the float model's logits with
+its projections' inputs rounded the same way, within 1e-3; the decode stack, which runs the
+value projection's second block type beside the first, equals the Python loop to the bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model
+from kvserve.models.paged_loop import PagedLoop
+from kvserve.testing.tiny import tiny_config
+from tests.helpers import kernel_level, write_gguf
+
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+# a Q4_K_M file's choices (llama.cpp keeps some V and down projections in Q6_K)
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+         "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0",
+         "output": "Q6_K"}
+# byte offsets of each K-quant block's float16 scales (d, and dmin for Q4_K)
+_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+# float sums in another order (kernels, levels), on logits up to ~20: measured up to 3e-4 (the
+# scalar build), as test_hf_parity's bound for SmolLM2
+LOGIT_TOLERANCE = 1e-3
+
+
+def _file_rows(qtype: str, rows: int, cols: int, generator) -> np.ndarray:
+    """A tensor's bytes in `qtype`: gguf's quantization of small random weights where the
+    package has one, else random blocks with small scales (weights of a few hundredths)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _SCALE_OFFSETS:
+        weights = generator.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return gguf.quants.quantize(weights, kind)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = generator.integers(0, 256, (rows, cols // block_values, block_bytes), np.uint8)
+    for offset in _SCALE_OFFSETS[qtype]:
+        scale = (generator.uniform(1, 2, (rows, cols // block_values)) * 3e-4
+                 ).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_q4_k_m(path, tied: bool, seed: int = 0):
+    """A tiny Llama GGUF with each matrix in TYPES' block type (the norms float32)."""
+    config = tiny_config(**CONFIG, tie_word_embeddings=tied)
+    generator = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    if not tied:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, config.hidden_size),
+                       p + "self_attn.k_proj.weight": (kv, config.hidden_size),
+                       p + "self_attn.v_proj.weight": (kv, config.hidden_size),
+                       p + "self_attn.o_proj.weight": (config.hidden_size, q),
+                       p + "mlp.gate_proj.weight": (inter, config.hidden_size),
+                       p + "mlp.up_proj.weight": (inter, config.hidden_size),
+                       p + "mlp.down_proj.weight": (config.hidden_size, inter)})
+    tensors, raw = {}, {}
+    for name, (rows, cols) in shapes.items():
+        tensors[name] = np.zeros((rows, cols), np.float32)
+        gguf_name = _gguf_name(name)
+        qtype = TYPES[gguf_name.split(".")[-2]]
+        raw[gguf_name] = (_file_rows(qtype, rows, cols, generator),
+                          gguf.GGMLQuantizationType[qtype])
+    for i in range(config.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = \
+                1 + generator.standard_normal(config.hidden_size).astype(np.float32) * 0.1
+    tensors["model.norm.weight"] = np.ones(config.hidden_size, np.float32)
+    write_gguf(path, config, tensors, raw_override=raw)
+    return path
+
+
+def _gguf_name(hf_name: str) -> str:
+    from tests.helpers import _gguf_name as name_of
+
+    return name_of(hf_name)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied-q8_0", "untied-q6_k"])
+def checkpoint(request, tmp_path_factory):
+    path = write_q4_k_m(tmp_path_factory.mktemp("q4km") / "tiny-q4_k_m.gguf", request.param)
+    reference, _ = load_model(resolve_model(path), "float32", attention_backend="torch_ref",
+                              quantization="none")
+    return path, reference
+
+
+def _stored(path, attention_backend="paged"):
+    model, _ = load_model(resolve_model(path), "float32", attention_backend=attention_backend,
+                          quantization="gguf")
+    return model
+
+
+def test_the_layers_hold_the_files_numbers_to_the_bit(checkpoint):
+    path, reference = checkpoint
+    model = _stored(path)
+    ops = model.kernel_ops
+    assert model.quantization == "gguf"
+    held = {name: module.impl for name, module in model.named_modules()
+            if hasattr(module, "method")}  # the projections
+    held["model.embed_tokens"] = model.model.embed_tokens.stored
+    if not model.lm_head.tied:
+        held["lm_head"] = model.lm_head.impl
+    for name, impl in held.items():
+        assert type(impl).__name__ == "StoredLinear", name
+        expected = dict(reference.named_modules())[name].weight
+        rows = [ops.gguf_dequantize(s.panels, s.qtype, range(s.rows), impl.in_features,
+                                    torch.float32) for s in impl.segments]
+        assert torch.equal(torch.cat(rows), expected), name
+    assert [s.qtype for s in model.model.layers[0].self_attn.qkv_proj.impl.segments] == \
+        ["Q4_K", "Q6_K"]
+    # no float copy of any projection: the layers hold their norms' weights only
+    assert {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters()} <= {
+        "input_layernorm", "post_attention_layernorm", "norm"}
+
+
+def test_prompt_logits_equal_the_dequantized_file(checkpoint, isa_level):
+    path, reference = checkpoint
+    model = _stored(path)
+    expected = PagedLoop(reference, 1, 64).step([PROMPT], [len(PROMPT)], [0], all_logits=True)
+    got = PagedLoop(model, 1, 64).step([PROMPT], [len(PROMPT)], [0], all_logits=True)
+    assert (got[0] - expected[0]).abs().max() < LOGIT_TOLERANCE
+
+
+def _rounding_activations(model):
+    """The float model with each projection's and the LM head's input rounded to int8 per
+    group of 32 in decode-sized calls, as the stored kernels do (kernels/reference.py)."""
+    from kvserve.kernels.reference import quantize_activations_q8
+
+    def rounded(forward):
+        def run(x):
+            return forward(quantize_activations_q8(x).to(x.dtype) if x.shape[0] <= 16 else x)
+        return run
+
+    for module in list(model.modules()):
+        if hasattr(module, "method") or module is model.lm_head:
+            module.forward = rounded(module.forward)
+    return model
+
+
+def test_decode_rows_are_the_files_weights_times_rounded_activations(checkpoint, tmp_path):
+    """One token at a time (the integer-dot kernels): the float model of the same file, with
+    every projection's input rounded to int8 per group of 32 the same way."""
+    path, _ = checkpoint
+    model = _stored(path)
+    reference = _rounding_activations(load_model(resolve_model(path), "float32",
+                                                 attention_backend="torch_ref",
+                                                 quantization="none")[0])
+    loops = PagedLoop(model, 1, 64), PagedLoop(reference, 1, 64)
+    for loop in loops:
+        loop.step([PROMPT[:8]], [8], [0])
+    for n, token in enumerate(PROMPT[8:20], start=9):
+        got, expected = (loop.step([[token]], [n], [0])[0] for loop in loops)
+        assert (got - expected).abs().max() < LOGIT_TOLERANCE
+
+
+def test_decode_stack_equals_the_python_loop(checkpoint, isa_level):
+    path, _ = checkpoint
+    model = _stored(path)
+    outputs = {}
+    for eager in (False, True):
+        model.model.enforce_eager = eager
+        model.model.reset_decode_stack()
+        outputs[eager] = torch.stack(PagedLoop(model, 2, 64).step(
+            [PROMPT[:5], PROMPT[5:8]], [5, 3], [0, 1]))
+        loop = PagedLoop(model, 2, 64)
+        loop.step([PROMPT[:5], PROMPT[5:8]], [5, 3], [0, 1])
+        outputs[eager] = torch.stack(loop.step([[9], [11]], [6, 4], [0, 1]))
+        if not eager and model.kernel_ops.compiled:
+            assert type(model.model._decode_stack).__name__ == "DecodeStack"
+    assert torch.equal(outputs[False], outputs[True])
+
+
+def test_auto_keeps_a_gguf_in_its_block_types(checkpoint):
+    path, _ = checkpoint
+    with kernel_level("avx2"):
+        model, _ = load_model(resolve_model(path), "float32", attention_backend="paged",
+                              quantization="auto", dtype_is_default=True)
+    assert model.quantization == "gguf"
+    model, _ = load_model(resolve_model(path), "float32", quantization="auto")
+    assert model.quantization == "none"  # float32 asked for: the exact reference
