@@ -70,9 +70,9 @@ class EngineConfig:
                              choices=["auto", "none", "gguf", "int4", "int8", "w8a8", "w4a8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
-    autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape on "
-                          "first start on a machine (cached on disk) and use each where it wins; "
-                          "--no-autotune uses fixed row limits")
+    autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape, in "
+                          "the background while the engine is idle (cached on disk per machine), "
+                          "and use each where it wins; --no-autotune uses fixed row limits")
     num_threads: int | None = _opt(None, "torch intra-op threads for the engine's kernels "
                                    "(default: one per core)")
     enforce_eager: bool = _opt(False, "run the decoder layers of decode steps from Python "

@@ -29,6 +29,11 @@ class CorruptModelFileError(KVServeError):
     """A model file exists but cannot be parsed or is missing required parts."""
 
 
+class InsufficientMemoryError(KVServeError):
+    """The model's weights or its KV cache cannot fit in the memory this machine (or its cgroup)
+    has available; refused at load, before an OOM kill would end the process."""
+
+
 class KernelBuildError(KVServeError):
     """The compiled C++ CPU kernels were asked for and cannot be built or loaded here (no
     compiler, a broken one, a level this CPU cannot execute). KVSERVE_KERNELS=reference or

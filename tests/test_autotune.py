@@ -1,9 +1,12 @@
 """The autotuner: it times our kernel against the dense GEMM on this machine, keeps the largest
-row count up to which ours wins, caches the table on disk per machine fingerprint, and steps aside
-when switched off. Both of its choices are tested equal to the reference elsewhere
+row count up to which ours wins, caches the table on disk per machine fingerprint, never makes
+construction wait (a background thread measures while the process is idle and hands results to
+the layers at the next step), and steps aside when switched off. Both of its choices are tested equal to the reference elsewhere
 (tests/test_quant.py, every level); here only the choosing."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -15,11 +18,38 @@ from kvserve.quant.linear import quantize_int4_groupwise
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "blocking")  # measured during the call
     monkeypatch.setattr(autotune, "STREAM_BYTES", 1 << 20)  # small copies: a fast test
+    monkeypatch.setattr(autotune, "_background", None)  # each test its own tuner thread
     autotune._tables.clear()
     yield tmp_path
     autotune._tables.clear()
+
+
+@pytest.fixture
+def background(tuning, monkeypatch):
+    """The default mode, with no idle wait and /proc's neighbours out of the picture."""
+    monkeypatch.setenv(autotune.AUTOTUNE_ENV, "1")
+    monkeypatch.setattr(autotune, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(autotune, "IDLE_SAMPLE_SECONDS", 0.01)
+    monkeypatch.setattr(autotune, "RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(autotune, "read_cpu_sample", lambda: None)
+    return tuning
+
+
+class Layer:
+    max_rows = -1
+
+
+def _choice(max_rows):
+    return autotune.Choice("int4", 64, 128, "float32", "avx2", [1], [1.0], [2.0], max_rows)
+
+
+def _until(condition, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the background tuner did not finish"
+        time.sleep(0.01)
 
 
 def test_max_winning_rows_stops_at_the_first_loss():
@@ -132,3 +162,69 @@ def test_a_kernel_winning_at_every_prefill_size_has_no_row_limit():
     kernel_us = faster[:]
     kernel_us[everything.index(512)] = 3.0
     assert autotune._max_winning_rows(everything, kernel_us, slower) == 256
+
+
+def test_construction_never_waits_for_measuring(background, monkeypatch):
+    """The fixed limit comes back at once; the measurement runs on the tuner's thread and its
+    result reaches the layer only when a step starts (never mid-step), bumping the generation
+    that makes a model rebuild its decode stack; the table is saved for the next start."""
+    threads = []
+    release = threading.Event()
+
+    def measure(*args, interrupted):
+        threads.append(threading.current_thread())
+        release.wait(30)
+        return _choice(8), False
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    packed, dense = _int4_weights()
+    layer = Layer()
+    layer.max_rows = autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16,
+                                       owner=layer)
+    assert layer.max_rows == 16 and autotune.pending() == 1
+    other = Layer()  # a second layer of the same shape: one measurement for both
+    other.max_rows = autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16,
+                                       owner=other)
+    release.set()
+    _until(lambda: autotune.pending() == 0)
+    assert threads and threading.current_thread() not in threads and len(threads) == 1
+    generation = autotune.generation()
+    assert layer.max_rows == other.max_rows == 16  # not until a step starts
+    assert autotune.step_started() == generation + 1
+    assert layer.max_rows == other.max_rows == 8
+    assert json.loads(autotune.table_path().read_text())["int4:64x128:float32:avx2"][
+        "max_rows"] == 8
+    autotune._tables.clear()  # the next start reads it at once
+    assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 8
+
+
+def test_an_interrupted_measurement_is_retried_not_kept(background, monkeypatch):
+    """A step during the measurement (or a busy neighbour) throws it away; it is tried again
+    after a back-off, and only the clean one is saved."""
+    results = iter([(_choice(1), True), (_choice(4), False)])
+    calls = []
+
+    def measure(*args, interrupted):
+        calls.append(interrupted())
+        return next(results)
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    packed, dense = _int4_weights()
+    layer = Layer()
+    autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=layer)
+    _until(lambda: autotune.pending() == 0)
+    assert len(calls) == 2
+    autotune.step_started()
+    assert layer.max_rows == 4
+    assert json.loads(autotune.table_path().read_text())["int4:64x128:float32:avx2"][
+        "max_rows"] == 4
+
+
+def test_it_waits_while_steps_run(background, monkeypatch):
+    monkeypatch.setattr(autotune, "IDLE_SECONDS", 3600.0)
+    monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured while busy"))
+    autotune.step_started()
+    packed, dense = _int4_weights()
+    autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=Layer())
+    time.sleep(0.2)
+    assert autotune.pending() == 1

@@ -226,7 +226,7 @@ def test_attention_sink_key_shifts_requantize_int8_rows():
     from kvserve.testing.tiny import tiny_config
 
     model = random_model(tiny_config(), "float32", seed=0)
-    caches = allocate_kv_caches(model.config, 8, 16, torch.int8)
+    caches = allocate_kv_caches(model.kv_page_layouts(torch.int8), 8, 16)
     model.bind_kv_cache(caches)
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
     for table, offset in (([0, 1, 2], 37), ([4, 5, 6], 0)):

@@ -93,7 +93,7 @@ def test_shifted_keys_equal_keys_written_at_the_shifted_positions(overrides):
     from kvserve.testing.tiny import tiny_config
 
     model = random_model(tiny_config(**overrides), "float32", seed=0)
-    caches = allocate_kv_caches(model.config, 8, 16, torch.float32)
+    caches = allocate_kv_caches(model.kv_page_layouts(torch.float32), 8, 16)
     model.bind_kv_cache(caches)
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
     for table, offset in (([0, 1, 2], 37), ([4, 5, 6], 0)):

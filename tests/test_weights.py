@@ -141,3 +141,87 @@ def test_gguf_rope_dimension_count_is_the_rotary_dim(rotary, head_dim):
     factor) gives the count back, also where rotary / head_dim would truncate to one less."""
     factor = gguf_file._partial_rotary_factor(rotary, head_dim)
     assert tiny_config(head_dim=head_dim, partial_rotary_factor=factor).rotary_dim == rotary
+
+
+def _edited_copy(tiny_model_dir, tmp_path, edit):
+    """The tiny HF directory with its safetensors edited by `edit(tensors)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "edited"
+    shutil.copytree(tiny_model_dir, directory)
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_tensor_that_disagrees_with_the_config_is_named(tiny_model_dir, tmp_path, lazy,
+                                                          monkeypatch):
+    """A shape the config does not give, or integers where a weight should be, fails at load
+    naming the tensor (whole tensors, and the lazy slices tensor parallelism reads)."""
+    import kvserve.models.loader as loader
+
+    if lazy:
+        monkeypatch.setattr(loader, "is_distributed", lambda parallel: True)
+        monkeypatch.setattr(loader, "with_layer_partition", lambda parallel, *a: parallel)
+    wrong_shape = _edited_copy(tiny_model_dir, tmp_path / "shape",
+                               lambda t: t.__setitem__(DOWN, torch.zeros(64, 100)))
+    with pytest.raises(CorruptModelFileError, match=rf"'{DOWN}' has shape \[64, 100\].*"
+                                                    rf"\[64, 128\]"):
+        load_model(resolve_model(wrong_shape))
+    integers = _edited_copy(tiny_model_dir, tmp_path / "ints",
+                            lambda t: t.__setitem__(DOWN, torch.zeros(64, 128,
+                                                                      dtype=torch.int32)))
+    with pytest.raises(CorruptModelFileError, match=rf"'{DOWN}' has type .*(int32|I32)"):
+        load_model(resolve_model(integers))
+    norm = "model.layers.0.input_layernorm.weight"  # a plain parameter: no silent broadcast
+    broadcast = _edited_copy(tiny_model_dir, tmp_path / "norm",
+                             lambda t: t.__setitem__(norm, torch.ones(1)))
+    with pytest.raises(CorruptModelFileError, match=rf"'{norm}' has shape \[1\]"):
+        load_model(resolve_model(broadcast))
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    import shutil
+
+    directory = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, directory)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(CorruptModelFileError, match="model.safetensors"):
+        load_model(resolve_model(directory))
+
+
+def test_a_model_that_cannot_fit_fails_naming_the_bytes(smollm_source, monkeypatch):
+    """Weights plus the KV cache the engine will ask for, against the memory available (here
+    set lower than SmolLM2's ~140 MB of stored weights): a typed error before anything is read,
+    never an OOM kill half-way."""
+    from kvserve.errors import InsufficientMemoryError
+    from kvserve.memory import AVAILABLE_ENV, CHECK_ENV
+
+    monkeypatch.setenv(AVAILABLE_ENV, str(50 << 20))
+    with pytest.raises(InsufficientMemoryError, match=r"needs about 0\.\d\d GiB \([\d,]+ bytes: "
+                                                      r"weights as none in float32"):
+        load_model(smollm_source, "float32")
+    with pytest.raises(InsufficientMemoryError, match="KV cache 0.05 GiB"):
+        load_model(smollm_source, "bfloat16", quantization="gguf", reserve_bytes=50 << 20)
+    monkeypatch.setenv(CHECK_ENV, "0")
+    load_model(smollm_source, "bfloat16", quantization="gguf")
+
+
+def test_a_kv_cache_that_cannot_fit_fails_naming_the_bytes(tiny_model_dir, monkeypatch):
+    from kvserve import LLM
+    from kvserve.errors import InsufficientMemoryError
+    from kvserve.memory import AVAILABLE_ENV
+
+    monkeypatch.setenv(AVAILABLE_ENV, str(200 << 20))
+    with pytest.raises(InsufficientMemoryError, match=r"the KV cache needs about 0\.31 GiB "
+                                                      r"\([\d,]+ bytes: 40000 blocks of 8,192"):
+        LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=40000, block_size=16,
+            engine_core="thread")

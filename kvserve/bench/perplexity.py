@@ -110,8 +110,8 @@ def streaming_perplexity(model, tokens: list[int], window: int, sink_tokens: int
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, groups=(
         KVCacheGroup(spec, tuple(range(config.num_hidden_layers))),))
     parameter = next(model.parameters())
-    model.bind_kv_cache(allocate_kv_caches(config, num_blocks, block_size,
-                                           kv_dtype or parameter.dtype, parameter.device))
+    model.bind_kv_cache(allocate_kv_caches(model.kv_page_layouts(kv_dtype or parameter.dtype),
+                                           num_blocks, block_size, parameter.device))
     params = SamplingParams(max_tokens=1)
     request = Request("stream", tokens, params, max_tokens=1)
     state = CachedRequestState("stream", tokens, params)

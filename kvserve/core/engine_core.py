@@ -15,7 +15,6 @@ import time
 from collections import deque
 from typing import Iterable
 
-from kvserve.attention.kv_tensors import kv_bytes_per_block
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.kv_cache.spec import (
     KVCacheGroup,
@@ -35,6 +34,7 @@ from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
+from kvserve.memory import check_fits
 from kvserve.kv_events import make_kv_event_source
 from kvserve.kv_transfer.aggregator import KVOutputAggregator
 from kvserve.model_source import resolve_model
@@ -198,13 +198,17 @@ class EngineCore:
     def _num_kv_blocks(self, layers: int) -> int:
         """Blocks in the pool, each spanning `layers` layers' slots."""
         dtype = self.executor.kv_dtype
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, dtype, layers)
+        per_block = layers * self.config.block_size * self.executor.kv_page_bytes
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         else:
             num_blocks = self.config.kv_cache_bytes() // per_block
         if num_blocks < 1:
             raise ValueError("KV cache budget is smaller than one block")
+        if self.config.device == "cpu":  # the workers hold the weights already
+            check_fits(num_blocks * per_block, "the KV cache",
+                       {f"{num_blocks} blocks of {per_block:,} bytes": num_blocks * per_block},
+                       "lower --kv-cache-memory-bytes or --num-kv-blocks")
         tokens = num_blocks * self.config.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks,
                     self.config.block_size, tokens, num_blocks * per_block / 2**20, dtype)

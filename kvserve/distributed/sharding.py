@@ -37,7 +37,7 @@ def validate_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
 
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     """One rank's config: its heads, KV heads and MLP width (the same for every rank), so that
-    `allocate_kv_caches` and `kv_bytes_per_block` size the rank's own KV."""
+    each attention layer's `kv_page_layout` sizes and allocates the rank's own KV."""
     if tp_size == 1:
         return config
     if config.tensor_parallel_size != 1:

@@ -32,6 +32,7 @@ class Executor(ABC):
     dtype: torch.dtype  # activations
     kv_dtype: torch.dtype  # K/V storage
     quantization: str
+    kv_page_bytes: int  # one token's bytes in one layer's KV page (the layers' declared layout)
     max_concurrent_batches: int = 1
 
     @abstractmethod

@@ -97,6 +97,7 @@ class MultiprocExecutor(PipelinedExecutor):
         self.dtype = resolve_dtype(first.dtype)
         self.kv_dtype = resolve_kv_dtype(first.kv_dtype)
         self.quantization = first.quantization
+        self.kv_page_bytes = max(worker.kv_page_bytes for worker in ready)
         logger.info("%d workers ready (tensor parallel %d, pipeline parallel %d)",
                     self.world_size, config.tensor_parallel_size,
                     config.pipeline_parallel_size)

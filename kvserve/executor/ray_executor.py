@@ -161,6 +161,7 @@ class RayExecutor(PipelinedExecutor):
         self.dtype = resolve_dtype(first.dtype)
         self.kv_dtype = resolve_kv_dtype(first.kv_dtype)
         self.quantization = first.quantization
+        self.kv_page_bytes = max(worker.kv_page_bytes for worker in ready)
         _log_ready(self.config, nodes, cpus, init_method)
 
     @property

@@ -13,6 +13,7 @@ from kvserve.protocol.worker import (
     KVReport,
     ModelRunnerOutput,
 )
+from kvserve.worker.model_loading import kv_page_bytes
 from kvserve.worker.worker import Worker
 
 
@@ -26,6 +27,7 @@ class UniExecutor(Executor):
         self.dtype = loaded.dtype
         self.kv_dtype = loaded.kv_dtype
         self.quantization = loaded.quantization
+        self.kv_page_bytes = kv_page_bytes(loaded.model, loaded.kv_dtype)
         self._kv_reports: list[KVConnectorOutput] = []
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int,

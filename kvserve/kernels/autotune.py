@@ -8,10 +8,19 @@ from ~32 rows; a threshold tuned on one CPU is wrong on the next. Weights are ti
 stream from DRAM (each call reads another of enough copies to exceed the L3), as in a decode
 step: a matrix timed in a loop sits in cache and lies.
 
-The table is cached on disk, keyed by the CPU model and flags, torch and kvserve versions, the
-kernel ISA level and the thread count, so only the first start on a machine pays (a few
-seconds, logged). `KVSERVE_AUTOTUNE=0` (or `--no-autotune`) turns it off; then the documented
-fixed limits of kvserve/quant/linear.py apply.
+Start-up never waits for it. A shape the table (cached on disk, keyed by the CPU model and
+flags, torch and kvserve versions, the kernels' sources and the thread count) already holds is
+read from it; any other serves at once with the documented fixed limit of kvserve/quant/linear.py
+and is measured later by a background thread, while this process has run no step for a moment
+and other processes leave the cores idle. A measurement a step or a neighbour interrupted is
+retried later (backing off), never kept; a clean one is saved and reaches the layers at the
+start of the next step (`step_started`), which also tells the model to rebuild its decode stack.
+Measured on a 2-core Zen 3 beside a busy neighbour: tuning at start-up, which refused contended
+timings, took 94-128 s per start of the bundled 135M model.
+
+`KVSERVE_AUTOTUNE=0` (or `--no-autotune`) turns it off (the fixed limits apply);
+`KVSERVE_AUTOTUNE=blocking` measures during construction, as a benchmark of the tuned
+choices wants.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -50,6 +60,13 @@ STREAM_BYTES = 64 << 20  # more than any L3 we run on (32 MB)
 # neighbour on one of 2 cores stalls our parallel calls for whole time slices
 MAX_NEIGHBOUR_CORES = 0.25
 TABLE_VERSION = 4
+# the background tuner: this process idle this long (no step) and neighbours below
+# MAX_NEIGHBOUR_CORES over one sample before it measures; an interrupted measurement waits
+# RETRY_SECONDS, doubling per failure up to MAX_RETRY_SECONDS
+IDLE_SECONDS = 1.0
+IDLE_SAMPLE_SECONDS = 0.5
+RETRY_SECONDS = 5.0
+MAX_RETRY_SECONDS = 600.0
 _lock = threading.Lock()
 _tables: dict[Path, dict] = {}
 
@@ -71,6 +88,11 @@ class Choice:
 
 def enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def blocking() -> bool:
+    """`KVSERVE_AUTOTUNE=blocking`: measure while the layers are built (the old behaviour)."""
+    return os.environ.get(AUTOTUNE_ENV, "").strip().lower() == "blocking"
 
 
 def set_enabled(value: bool) -> None:
@@ -156,17 +178,21 @@ def _copies(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
-            dtype: torch.dtype, level: str,
-            buckets: tuple[int, ...] = ROW_BUCKETS) -> tuple[Choice, bool]:
+            dtype: torch.dtype, level: str, buckets: tuple[int, ...] = ROW_BUCKETS,
+            interrupted: Callable[[], bool] = lambda: False) -> tuple[Choice, bool]:
     """Time `kernel(x, low_bit_copy, None, N)` against `F.linear(x, dense_copy)` per row bucket;
     stop once the dense GEMM has won twice in a row (the kernel's cost grows faster). Also says
-    whether the cores were contended while timing."""
+    whether the cores were contended while timing; `interrupted()` true between buckets stops
+    early and counts as contended."""
     out_features, in_features = dense.shape
     low_bits, denses = _copies(low_bit), _copies(dense)
     before = read_cpu_sample()
     rows_done, kernel_us, dense_us = [], [], []
     losses, contended = 0, False
     for rows in buckets:
+        if interrupted():
+            contended = True
+            break
         x = torch.randn(rows, in_features).to(dtype)
         copies = min(len(low_bits), 4) if rows >= COMPUTE_BOUND_ROWS else len(low_bits)
         ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features), copies)
@@ -203,37 +229,194 @@ def _key(kind: str, out_features: int, in_features: int, dtype: torch.dtype, lev
 
 
 def max_rows(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
-             dtype: torch.dtype, level: str, fallback: int, prefill: bool = False) -> int:
-    """Rows up to which `kernel` serves this shape: measured once per machine, then read from
-    the table; `fallback` when autotuning is off. `prefill`: also time prefill-sized batches
+             dtype: torch.dtype, level: str, fallback: int, prefill: bool = False,
+             owner: object | None = None) -> int:
+    """Rows up to which `kernel` serves this shape, at once: the table's value, else `fallback`
+    while the shape waits for the background tuner, whose result is later set as
+    `owner.max_rows` (at the start of a step). `prefill`: also time prefill-sized batches
     (PREFILL_BUCKETS); winning at every size gives NO_LIMIT."""
     if not enabled():
         return fallback
     key = _key(kind, dense.shape[0], dense.shape[1], dtype, level)
     path = table_path()
+    buckets = ROW_BUCKETS + PREFILL_BUCKETS if prefill else ROW_BUCKETS
     with _lock:
         table = _load(path)
-        if key not in table:
-            start = time.perf_counter()
-            buckets = ROW_BUCKETS + PREFILL_BUCKETS if prefill else ROW_BUCKETS
-            choice, contended = measure(kind, kernel, low_bit, dense, dtype, level, buckets)
-            table[key] = asdict(choice)
-            if contended:  # used by this process only; the next start measures again
-                logger.warning("autotune %s: another process was busy on these cores while "
-                               "timing; not caching the choice", key)
-            else:
-                _save(path, table)
-            logger.info("autotune %s: our kernel up to %d rows (%.1fs)", key, choice.max_rows,
-                        time.perf_counter() - start)
-        return int(table[key]["max_rows"])
+        if key in table:
+            return int(table[key]["max_rows"])
+        if blocking():
+            return _measure_now(path, table, key, (kind, kernel, low_bit, dense, dtype, level,
+                                                   buckets))
+    _tuner().submit(path, key, (kind, kernel, low_bit, dense, dtype, level, buckets), owner)
+    return fallback
+
+
+def _measure_now(path: Path, table: dict, key: str, args: tuple) -> int:
+    """Blocking mode: measure during construction; a contended result serves this process but
+    is not saved."""
+    start = time.perf_counter()
+    choice, contended = measure(*args)
+    table[key] = asdict(choice)
+    if contended:
+        logger.warning("autotune %s: another process was busy on these cores while timing; "
+                       "not caching the choice", key)
+    else:
+        _save(path, table)
+    logger.info("autotune %s: our kernel up to %d rows (%.1fs)", key, choice.max_rows,
+                time.perf_counter() - start)
+    return choice.max_rows
+
+
+def step_started() -> int:
+    """Called by the model at the start of every step, on its own thread: marks this process
+    busy (the tuner waits for IDLE_SECONDS of quiet) and hands finished measurements to their
+    layers. Returns the generation of the limits: a change means a decode stack built with the
+    old ones must be rebuilt."""
+    global _last_step
+    _last_step = time.monotonic()
+    tuner = _background
+    if tuner is not None and tuner.finished:
+        tuner.apply_finished()
+    return _generation
+
+
+def generation() -> int:
+    """How many times measured limits have reached layers in this process."""
+    return _generation
+
+
+def pending() -> int:
+    """Shapes the background tuner has yet to measure (for tests and `bench kernels`)."""
+    return 0 if _background is None else _background.pending()
+
+
+_last_step = 0.0  # time.monotonic() of the latest step_started
+_generation = 0  # bumped whenever measured limits reach layers
+_background: "_BackgroundTuner | None" = None
+
+
+@dataclass
+class _Job:
+    """One shape to measure, and the layers that take its result."""
+
+    path: Path
+    key: str
+    args: tuple
+    owners: list  # weak references to the layers whose max_rows the result sets
+    not_before: float = 0.0
+    failures: int = 0
+
+
+class _BackgroundTuner:
+    """A daemon thread that measures pending shapes one at a time while the process and its
+    neighbours are idle; results wait in `finished` until a step starts (the model's thread
+    sets its layers' limits, never this one mid-step)."""
+
+    def __init__(self):
+        self.jobs: dict[str, _Job] = {}
+        self.finished: list[tuple[_Job, int]] = []
+        self.wake = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="kvserve-autotune", daemon=True)
+        self.thread.start()
+
+    def submit(self, path: Path, key: str, args: tuple, owner: object | None) -> None:
+        with self.wake:
+            job = self.jobs.get(key)
+            if job is None:
+                job = self.jobs[key] = _Job(path, key, args, [])
+            if owner is not None:
+                job.owners.append(weakref.ref(owner))
+            self.wake.notify()
+
+    def pending(self) -> int:
+        with self.wake:
+            return len(self.jobs)
+
+    def apply_finished(self) -> None:
+        global _generation
+        with self.wake:
+            finished, self.finished = self.finished, []
+        for job, rows in finished:
+            for ref in job.owners:
+                layer = ref()
+                if layer is not None:
+                    layer.max_rows = rows
+        _generation += 1
+
+    def _run(self) -> None:
+        while True:
+            job = self._next_job()
+            if not _idle():
+                time.sleep(IDLE_SAMPLE_SECONDS)
+                continue
+            self._measure(job)
+
+    def _next_job(self) -> _Job:
+        """The job whose retry time comes first, once it has come (sleeps until then)."""
+        with self.wake:
+            while True:
+                if self.jobs:
+                    job = min(self.jobs.values(), key=lambda j: j.not_before)
+                    wait = job.not_before - time.monotonic()
+                    if wait <= 0:
+                        return job
+                    self.wake.wait(wait)
+                else:
+                    self.wake.wait()
+
+    def _measure(self, job: _Job) -> None:
+        started = time.monotonic()
+        try:
+            choice, contended = measure(*job.args, interrupted=lambda: _last_step > started)
+        except Exception:  # a kernel that fails here fails in the model too; keep the fallback
+            logger.exception("autotune %s: measuring failed; keeping the fixed limit", job.key)
+            with self.wake:
+                self.jobs.pop(job.key, None)
+            return
+        if contended or _last_step > started:
+            job.failures += 1
+            job.not_before = time.monotonic() + min(MAX_RETRY_SECONDS,
+                                                    RETRY_SECONDS * 2 ** (job.failures - 1))
+            logger.info("autotune %s: interrupted by a step or a busy neighbour; retrying in "
+                        "%.0fs", job.key, job.not_before - time.monotonic())
+            return
+        with _lock:
+            table = _load(job.path)
+            table[job.key] = asdict(choice)
+            _save(job.path, table)
+        logger.info("autotune %s: our kernel up to %d rows (measured in the background, %.1fs)",
+                    job.key, choice.max_rows, time.monotonic() - started)
+        with self.wake:
+            self.jobs.pop(job.key, None)
+            self.finished.append((job, choice.max_rows))
+
+
+def _idle() -> bool:
+    """No step for IDLE_SECONDS and other processes below MAX_NEIGHBOUR_CORES over a sample
+    (sleeps for the sample)."""
+    if time.monotonic() - _last_step < IDLE_SECONDS:
+        return False
+    before = read_cpu_sample()
+    time.sleep(IDLE_SAMPLE_SECONDS)
+    return not _neighbours_busy(before, read_cpu_sample()) and \
+        time.monotonic() - _last_step >= IDLE_SECONDS
+
+
+def _tuner() -> _BackgroundTuner:
+    global _background
+    with _lock:
+        if _background is None:
+            _background = _BackgroundTuner()
+        return _background
 
 
 def describe() -> str:
     """The table for `kvserve bench kernels`: one line per shape."""
     path = table_path()
     table = _load(path)
-    state = "on" if enabled() else f"off ({AUTOTUNE_ENV}=0: fixed limits)"
-    lines = [f"autotune: {state}; table {path} ({len(table)} shapes)"]
+    state = ("blocking" if blocking() else "on") if enabled() \
+        else f"off ({AUTOTUNE_ENV}=0: fixed limits)"
+    lines = [f"autotune: {state}; table {path} ({len(table)} shapes, {pending()} pending)"]
     for key in sorted(table):
         entry = table[key]
         pairs = ", ".join(f"{rows}: {ours:.0f}/{dense:.0f}" for rows, ours, dense in

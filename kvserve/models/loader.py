@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Iterable, Iterator
 
@@ -30,6 +31,7 @@ from kvserve.distributed.parallel_state import (
     is_distributed,
     with_layer_partition,
 )
+from kvserve.memory import check_fits
 from kvserve.model_source import ModelSource
 from kvserve.models.registry import check_architecture, model_class_for
 from kvserve.quant import QuantPolicy, resolve_quantization
@@ -96,14 +98,16 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
                attention_backend: str = "torch_ref", use_cache: bool = True,
                use_cpu_kernels: bool = True, quantization: str = "none",
                dtype_is_default: bool = False, parallel: ParallelContext | None = None,
-               max_model_len: int | None = None):
+               max_model_len: int | None = None, reserve_bytes: int = 0):
     """Return (model, config) with the source's weights loaded. `dtype_is_default`: the dtype is
     the machine's default rather than the user's choice, which lets `quantization="auto"` keep a
     4-bit checkpoint 4-bit in float32 (see resolve_quantization). With `parallel` (tp_size > 1)
     every rank calls this together and gets its shard; the config returned is then the rank's
     (`model.config`: its heads, so the KV cache holds only the rank's KV heads).
     `max_model_len`: the longest sequence the engine will serve, if it says (LongRoPE's choice
-    of factors, `ModelConfig.max_model_len`)."""
+    of factors, `ModelConfig.max_model_len`). `reserve_bytes`: memory the caller will need
+    beside the weights (its share of the KV cache); weights and reserve that cannot fit in the
+    available memory raise InsufficientMemoryError before anything is read."""
     torch_dtype = resolve_dtype(dtype)
     start = time.perf_counter()
     config = dataclasses.replace(load_config(source, use_cache), max_model_len=max_model_len)
@@ -112,14 +116,44 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device)
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
+    source_types = _source_types(source, config)
+    if torch.device(device).type == "cpu":
+        _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, None, parallel,
+                                                       source_types), parallel, reserve_bytes)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
-                        quantization, parallel, _source_types(source, config))
+                        quantization, parallel, source_types)
     built = time.perf_counter()
     model.load_weights(_on_device(_checkpoint_tensors(source, config, parallel), device))
     logger.info("model %s (%s, quantization %s) from %s: config and build %.2fs, weights "
                 "%.2fs", source.name, torch_dtype, quantization, source.path, built - start,
                 time.perf_counter() - built)
     return model, model.config
+
+
+def estimate_weight_bytes(config: ModelConfig, policy: QuantPolicy,
+                          parallel: ParallelContext | None = None) -> int:
+    """About how many bytes of weights this rank holds once loaded (`QuantPolicy.
+    resident_bytes` per checkpoint tensor; a rank's share of a sharded model). A tied LM head
+    in a converting mode is a second, int8, copy of the embedding."""
+    total = 0.0
+    shapes = _full_checkpoint_shapes(config, "torch_ref")
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        projection = len(shape) == 2 and name != "model.embed_tokens.weight"
+        total += policy.resident_bytes(name, numel, projection)
+    if config.tie_word_embeddings and policy.mode not in ("none", "gguf"):
+        total += config.vocab_size * config.hidden_size
+    world = 1 if parallel is None else parallel.tp_size * parallel.pp_size
+    return int(total / world)
+
+
+def _check_weights_fit(source: ModelSource, config: ModelConfig, policy: QuantPolicy,
+                       parallel: ParallelContext | None, reserve_bytes: int) -> None:
+    weights = estimate_weight_bytes(config, policy, parallel)
+    check_fits(weights + reserve_bytes, f"loading {source.name}",
+               {f"weights as {policy.mode} in {str(policy.dtype).removeprefix('torch.')}":
+                weights, "KV cache": reserve_bytes},
+               "choose a smaller model or --quantization, or lower --kv-cache-memory-bytes")
 
 
 def _checkpoint_tensors(source: ModelSource, config: ModelConfig,

@@ -16,15 +16,14 @@ from kvserve.attention.kv_tensors import allocate_kv_caches
 class PagedLoop:
     def __init__(self, model, num_seqs: int, max_len: int, block_size: int = 16,
                  kv_dtype=None):
-        config = model.config
         self.model = model
         self.block_size = block_size
         self.blocks_per_seq = (max_len + block_size - 1) // block_size
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         self.device = device
-        caches = allocate_kv_caches(config, num_seqs * self.blocks_per_seq, block_size,
-                                    kv_dtype or dtype, device)
+        caches = allocate_kv_caches(model.kv_page_layouts(kv_dtype or dtype),
+                                    num_seqs * self.blocks_per_seq, block_size, device)
         model.bind_kv_cache(caches)
         # Interleave block ids across sequences so block tables are not trivially contiguous.
         self.block_tables = [list(range(i, num_seqs * self.blocks_per_seq, num_seqs))

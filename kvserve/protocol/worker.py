@@ -118,6 +118,9 @@ class WorkerReady(msgspec.Struct, tag=True, **_WIRE):
     dtype: str
     kv_dtype: str
     quantization: str
+    # bytes one token keeps in one layer's KV page, the largest of the rank's layers (each
+    # declares its KVPageLayout): what the engine core sizes the pool with
+    kv_page_bytes: int = 0
 
 
 class KVCacheReady(msgspec.Struct, tag=True, **_WIRE):

@@ -116,7 +116,7 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("panels", pack_int4(codes, scale_t, zero_t, meta_dtype))
             self.max_rows = autotune.max_rows("int4", ops.int4_linear, self.panels,
                                               self.dense_weight, dtype, ops.isa,
-                                              INT4_KERNEL_MAX_ROWS)
+                                              INT4_KERNEL_MAX_ROWS, owner=self)
         else:
             self.max_rows = WEIGHT_ONLY_MAX_ROWS
             self.register_buffer("packed",
@@ -205,7 +205,7 @@ class _PanelLinear(nn.Module):
         self.out_features = dense.shape[0]
         self.kernel = kernel
         self.max_rows = autotune.max_rows(kind, kernel, panels, self.dense_weight, dtype, isa,
-                                          fallback, prefill)
+                                          fallback, prefill, owner=self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.distributed.parallel_state import ParallelContext
+from kvserve.kernels.reference import GGUF_FORMATS
 from kvserve.quant.linear import (
     QUANTIZATION_MODES,
     Bf16PanelLinear,
@@ -70,6 +71,25 @@ class QuantPolicy:
                 return FloatMethod(self.dtype, self.kernels)
             mode = UNKEPT_TYPE_MODE
         return ConvertMethod(mode, self.dtype, self.kernels, self.parallel, row_parallel)
+
+    def resident_bytes(self, name: str, numel: int, projection: bool) -> float:
+        """About how many bytes checkpoint tensor `name` (`numel` values) holds once loaded,
+        for the load-time memory check: a kept block type its panels' bytes; a converted
+        projection its low-bit panels plus the dense copy in the activation dtype that serves
+        large batches; anything else (norms, embeddings, float projections) the dtype's."""
+        element = torch.finfo(self.dtype).bits / 8
+        stored = self.stored_type(name)
+        if stored is not None:
+            values, _, panel_bytes = GGUF_FORMATS[stored]
+            return numel * panel_bytes / (16 * values)
+        mode = self.mode
+        if mode == "gguf":
+            source = self.source_types.get(name)
+            mode = "none" if source is None or source in FLOAT_TYPES else UNKEPT_TYPE_MODE
+        if not projection or mode == "none":
+            return numel * element
+        low_bit = 1.0 if mode in ("int8", "w8a8") else 0.5 + 2 * 4 / 32
+        return numel * (element + low_bit)
 
     def head_impl(self, weight) -> nn.Module | None:
         """The LM head's layer from its weights [vocab rows, hidden] as read (None: a plain

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.attention import build_attention_metadata
-from kvserve.attention.kv_tensors import allocate_kv_caches, kv_bytes_per_block
+from kvserve.attention.kv_tensors import allocate_kv_caches
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.spec_decode.cost import StepCostModel
@@ -63,12 +63,12 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_len = self.config.max_position_embeddings
-        per_block = kv_bytes_per_block(self.config, block_size, dtype)
+        layouts = self.model.kv_page_layouts(dtype)
+        per_block = sum(layout.bytes_per_block(block_size) for layout in layouts)
         # the tokens the target's pool holds, plus every request's drafts past them, plus the
         # tables' padding block (the draft never holds more of a request than the target does)
         self.num_blocks = target_num_blocks + max_num_seqs * -(-max_drafts // block_size) + 1
-        self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, dtype,
-                                            device)
+        self.kv_caches = allocate_kv_caches(layouts, self.num_blocks, block_size, device)
         self.model.bind_kv_cache(self.kv_caches)
         self._free = list(range(self.num_blocks - 1, 0, -1))  # block 0: tables' padding
         self._sequences: dict[str, _DraftSequence] = {}

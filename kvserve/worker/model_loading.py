@@ -27,6 +27,12 @@ class LoadedModel:
     quantization: str
 
 
+def kv_page_bytes(model, kv_dtype: torch.dtype) -> int:
+    """One token's bytes in one layer's KV page, the largest of the model's (this stage's)
+    layers, as they declare their layouts."""
+    return max(layout.bytes_per_token for layout in model.kv_page_layouts(kv_dtype))
+
+
 def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
     """The model as the engine options ask for it (dtype, backend, kernels, quantization, KV
     dtype); with a tensor-parallel `parallel` context, this rank's shard."""
@@ -35,10 +41,15 @@ def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
     dtype = default_dtype(config.device) if config.dtype == "auto" else resolve_dtype(
         config.dtype)
     extra = {"parallel": parallel} if parallel is not None else {}
+    # this rank's share of the KV cache budget (an exact block count is checked when the
+    # engine core sizes the pool)
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    kv_share = 0 if config.num_kv_blocks is not None else config.kv_cache_bytes() // world
     model, model_config = load_model(
         source, dtype, config.device, config.attention_backend,
         use_cpu_kernels=config.cpu_kernels, quantization=config.quantization,
-        dtype_is_default=config.dtype == "auto", max_model_len=config.max_model_len, **extra)
+        dtype_is_default=config.dtype == "auto", max_model_len=config.max_model_len,
+        reserve_bytes=kv_share, **extra)
     if hasattr(model, "model") and hasattr(model.model, "enforce_eager"):
         model.model.enforce_eager = config.enforce_eager
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",

@@ -46,13 +46,13 @@ class ModelRunner:
         self.device = torch.device(device)
         kv_dtype = kv_dtype or next(model.parameters()).dtype
         layer_groups, layer_tensors = placement
+        layouts = model.kv_page_layouts(kv_dtype)  # each layer's, as it declares it
         if layer_groups:  # hybrid: one tensor per index within a group, shared by the groups
-            self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype,
-                                                device, max(layer_tensors) + 1)
+            shared = [layouts[layer_tensors.index(t)] for t in range(max(layer_tensors) + 1)]
+            self.kv_caches = allocate_kv_caches(shared, num_blocks, block_size, device)
             model.bind_kv_cache([self.kv_caches[t] for t in layer_tensors], layer_groups)
         else:
-            self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, kv_dtype,
-                                                device, getattr(model, "num_stage_layers", None))
+            self.kv_caches = allocate_kv_caches(layouts, num_blocks, block_size, device)
             model.bind_kv_cache(self.kv_caches)
         self.stage = parallel if parallel is not None and parallel.pp_size > 1 else None
         if self.stage is not None:

@@ -88,9 +88,12 @@ class Worker:
         self._kv_report: KVConnectorOutput | None = None  # finished since the core last asked
 
     def ready_message(self) -> WorkerReady:
+        from kvserve.worker.model_loading import kv_page_bytes
+
         loaded = self.loaded
         return WorkerReady(self.rank, loaded.config, str(loaded.dtype).removeprefix("torch."),
-                           str(loaded.kv_dtype).removeprefix("torch."), loaded.quantization)
+                           str(loaded.kv_dtype).removeprefix("torch."), loaded.quantization,
+                           kv_page_bytes(loaded.model, loaded.kv_dtype))
 
     def init_kv_cache(self, message: InitKVCache) -> KVCacheReady:
         self.runner = ModelRunner(self.loaded.model, message.num_blocks, message.block_size,

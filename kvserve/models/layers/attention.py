@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvserve.attention.kv_tensors import KVPageLayout, attention_page_layout
 from kvserve.attention import AttentionMetadata
 from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.distributed.sharding import kv_heads_of_rank
@@ -75,6 +76,10 @@ class SelfAttention(nn.Module):
     @property
     def rotary(self) -> RotaryEmbedding:
         return self._rotary[0]
+
+    def kv_page_layout(self, dtype: torch.dtype) -> KVPageLayout:
+        """What one token of this layer keeps in the paged cache (this rank's KV heads)."""
+        return attention_page_layout(self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, ops, positions: torch.Tensor, hidden: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

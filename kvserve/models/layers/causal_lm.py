@@ -100,6 +100,11 @@ class CausalLM(nn.Module):
         """The op set (compiled kernels or their torch versions) the model's layers run."""
         return self.model.ops
 
+    def kv_page_layouts(self, dtype: torch.dtype) -> list:
+        """Each of this stage's layers' KV page (`KVPageLayout`) in `dtype`: what the pool's
+        sizing and the workers' allocation read."""
+        return [layer.self_attn.kv_page_layout(dtype) for layer in self.model.stage_layers]
+
     def bind_kv_cache(self, kv_caches: list[torch.Tensor],
                       kv_groups: list[int] | None = None) -> None:
         """Give the stage's layer i the tensor kv_caches[i] of shape
@@ -189,6 +194,7 @@ class CausalLM(nn.Module):
                 continue
             if name not in loaders:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            self._check_tensor(loaders[name], name, tensor)
             self._load_one(loaders[name], name, tensor)
             loaded.add(name)
         self._check_complete(loaders, loaded)
@@ -211,6 +217,33 @@ class CausalLM(nn.Module):
                 load(param, tensor)
             else:
                 param.data.copy_(_whole(tensor))
+
+    def _check_tensor(self, loader: tuple, name: str, tensor) -> None:
+        """Refuse a tensor whose shape disagrees with the config, or that holds no float (or
+        block-quantized) numbers, naming it: loading it would fail deep in a copy with a bare
+        size error, or worse, broadcast or cast it silently."""
+        shape, dtype = _shape_and_dtype(tensor)
+        if dtype is not None and dtype not in _WEIGHT_DTYPES:
+            raise CorruptModelFileError(f"checkpoint tensor {name!r} has type {dtype}; a weight "
+                                        "must be floating point")
+        expected = self._expected_shape(loader)
+        if expected is not None and tuple(shape) != expected:
+            raise CorruptModelFileError(
+                f"checkpoint tensor {name!r} has shape {list(shape)}, the config "
+                f"({self.config.architecture}) gives {list(expected)}")
+
+    def _expected_shape(self, loader: tuple) -> tuple[int, ...] | None:
+        """The whole model's shape of a checkpoint tensor (None: a custom loader checks)."""
+        kind = loader[0]
+        if kind == "linear":
+            _, layer, part, weight_or_bias = loader
+            parts = layer.parts if part is None else [layer.parts[part]]
+            rows = sum(p.full_rows for p in parts)
+            return (rows, layer.full_in_features) if weight_or_bias == "weight" else (rows,)
+        if kind in ("head", "embedding"):
+            return (self.config.vocab_size, self.config.hidden_size)
+        _, param, load = loader
+        return tuple(param.shape) if load is None else None
 
     def _check_complete(self, loaders: dict[str, tuple], loaded: set[str]) -> None:
         missing = sorted(name for name, loader in loaders.items()
@@ -264,6 +297,21 @@ class CausalLM(nn.Module):
                 raise NotImplementedError("a quantized LM head keeps no float weights to export")
             state["lm_head.weight"] = self.lm_head.weight.data.clone()
         return state
+
+
+# a checkpoint's weight types (torch's, and safetensors' names for a lazy slice's)
+_WEIGHT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                  "F32", "F16", "BF16", "F64"}
+
+
+def _shape_and_dtype(tensor) -> tuple[tuple[int, ...], object]:
+    """A torch tensor's, a lazy safetensors slice's, or QuantizedRows' (dtype None: its block
+    type was checked when the file was read)."""
+    if isinstance(tensor, torch.Tensor):
+        return tuple(tensor.shape), tensor.dtype
+    if hasattr(tensor, "get_shape"):
+        return tuple(tensor.get_shape()), tensor.get_dtype()
+    return tuple(tensor.shape), None
 
 
 def _whole(tensor) -> torch.Tensor:

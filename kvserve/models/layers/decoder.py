@@ -32,7 +32,7 @@ from kvserve.attention.paged import plan_step
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
 from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range
-from kvserve.kernels import get_ops
+from kvserve.kernels import autotune, get_ops
 from kvserve.models.layers.embedding import TokenEmbedding
 from kvserve.models.layers.norm import RMSNorm
 from kvserve.models.layers.ops import LayerOps
@@ -108,6 +108,7 @@ class DecoderModel(nn.Module):
         # the first step that can use it; `enforce_eager` (--enforce-eager) keeps Python's loop.
         self.enforce_eager = False
         self._decode_stack: object | None | bool = None  # False: does not apply to this model
+        self._kernel_limits = autotune.generation()  # the decode stack is built with these
 
     @property
     def rotaries(self) -> dict[str, RotaryEmbedding]:
@@ -138,6 +139,10 @@ class DecoderModel(nn.Module):
                 intermediate: IntermediateTensors | None = None):
         """Hidden states [T, H] on the last stage; the stage's IntermediateTensors elsewhere.
         `intermediate`: the previous stage's (every stage but the first)."""
+        limits = autotune.step_started()
+        if limits != self._kernel_limits:  # the autotuner changed a projection's row limit
+            self._kernel_limits = limits
+            self.reset_decode_stack()
         stack = self._stack_for(metadata, intermediate)
         if stack is not None:
             plan = metadata.plan
