@@ -22,7 +22,8 @@ from kvserve.tokenizer import load_tokenizer
 # text (w4a8 rounds activations only in few-row steps); None = each window in one prefill.
 MODES = [("float32", "none", None), ("bfloat16", "none", None), ("bfloat16", "int8", None),
          ("bfloat16", "int4", None), ("bfloat16", "w8a8", None), ("float32", "int4", 16),
-         ("float32", "w4a8", 16)]
+         ("float32", "w4a8", 16), ("bfloat16", "gguf", None), ("bfloat16", "gguf", 16),
+         ("float32", "gguf", 16)]
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -2,7 +2,9 @@
 launch to a 200 on /health, peak memory of the server's whole process tree while loading and
 while serving, and how much the cache directory grows, for each GGUF given, kvserve and
 llama-server on the same file with the same context length (llama-server's KV cache: f16, one
-slot of --ctx tokens; kvserve's given the same bytes, --max-model-len --ctx).
+slot of --ctx tokens; kvserve's given the same bytes, --max-model-len --ctx). On an AMX CPU
+llama-server runs with --no-repack (its AMX repacking crashes there; benchmarks/peers/
+llamacpp.sh): the weights as the file maps them, its leanest memory.
 
 Each system starts twice: the first kvserve start has a cache directory of its own (the
 compiled kernels linked in, so only the model's first-start work counts: config and tokenizer
@@ -182,6 +184,8 @@ def measure_model(path: Path, ctx: int, port: int, out_dir: Path) -> dict:
     if LLAMA_SERVER.exists():
         command = [str(LLAMA_SERVER), "-m", str(path), "--host", "127.0.0.1", "--port",
                    str(port), "-c", str(ctx), "-np", "1", "-t", str(os.cpu_count())]
+        if "amx_tile" in Path("/proc/cpuinfo").read_text():  # see peers/llamacpp.sh
+            command.append("--no-repack")
         for start in ("first", "second"):
             record = run_once(command, dict(os.environ), port,
                               out_dir / f"{path.stem}-llamacpp-{start}.log")

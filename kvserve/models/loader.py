@@ -84,14 +84,30 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     quant = QuantPolicy(quantization, dtype, kernels, parallel, source_types)
     with torch.device("meta"):
         model = model_class_for(config.architecture)(config, backend, parallel, quant)
-    for param in model.parameters():  # on meta: free; allocated in dtype below
-        param.data = param.data.to(dtype)
-    model = model.to_empty(device=device)
+    _allocate(model, dtype, device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
     model.model.reset_rotary_tables()
     model.quantization = quantization
     model.activation_dtype = dtype
     return model.eval().requires_grad_(False)
+
+
+def _allocate(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    """Give a model built on meta real (uninitialised) storage: parameters in `dtype`, buffers
+    in their own. Factories with explicit shapes, not `to_empty`: its `empty_like` on meta
+    tensors goes through torch's Python reference ops and imports sympy (~1-2 s at start-up)."""
+    allocated: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays one
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in allocated:
+                allocated[id(param)] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device=device),
+                    requires_grad=param.requires_grad)
+            module._parameters[name] = allocated[id(param)]
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device.type == "meta":
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype,
+                                                    device=device)
 
 
 def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -116,14 +132,17 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         dtype_is_default and _has_fast_low_bit_kernels(device, use_cpu_kernels), device)
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
-    source_types = _source_types(source, config)
+    reader = gguf_file.open_gguf(source.path) if source.format == "gguf" else None
+    source_types = _source_types(reader, config)
     if torch.device(device).type == "cpu":
         _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, None, parallel,
                                                        source_types), parallel, reserve_bytes)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
                         quantization, parallel, source_types)
     built = time.perf_counter()
-    model.load_weights(_on_device(_checkpoint_tensors(source, config, parallel), device))
+    model.load_weights(_on_device(_checkpoint_tensors(source, reader, config, parallel),
+                                  device))
+    del reader  # the file's map goes with the last tensor that still views it
     logger.info("model %s (%s, quantization %s) from %s: config and build %.2fs, weights "
                 "%.2fs", source.name, torch_dtype, quantization, source.path, built - start,
                 time.perf_counter() - built)
@@ -156,22 +175,20 @@ def _check_weights_fit(source: ModelSource, config: ModelConfig, policy: QuantPo
                "choose a smaller model or --quantization, or lower --kv-cache-memory-bytes")
 
 
-def _checkpoint_tensors(source: ModelSource, config: ModelConfig,
+def _checkpoint_tensors(source: ModelSource, reader, config: ModelConfig,
                         parallel: ParallelContext | None):
     """HF-named tensors, lazily, one at a time: an HF directory's (lazy slices when several
-    ranks each take theirs), or a GGUF's as the file stores them (block-quantized ones as
-    `QuantizedRows`, which each layer keeps, or dequantizes if its method converts)."""
+    ranks each take theirs), or a GGUF's (`reader`, opened once per load) as the file stores
+    them (block-quantized ones as `QuantizedRows`, which each layer keeps, or dequantizes if
+    its method converts)."""
     if source.format == "hf":
         return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel))
-    reader = gguf_file.open_gguf(source.path)
     return gguf_stored.iter_gguf_stored(reader, config)
 
 
-def _source_types(source: ModelSource, config: ModelConfig) -> dict[str, str]:
-    """A GGUF's tensor types by HF name (empty for an HF directory)."""
-    if source.format != "gguf":
-        return {}
-    return gguf_stored.tensor_types(gguf_file.open_gguf(source.path), config)
+def _source_types(reader, config: ModelConfig) -> dict[str, str]:
+    """A GGUF's tensor types by HF name (empty for an HF directory: no reader)."""
+    return {} if reader is None else gguf_stored.tensor_types(reader, config)
 
 
 def _on_device(tensors: Iterable, device: str | torch.device) -> Iterator:

@@ -10,6 +10,8 @@ slice or an index tensor, columns by a slice at block boundaries, `cat`, `new_ze
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -77,8 +79,17 @@ class QuantizedRows:
         return first._like(np.concatenate([np.asarray(p.data) for p in pieces]))
 
     def bytes(self) -> torch.Tensor:
-        """The rows' bytes as a contiguous uint8 tensor (a copy off the file's memory map)."""
-        return torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))
+        """The rows' bytes as a contiguous uint8 tensor, for reading only: a view of the
+        file's memory map where the rows lie contiguous in it (a whole tensor, a slice of
+        rows), else a copy."""
+        data = self.data
+        if isinstance(data, torch.Tensor):
+            return data.contiguous()
+        if not data.flags.c_contiguous:
+            return torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        with warnings.catch_warnings():  # the map is read-only; nothing writes through this
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.asarray(data, dtype=np.uint8))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: gguf's own dequantization of these blocks."""

@@ -17,7 +17,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size) - weight_offset)
+        # a factory, not ones() - offset: built on meta, arithmetic would pull in torch's meta
+        # reference ops and torch._dynamo (seconds at start-up)
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - weight_offset))
         self.eps = eps
         self.weight_offset = weight_offset
 

@@ -180,6 +180,14 @@ class RotaryEmbedding(nn.Module):
         factors = self.freq_factors
         if factors is not None:
             device = factors.device
+        if (device or torch.empty(0).device).type == "meta":  # a model built on meta: its
+            # tables are computed once it is allocated (computing them here would pull in
+            # torch's meta reference ops, and with them torch._dynamo: seconds at start-up)
+            self.register_buffer("inv_freq", torch.empty(self.config.rotary_dim // 2,
+                                                         device="meta"), persistent=False)
+            self.register_buffer("cos_sin", torch.empty(self.max_positions, self.config.head_dim,
+                                                        device="meta"), persistent=False)
+            return
         inv_freq = rope_inverse_frequencies(self.config, self.kind).to(device)
         if factors is not None:
             inv_freq = inv_freq / factors.float()

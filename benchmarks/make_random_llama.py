@@ -1,0 +1,142 @@
+"""Write a random-weight HF Llama checkpoint of a real Llama shape, for memory and start-up
+benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
+Llama weights can be downloaded here, so the weights are random (normal(0, 0.02) matrices, ones
+for the norms) and the tokenizer is the bundled SmolLM2 one (49152 tokens, the vocabulary padded to
+Llama 3's 128256 by convert_hf_to_gguf.py). The model is never built in memory: one tensor is
+generated at a time into safetensors shards of about 2 GB (bfloat16), so the peak stays about one
+shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generator(seed + i).
+
+Usage: make_random_llama.py SHAPE OUTDIR   (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b)
+Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
+      benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+
+# from the real configs; rope_scaling left out (plain RoPE: same shapes, same cost)
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=False),
+}
+COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+              rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
+TOKENIZER_MODEL = "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+SHARD_BYTES = 2 * 1024**3
+CHUNK = 1 << 24  # elements generated in float32 at a time
+
+
+def tensor_plan(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    plan = [("model.embed_tokens.weight", (v, h))]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        plan += [(p + "input_layernorm.weight", (h,)),
+                 (p + "self_attn.q_proj.weight", (q, h)),
+                 (p + "self_attn.k_proj.weight", (kv, h)),
+                 (p + "self_attn.v_proj.weight", (kv, h)),
+                 (p + "self_attn.o_proj.weight", (h, q)),
+                 (p + "post_attention_layernorm.weight", (h,)),
+                 (p + "mlp.gate_proj.weight", (i, h)),
+                 (p + "mlp.up_proj.weight", (i, h)),
+                 (p + "mlp.down_proj.weight", (h, i))]
+    plan.append(("model.norm.weight", (h,)))
+    if not cfg.tie_word_embeddings:
+        plan.append(("lm_head.weight", (v, h)))
+    return plan
+
+
+def random_tensor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    if len(shape) == 1:  # RMSNorm weights
+        return torch.ones(shape, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), CHUNK):  # bounded float32 scratch
+        n = min(CHUNK, flat.numel() - start)
+        flat[start:start + n] = torch.randn(n, generator=gen).mul_(0.02)
+    return out
+
+
+def write_tokenizer(out: Path) -> dict[str, int]:
+    """Copy the SmolLM2 tokenizer files; the bundled model is a GGUF, so when there are no HF
+    files next to it the tokenizer is rebuilt from the GGUF by transformers and saved."""
+    from kvserve.model_source import resolve_model
+    path = Path(resolve_model(TOKENIZER_MODEL).path)
+    src = path if path.is_dir() else path.parent
+    if (src / "tokenizer.json").exists():
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, out / name)
+        tokenizer = AutoTokenizer.from_pretrained(str(out))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=path.name)
+        tokenizer.save_pretrained(str(out))
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out: Path = args.outdir
+    out.mkdir(parents=True, exist_ok=True)
+
+    special = write_tokenizer(out)
+    cfg = LlamaConfig(**SHAPES[args.shape], **COMMON, **special, dtype="bfloat16")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(str(out))
+    if not (out / "generation_config.json").exists():
+        GenerationConfig(**special).save_pretrained(str(out))
+
+    plan = tensor_plan(cfg)
+    shards: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for idx, (name, shape) in enumerate(plan):
+        nbytes = 2 * torch.Size(shape).numel()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((idx, name, shape))
+        size += nbytes
+
+    weight_map, total = {}, 0
+    for s, shard in enumerate(shards, 1):
+        fname = f"model-{s:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: random_tensor(shape, args.seed + idx) for idx, name, shape in shard}
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+        print(f"{fname}: {len(shard)} tensors", flush=True)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    n_params = total // 2
+    print(f"{args.shape}: {n_params / 1e9:.2f}B parameters, {total / 1e9:.2f} GB in {len(shards)} "
+          f"shards -> {out}")
+
+
+if __name__ == "__main__":
+    main()
