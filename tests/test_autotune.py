@@ -102,7 +102,7 @@ def test_corrupt_table_is_measured_again(tuning, monkeypatch):
     path = autotune.table_path()
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    monkeypatch.setattr(autotune, "measure", lambda *args: (autotune.Choice(
+    monkeypatch.setattr(autotune, "measure", lambda *args, **kwargs: (autotune.Choice(
         "int4", 64, 128, "float32", "avx2", [1, 2], [1.0, 3.0], [2.0, 2.0], 1), False))
     packed, dense = _int4_weights()
     assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
@@ -113,7 +113,7 @@ def test_contended_timings_are_used_but_not_cached(tuning, monkeypatch):
     stalled = [10.0] * 5 + [8000.0] * 25  # a neighbour's time slices on most calls
     assert autotune._typical_us(sorted(stalled)) == 10.0
     assert autotune._contended(sorted(stalled)) and not autotune._contended([10.0] * 30)
-    monkeypatch.setattr(autotune, "measure", lambda *args: (autotune.Choice(
+    monkeypatch.setattr(autotune, "measure", lambda *args, **kwargs: (autotune.Choice(
         "int4", 64, 128, "float32", "avx2", [1], [1.0], [2.0], 1), True))
     packed, dense = _int4_weights()
     assert autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16) == 1
@@ -171,7 +171,7 @@ def test_construction_never_waits_for_measuring(background, monkeypatch):
     threads = []
     release = threading.Event()
 
-    def measure(*args, interrupted):
+    def measure(*args, interrupted, rival=None):
         threads.append(threading.current_thread())
         release.wait(30)
         return _choice(8), False
@@ -204,7 +204,7 @@ def test_an_interrupted_measurement_is_retried_not_kept(background, monkeypatch)
     results = iter([(_choice(1), True), (_choice(4), False)])
     calls = []
 
-    def measure(*args, interrupted):
+    def measure(*args, interrupted, rival=None):
         calls.append(interrupted())
         return next(results)
 
@@ -228,3 +228,24 @@ def test_it_waits_while_steps_run(background, monkeypatch):
     autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=Layer())
     time.sleep(0.2)
     assert autotune.pending() == 1
+
+
+def test_a_rival_kernel_on_the_same_weights(monkeypatch):
+    """The stored GGUF projections time their integer-dot kernel against the dequantizing one
+    on the same panels: the rival gets the kernel's weight copies, and `dense` is only the
+    shape (a meta tensor, never read)."""
+    monkeypatch.setattr(autotune, "STREAM_BYTES", 1 << 20)
+    monkeypatch.setattr(autotune, "read_cpu_sample", lambda: None)
+    packed, dense = _int4_weights()
+    seen = []
+
+    def rival(x, weights):
+        seen.append(weights.data_ptr())
+        return torch.nn.functional.linear(x, dense)
+
+    shape = torch.empty(dense.shape, device="meta")
+    choice, _ = autotune.measure("int4", reference.int4_linear, packed, shape, torch.float32,
+                                 "reference", buckets=(1, 2), rival=rival)
+    assert choice.rows[:1] == [1] and len(choice.dense_us) == len(choice.rows)
+    copies = {p.data_ptr() for p in [packed]}  # the originals are not among the copies timed
+    assert seen and not set(seen) & copies

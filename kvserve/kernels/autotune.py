@@ -179,13 +179,17 @@ def _copies(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
             dtype: torch.dtype, level: str, buckets: tuple[int, ...] = ROW_BUCKETS,
-            interrupted: Callable[[], bool] = lambda: False) -> tuple[Choice, bool]:
-    """Time `kernel(x, low_bit_copy, None, N)` against `F.linear(x, dense_copy)` per row bucket;
-    stop once the dense GEMM has won twice in a row (the kernel's cost grows faster). Also says
-    whether the cores were contended while timing; `interrupted()` true between buckets stops
-    early and counts as contended."""
+            interrupted: Callable[[], bool] = lambda: False,
+            rival: Callable | None = None) -> tuple[Choice, bool]:
+    """Time `kernel(x, low_bit_copy, None, N)` against `F.linear(x, dense_copy)` per row bucket
+    (or, given `rival`, against `rival(x, low_bit_copy)`: another kernel on the same weights,
+    `dense` then only their shape); stop once the rival has won twice in a row (the kernel's
+    cost grows faster). Also says whether the cores were contended while timing;
+    `interrupted()` true between buckets stops early and counts as contended."""
     out_features, in_features = dense.shape
-    low_bits, denses = _copies(low_bit), _copies(dense)
+    low_bits = _copies(low_bit)
+    denses = low_bits if rival is not None else _copies(dense)
+    against = rival if rival is not None else F.linear
     before = read_cpu_sample()
     rows_done, kernel_us, dense_us = [], [], []
     losses, contended = 0, False
@@ -197,7 +201,7 @@ def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Ten
         copies = min(len(low_bits), 4) if rows >= COMPUTE_BOUND_ROWS else len(low_bits)
         ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features), copies)
         copies = min(len(denses), 4) if rows >= COMPUTE_BOUND_ROWS else len(denses)
-        theirs = _call_times_us(lambda i: F.linear(x, denses[i]), copies)
+        theirs = _call_times_us(lambda i: against(x, denses[i]), copies)
         contended = contended or _contended(ours) or _contended(theirs)
         kernel_us.append(_typical_us(ours))
         dense_us.append(_typical_us(theirs))
@@ -230,32 +234,34 @@ def _key(kind: str, out_features: int, in_features: int, dtype: torch.dtype, lev
 
 def max_rows(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Tensor,
              dtype: torch.dtype, level: str, fallback: int, prefill: bool = False,
-             owner: object | None = None) -> int:
+             owner: object | None = None, rival: Callable | None = None) -> int:
     """Rows up to which `kernel` serves this shape, at once: the table's value, else `fallback`
     while the shape waits for the background tuner, whose result is later set as
     `owner.max_rows` (at the start of a step). `prefill`: also time prefill-sized batches
-    (PREFILL_BUCKETS); winning at every size gives NO_LIMIT."""
+    (PREFILL_BUCKETS); winning at every size gives NO_LIMIT. `rival`: the call serving larger
+    batches when it is not the dense GEMM (`measure`; `dense` is then a meta tensor of the
+    weights' shape)."""
     if not enabled():
         return fallback
     key = _key(kind, dense.shape[0], dense.shape[1], dtype, level)
     path = table_path()
     buckets = ROW_BUCKETS + PREFILL_BUCKETS if prefill else ROW_BUCKETS
+    args = (kind, kernel, low_bit, dense, dtype, level, buckets)
     with _lock:
         table = _load(path)
         if key in table:
             return int(table[key]["max_rows"])
         if blocking():
-            return _measure_now(path, table, key, (kind, kernel, low_bit, dense, dtype, level,
-                                                   buckets))
-    _tuner().submit(path, key, (kind, kernel, low_bit, dense, dtype, level, buckets), owner)
+            return _measure_now(path, table, key, args, rival)
+    _tuner().submit(path, key, args, owner, rival)
     return fallback
 
 
-def _measure_now(path: Path, table: dict, key: str, args: tuple) -> int:
+def _measure_now(path: Path, table: dict, key: str, args: tuple, rival) -> int:
     """Blocking mode: measure during construction; a contended result serves this process but
     is not saved."""
     start = time.perf_counter()
-    choice, contended = measure(*args)
+    choice, contended = measure(*args, rival=rival)
     table[key] = asdict(choice)
     if contended:
         logger.warning("autotune %s: another process was busy on these cores while timing; "
@@ -303,6 +309,7 @@ class _Job:
     key: str
     args: tuple
     owners: list  # weak references to the layers whose max_rows the result sets
+    rival: Callable | None = None
     not_before: float = 0.0
     failures: int = 0
 
@@ -319,11 +326,12 @@ class _BackgroundTuner:
         self.thread = threading.Thread(target=self._run, name="kvserve-autotune", daemon=True)
         self.thread.start()
 
-    def submit(self, path: Path, key: str, args: tuple, owner: object | None) -> None:
+    def submit(self, path: Path, key: str, args: tuple, owner: object | None,
+               rival: Callable | None = None) -> None:
         with self.wake:
             job = self.jobs.get(key)
             if job is None:
-                job = self.jobs[key] = _Job(path, key, args, [])
+                job = self.jobs[key] = _Job(path, key, args, [], rival=rival)
             if owner is not None:
                 job.owners.append(weakref.ref(owner))
             self.wake.notify()
@@ -367,7 +375,8 @@ class _BackgroundTuner:
     def _measure(self, job: _Job) -> None:
         started = time.monotonic()
         try:
-            choice, contended = measure(*job.args, interrupted=lambda: _last_step > started)
+            choice, contended = measure(*job.args, interrupted=lambda: _last_step > started,
+                                        rival=job.rival)
         except Exception:  # a kernel that fails here fails in the model too; keep the fallback
             logger.exception("autotune %s: measuring failed; keeping the fixed limit", job.key)
             with self.wake:

@@ -97,7 +97,7 @@ class QuantPolicy:
         if isinstance(weight, QuantizedRows):
             if self.mode == "gguf" and weight.qtype in STORED_TYPES:
                 return StoredLinear(pack_segments([weight], self.kernels), None, weight.cols,
-                                    self.kernels)
+                                    self.kernels, self.dtype)
             weight = weight.dequantize()
         linear = _as_linear(weight.float(), None)
         if self.mode != "none":

@@ -12,6 +12,7 @@ innermost first, type, offset), then the tensor data from the next multiple of
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class GGUFTensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    start: int = 0  # where its bytes lie in the file
+    nbytes: int = 0
 
 
 class GGUFFile:
@@ -141,4 +144,17 @@ class GGUFFile:
             data = raw.view(dtype).reshape(shape)
         else:
             data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
-        return GGUFTensor(name, qtype, dims, data)
+        return GGUFTensor(name, qtype, dims, data, start, nbytes)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop this process's mapping of a tensor's pages once it has been copied out
+        (packed or converted): they stay in the page cache, and a later read of the tensor
+        maps them again. Without this a load's peak memory counted every page of the file on
+        top of the packed weights (the whole file's size more, e.g. 2 GB for a 3B Q4_K_M)."""
+        page = mmap.PAGESIZE
+        first = tensor.start // page * page
+        end = tensor.start + tensor.nbytes
+        handle = getattr(self._map, "_mmap", None)
+        if handle is None or end <= first or not hasattr(handle, "madvise"):
+            return
+        handle.madvise(mmap.MADV_DONTNEED, first, end - first)

@@ -38,6 +38,7 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
             if config.norm_weight_offset and name.endswith("norm.weight"):
                 array = array - np.float32(config.norm_weight_offset)
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+            reader.release(tensor)
             continue
         _check_readable(tensor)
         rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
@@ -46,6 +47,7 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
             rows = rows[torch.from_numpy(unpermute_rope_rows(
                 np.arange(rows.shape[0])[:, None], heads)[:, 0])]
         yield name, rows
+        reader.release(tensor)  # consumed: packed, converted or staged (re-read if used again)
 
 
 def _check_readable(tensor) -> None:
