@@ -249,3 +249,21 @@ def test_a_rival_kernel_on_the_same_weights(monkeypatch):
     assert choice.rows[:1] == [1] and len(choice.dense_us) == len(choice.rows)
     copies = {p.data_ptr() for p in [packed]}  # the originals are not among the copies timed
     assert seen and not set(seen) & copies
+
+
+def test_a_step_stops_the_timing_between_calls(monkeypatch):
+    """A served step waits for one timed call at most: the tuner checks between calls, gives
+    up the measurement and reports it contended (so it is retried, never kept)."""
+    monkeypatch.setattr(autotune, "STREAM_BYTES", 1 << 20)
+    monkeypatch.setattr(autotune, "read_cpu_sample", lambda: None)
+    packed, dense = _int4_weights()
+    calls = []
+
+    def kernel(*args):
+        calls.append(1)
+        return reference.int4_linear(*args)
+
+    choice, contended = autotune.measure("int4", kernel, packed, dense, torch.float32,
+                                         "reference", buckets=(1, 2, 4),
+                                         interrupted=lambda: len(calls) >= 3)
+    assert contended and len(calls) == 3 and choice.rows == []

@@ -131,12 +131,21 @@ def _save(path: Path, table: dict) -> None:
     temporary.replace(path)  # atomic: concurrent starts never read half a file
 
 
-def _call_times_us(call: Callable[[int], object], copies: int, repeats: int = 3) -> list[float]:
-    """Per-call times (sorted, microseconds) over `repeats` passes through the copies."""
+class _Interrupted(Exception):
+    """A step started while timing: the background tuner gives the cores back at once."""
+
+
+def _call_times_us(call: Callable[[int], object], copies: int, repeats: int = 3,
+                   interrupted: Callable[[], bool] = lambda: False) -> list[float]:
+    """Per-call times (sorted, microseconds) over `repeats` passes through the copies; raises
+    _Interrupted as soon as `interrupted()` (checked between calls: a served step waits for
+    one call at most)."""
     call(0)  # first-touch and one-time costs out of the timing
     times = []
     for _ in range(repeats):
         for i in range(copies):
+            if interrupted():
+                raise _Interrupted
             start = time.perf_counter()
             call(i)
             times.append((time.perf_counter() - start) * 1e6)
@@ -199,9 +208,15 @@ def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Ten
             break
         x = torch.randn(rows, in_features).to(dtype)
         copies = min(len(low_bits), 4) if rows >= COMPUTE_BOUND_ROWS else len(low_bits)
-        ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features), copies)
-        copies = min(len(denses), 4) if rows >= COMPUTE_BOUND_ROWS else len(denses)
-        theirs = _call_times_us(lambda i: against(x, denses[i]), copies)
+        try:
+            ours = _call_times_us(lambda i: kernel(x, low_bits[i], None, out_features), copies,
+                                  interrupted=interrupted)
+            copies = min(len(denses), 4) if rows >= COMPUTE_BOUND_ROWS else len(denses)
+            theirs = _call_times_us(lambda i: against(x, denses[i]), copies,
+                                    interrupted=interrupted)
+        except _Interrupted:
+            contended = True
+            break
         contended = contended or _contended(ours) or _contended(theirs)
         kernel_us.append(_typical_us(ours))
         dense_us.append(_typical_us(theirs))

@@ -26,10 +26,12 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
     permutation undone by moving whole rows), float ones as float32 torch tensors. Gemma's
     converter stores each norm as 1 + weight (llama.cpp multiplies by it directly); HF's
     weight is that minus 1, as its GGUF loader computes it."""
+    consumed = _PageRelease(reader)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, config.architecture)
         if name is None:
             continue
+        consumed.entering(tensor)
         heads = permuted_heads(name, config)
         if tensor.tensor_type.name in ("F32", "F16", "BF16"):
             array = dequantize_tensor(tensor)
@@ -38,7 +40,6 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
             if config.norm_weight_offset and name.endswith("norm.weight"):
                 array = array - np.float32(config.norm_weight_offset)
             yield name, torch.from_numpy(np.array(array, dtype=np.float32))
-            reader.release(tensor)
             continue
         _check_readable(tensor)
         rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
@@ -47,7 +48,25 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
             rows = rows[torch.from_numpy(unpermute_rope_rows(
                 np.arange(rows.shape[0])[:, None], heads)[:, 0])]
         yield name, rows
-        reader.release(tensor)  # consumed: packed, converted or staged (re-read if used again)
+    consumed.entering(None)
+
+
+class _PageRelease:
+    """Drops the file's pages of a layer's tensors once the next layer's first tensor is read:
+    by then the layer's projections have packed (or converted) every part they staged, so a
+    load's peak memory holds one layer of the file beside the packed weights, not all of it."""
+
+    def __init__(self, reader):
+        self.reader, self.block, self.held = reader, None, []
+
+    def entering(self, tensor) -> None:
+        block = None if tensor is None else tensor.name.split(".")[:2]  # "blk.N", or a name
+        if tensor is None or block != self.block:
+            for held in self.held:
+                self.reader.release(held)
+            self.held, self.block = [], block
+        if tensor is not None:
+            self.held.append(tensor)
 
 
 def _check_readable(tensor) -> None:
