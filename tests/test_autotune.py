@@ -23,6 +23,8 @@ def tuning(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "_background", None)  # each test its own tuner thread
     autotune._tables.clear()
     yield tmp_path
+    if autotune._background is not None:
+        autotune._background.stop()
     autotune._tables.clear()
 
 

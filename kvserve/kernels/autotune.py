@@ -25,6 +25,7 @@ choices wants.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -338,8 +339,20 @@ class _BackgroundTuner:
         self.jobs: dict[str, _Job] = {}
         self.finished: list[tuple[_Job, int]] = []
         self.wake = threading.Condition()
+        self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kvserve-autotune", daemon=True)
         self.thread.start()
+        # a daemon thread still inside a torch op when the interpreter exits aborts the process
+        # ("terminate called without an active exception"): stop it first
+        atexit.register(self.stop)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the call being timed, if any (pending shapes stay unmeasured)."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify_all()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     def submit(self, path: Path, key: str, args: tuple, owner: object | None,
                rival: Callable | None = None) -> None:
@@ -367,17 +380,20 @@ class _BackgroundTuner:
         _generation += 1
 
     def _run(self) -> None:
-        while True:
+        while not self.stopping:
             job = self._next_job()
+            if job is None:
+                return
             if not _idle():
                 time.sleep(IDLE_SAMPLE_SECONDS)
                 continue
             self._measure(job)
 
-    def _next_job(self) -> _Job:
-        """The job whose retry time comes first, once it has come (sleeps until then)."""
+    def _next_job(self) -> _Job | None:
+        """The job whose retry time comes first, once it has come (sleeps until then); None
+        when stopping."""
         with self.wake:
-            while True:
+            while not self.stopping:
                 if self.jobs:
                     job = min(self.jobs.values(), key=lambda j: j.not_before)
                     wait = job.not_before - time.monotonic()
@@ -386,16 +402,20 @@ class _BackgroundTuner:
                     self.wake.wait(wait)
                 else:
                     self.wake.wait()
+            return None
 
     def _measure(self, job: _Job) -> None:
         started = time.monotonic()
         try:
-            choice, contended = measure(*job.args, interrupted=lambda: _last_step > started,
-                                        rival=job.rival)
+            choice, contended = measure(
+                *job.args, interrupted=lambda: self.stopping or _last_step > started,
+                rival=job.rival)
         except Exception:  # a kernel that fails here fails in the model too; keep the fallback
             logger.exception("autotune %s: measuring failed; keeping the fixed limit", job.key)
             with self.wake:
                 self.jobs.pop(job.key, None)
+            return
+        if self.stopping:
             return
         if contended or _last_step > started:
             job.failures += 1
