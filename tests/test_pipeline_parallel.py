@@ -33,6 +33,9 @@ class ChainedStages:
     def parameters(self):
         return self.stages[0].parameters()
 
+    def kv_page_layouts(self, dtype):
+        return [layout for stage in self.stages for layout in stage.kv_page_layouts(dtype)]
+
     def bind_kv_cache(self, caches):
         start = 0
         for stage in self.stages:

@@ -135,7 +135,10 @@ class MPClient:
     `call_utility` (the reader); the senders may be called from another thread only under a
     lock the caller holds (ZeroMQ sockets are not thread-safe)."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
+    def __init__(self, config: EngineConfig, startup_timeout: float = STARTUP_TIMEOUT_SECONDS,
+                 wait: bool = True):
+        """`wait`: block until the core is ready; False returns once its process is started
+        (the caller overlaps its own start-up work, then reads `ready`, which waits)."""
         self.codec = Codec()
         self._socket_dir = tempfile.mkdtemp(prefix="kvserve-core-")
         input_address = f"ipc://{self._socket_dir}/input"
@@ -157,13 +160,27 @@ class MPClient:
         # Context.term() would wait for them forever)
         self._finalizer = weakref.finalize(self, _stop_process, self.process, self.context,
                                            [self.input, self.output], self._socket_dir)
-        try:
-            self.ready = self._wait_ready(startup_timeout)
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("engine core process %d ready (%.1fs to load)", self.process.pid,
-                    self.ready.load_seconds)
+        self._startup_timeout = startup_timeout
+        self._ready: CoreReady | None = None
+        if wait:
+            self.wait_ready()
+
+    @property
+    def ready(self) -> CoreReady:
+        return self.wait_ready()
+
+    def wait_ready(self) -> CoreReady:
+        """The core's CoreReady, waiting for it the first time (a core that fails to start
+        is stopped and its error raised)."""
+        if self._ready is None:
+            try:
+                self._ready = self._wait_ready(self._startup_timeout)
+            except BaseException:
+                self.shutdown()
+                raise
+            logger.info("engine core process %d ready (%.1fs to load)", self.process.pid,
+                        self._ready.load_seconds)
+        return self._ready
 
     # ---- start -------------------------------------------------------------------------
     def _wait_ready(self, timeout: float) -> CoreReady:
@@ -286,8 +303,9 @@ def _startup_error(message: str) -> Exception:
     return EngineDeadError(f"the engine core failed to start: {message}")
 
 
-def make_core_client(config: EngineConfig, warm_up: bool = False):
-    """The client `config.engine_core` asks for: `process` or `thread` (in this process)."""
+def make_core_client(config: EngineConfig, warm_up: bool = False, wait: bool = True):
+    """The client `config.engine_core` asks for: `process` or `thread` (in this process).
+    `wait` False: a process core is started and not waited for (`client.ready` waits)."""
     if config.engine_core == "process":
-        return MPClient(config)
+        return MPClient(config, wait=wait)
     return InprocClient(config, warm_up)

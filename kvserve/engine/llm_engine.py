@@ -67,9 +67,14 @@ class LLMEngine:
         self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
         load_config(self.source)  # an unsupported architecture fails now, not after the tokenizer
-        self.tokenizer = load_tokenizer(self.source)
-        self.core = make_core_client(config, warm_up)
-        ready = self.core.ready
+        # a process core loads the model while this process loads the tokenizer
+        self.core = make_core_client(config, warm_up, wait=False)
+        try:
+            self.tokenizer = load_tokenizer(self.source)
+            ready = self.core.ready
+        except BaseException:
+            self.core.shutdown()
+            raise
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,

@@ -15,8 +15,8 @@ and is measured later by a background thread, while this process has run no step
 and other processes leave the cores idle. A measurement a step or a neighbour interrupted is
 retried later (backing off), never kept; a clean one is saved and reaches the layers at the
 start of the next step (`step_started`), which also tells the model to rebuild its decode stack.
-Measured on a 2-core Zen 3 beside a busy neighbour: tuning at start-up, which refused contended
-timings, took 94-128 s per start of the bundled 135M model.
+Measured on a 2-core Xeon (Cascade Lake) beside a busy neighbour: tuning at start-up, which
+refused contended timings, made every start of the bundled 135M model take 94-128 s.
 
 `KVSERVE_AUTOTUNE=0` (or `--no-autotune`) turns it off (the fixed limits apply);
 `KVSERVE_AUTOTUNE=blocking` measures during construction, as a benchmark of the tuned
@@ -195,7 +195,7 @@ def measure(kind: str, kernel: Callable, low_bit: torch.Tensor, dense: torch.Ten
     (or, given `rival`, against `rival(x, low_bit_copy)`: another kernel on the same weights,
     `dense` then only their shape); stop once the rival has won twice in a row (the kernel's
     cost grows faster). Also says whether the cores were contended while timing;
-    `interrupted()` true between buckets stops early and counts as contended."""
+    `interrupted()` true between timed calls stops early and counts as contended."""
     out_features, in_features = dense.shape
     low_bits = _copies(low_bit)
     denses = low_bits if rival is not None else _copies(dense)

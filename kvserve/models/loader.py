@@ -135,8 +135,10 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     reader = gguf_file.open_gguf(source.path) if source.format == "gguf" else None
     source_types = _source_types(reader, config)
     if torch.device(device).type == "cpu":
-        _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, None, parallel,
-                                                       source_types), parallel, reserve_bytes)
+        kernels = None if quantization == "none" else get_ops(use_cpu_kernels)  # as built
+        _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, kernels,
+                                                       parallel, source_types),
+                           parallel, reserve_bytes)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
                         quantization, parallel, source_types)
     built = time.perf_counter()
