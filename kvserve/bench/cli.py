@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 
-from kvserve.bench import machine, report, roofline, server_metrics, workloads
+from kvserve.bench import machine, report, server_metrics, workloads
 from kvserve.bench.stats import SLO, describe, summarize
 
 
@@ -280,6 +280,7 @@ def _perplexity(args) -> int:
 
 
 def _roofline(args) -> int:
+    from kvserve.bench import roofline  # torch: only this command measures with it
     from kvserve.model_source import resolve_model
     from kvserve.models import load_config
 

@@ -34,7 +34,7 @@ from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
-from kvserve.memory import check_fits
+from kvserve.memory import check_fits, return_freed_memory
 from kvserve.kv_events import make_kv_event_source
 from kvserve.kv_transfer.aggregator import KVOutputAggregator
 from kvserve.model_source import resolve_model
@@ -120,6 +120,7 @@ class EngineCore:
         self._step_costs: list | None = None  # steps' costs while profiling attention reads
         if self.drafter is not None:
             self._profile_step_costs()
+        return_freed_memory()  # what loading parsed and dropped stays out of the serving RSS
         self.load_seconds = time.perf_counter() - start
         logger.info("engine core ready in %.2fs: %s, quantization %s, max_model_len %d, "
                     "%d threads", self.load_seconds, self.executor.dtype,

@@ -22,6 +22,7 @@ from kvserve.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from kvserve.memory import return_freed_memory
 from kvserve.model_source import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.plugins import load_plugins
@@ -34,7 +35,8 @@ from kvserve.protocol.kv_transfer_params import KVTransferParams
 from kvserve.sample.logits_processor import load_processor_classes
 from kvserve.sampling_params import SamplingParams, fits_int64
 from kvserve.tokenizer import load_tokenizer
-from kvserve.models import load_config
+from kvserve.weights import load_config
+from kvserve.models.registry import check_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +68,14 @@ class LLMEngine:
         # check each request's arguments for them (`validate_params`)
         self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
-        load_config(self.source)  # an unsupported architecture fails now, not after the tokenizer
+        # an unsupported architecture fails now, not after the tokenizer (by name: this process
+        # never imports the model code)
+        load_config(self.source, check_architecture=check_architecture)
         # a process core loads the model while this process loads the tokenizer
         self.core = make_core_client(config, warm_up, wait=False)
         try:
             self.tokenizer = load_tokenizer(self.source)
+            return_freed_memory()  # the vocabulary's parse garbage (~40 MB at 128K tokens)
             ready = self.core.ready
         except BaseException:
             self.core.shutdown()

@@ -15,8 +15,7 @@ import os
 from types import ModuleType, SimpleNamespace
 
 from kvserve.errors import KernelBuildError
-from kvserve.kernels import isa, reference
-from kvserve.kernels.cpu_ext import build_failure, load_cpu_kernels, require_cpu_kernels
+from kvserve.kernels import isa
 
 OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gelu_tanh_and_mul",
             "rope_and_cache_", "paged_attention_",
@@ -45,6 +44,8 @@ def get_ops(use_cpu_kernels: bool = True, level: str | None = None) -> SimpleNam
     built for ("torch" for the reference ops). Raises KernelBuildError when the compiled kernels
     are asked for (`use_cpu_kernels`, and KVSERVE_KERNELS is not `reference`) and do not build."""
     if not use_cpu_kernels or kernels_choice() == "reference":
+        from kvserve.kernels import reference  # torch: imported where ops are used, not here
+
         return _op_set(reference, "torch")
     return compiled_ops(level)
 
@@ -52,6 +53,8 @@ def get_ops(use_cpu_kernels: bool = True, level: str | None = None) -> SimpleNam
 def compiled_ops(level: str | None = None) -> SimpleNamespace:
     """The compiled op set for `level` (default: the selected one); KernelBuildError if it does
     not build or this CPU cannot execute it."""
+    from kvserve.kernels.cpu_ext import require_cpu_kernels
+
     module = require_cpu_kernels(level)
     return _op_set(module, module.isa)
 
@@ -61,9 +64,19 @@ def _op_set(source: ModuleType, level: str) -> SimpleNamespace:
     for name in COMPILED_ONLY_NAMES:
         if hasattr(source, name):
             setattr(ops, name, getattr(source, name))
-    ops.compiled = source is not reference
+    ops.compiled = level != "torch"
     ops.isa = level
     return ops
+
+
+def __getattr__(name: str):
+    """The extension loader's names, imported on first use: it imports torch, which a process
+    that only reads `isa` (the API front-end, a benchmark client) does without."""
+    if name in ("build_failure", "load_cpu_kernels", "require_cpu_kernels"):
+        from kvserve.kernels import cpu_ext
+
+        return getattr(cpu_ext, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["KERNELS_ENV", "KernelBuildError", "OP_NAMES", "build_failure", "compiled_ops",

@@ -1,9 +1,13 @@
-"""The registry of model families: architecture name -> its model class (a CausalLM subclass).
+"""The registry of model families: architecture name -> its model class (a CausalLM subclass),
+or the "module:Class" that holds it, imported the first time a model of that family is built.
 
-The built-in families register themselves when `kvserve.models.families` is imported; families
-from other packages register through the `kvserve.model_families` entry point group (each entry
-point a callable run once, which calls `register_model`), or by calling `register_model`
-directly (e.g. from a `KVSERVE_PLUGINS` plugin, which runs in every process of an engine).
+Names are enough to check an architecture, so the API front-end (which only checks) never
+imports torch or the model code; the engine core, which builds the model, imports the one
+family it runs. The built-in families are a table of names in `kvserve.models.families`;
+families from other packages register through the `kvserve.model_families` entry point group
+(each entry point a callable run once, which calls `register_model`), or by calling
+`register_model` directly (e.g. from a `KVSERVE_PLUGINS` plugin, which runs in every process of
+an engine).
 """
 
 from __future__ import annotations
@@ -16,20 +20,34 @@ from kvserve.errors import UnsupportedArchitectureError
 from kvserve.plugins import PluginError
 
 ENTRY_POINT_GROUP = "kvserve.model_families"
-_models: dict[str, type] = {}
+_models: dict[str, type | str] = {}
 _lock = threading.Lock()
 _discovered = False
 
 
-def register_model(architecture: str, model_class: type) -> None:
+def register_model(architecture: str, model_class: type | str) -> None:
     """`architecture`: the name configs and GGUF files give (HF model_type as we name it,
-    GGUF general.architecture)."""
+    GGUF general.architecture). `model_class`: the class, or "package.module:ClassName" to
+    import it only when a model of the family is built (as vLLM's registry)."""
+    if isinstance(model_class, str) and ":" not in model_class:
+        raise ValueError(f"register_model({architecture!r}, {model_class!r}): a lazy class is "
+                         f"named 'package.module:ClassName'")
     _models[architecture] = model_class
 
 
 def model_class_for(architecture: str) -> type:
+    """The family's class (its module imported now if it was registered by name)."""
     check_architecture(architecture)
-    return _models[architecture]
+    entry = _models[architecture]
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(f"model family {architecture!r}: {entry} cannot be imported: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        _models[architecture] = entry
+    return entry
 
 
 def check_architecture(architecture: str | None, where: str | None = None) -> None:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import autotune
+from kvserve.quant.modes import FLOAT_SOURCE_TYPES, check_quantization_device
 from kvserve.kernels.reference import (
     pack_bf16,
     pack_int4,
@@ -47,8 +48,6 @@ from kvserve.kernels.reference import (
     quantize_int8_groupwise,
 )
 
-# plus "auto", see resolve_quantization
-QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8", "gguf")
 INT4_GROUP_SIZE = 32
 # Row counts at which the low-bit kernels stop winning. Our kernels' limits are measured per
 # shape on the machine at start-up (kvserve/kernels/autotune.py); these fixed values apply with
@@ -269,22 +268,6 @@ class Bf16PanelLinear(_PanelLinear):
 
 def _bias(linear: nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.data.to(dtype)
-
-
-# How a checkpoint may store float weights: a GGUF's float types, an HF directory's dtypes
-FLOAT_SOURCE_TYPES = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
-
-
-# Modes whose weights live in torch's CPU-only int4 packing (`_weight_int4pack_mm_for_cpu`) or
-# our C++ kernels: they run on CPU models only.
-CPU_ONLY_MODES = ("int4", "w4a8", "gguf")
-
-
-def check_quantization_device(mode: str, device: str) -> None:
-    """ValueError for a mode the device cannot run (the 4-bit modes off the CPU)."""
-    if mode in CPU_ONLY_MODES and torch.device(device).type != "cpu":
-        raise ValueError(f"quantization {mode!r} runs on the CPU only (its int4 kernels are "
-                         f"CPU kernels), not on {device!r}; use int8, w8a8 or none there")
 
 
 def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch.dtype,

@@ -21,12 +21,12 @@ from torch import nn
 from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.kernels.reference import GGUF_FORMATS
 from kvserve.quant.linear import (
-    QUANTIZATION_MODES,
     Bf16PanelLinear,
     _has_vector_kernels,
     _quantized_head,
 )
 from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod, _as_linear
+from kvserve.quant.modes import QUANTIZATION_MODES
 from kvserve.quant.stored import STORED_TYPES, StoredLinear, StoredMethod, pack_segments
 from kvserve.weights.quantized_rows import QuantizedRows
 

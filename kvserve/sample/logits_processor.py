@@ -12,9 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from kvserve.sample.processor_names import qualified_name, resolve
 from kvserve.sampling_params import SamplingParams
@@ -57,8 +58,14 @@ class BatchUpdate:
 
 # Where the sampler holds the logits it hands to processors: it samples on the CPU whatever
 # device the model runs on (one copy of the sampled rows a step), so a processor keeps its
-# tensors here.
-SAMPLING_DEVICE = torch.device("cpu")
+# tensors here. Built on first use (module __getattr__) so that the API front-end, which only
+# checks processor names, never imports torch.
+def __getattr__(name: str) -> Any:
+    if name == "SAMPLING_DEVICE":
+        import torch
+
+        return torch.device("cpu")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,20 @@
-"""The built-in model families; importing this package registers them (models/registry.py).
-Each module is one family (or a few that share its computation), composed of the shared layers
-in kvserve/models/layers/."""
+"""The built-in model families, by name: importing this package registers each architecture
+with the "module:Class" that implements it (models/registry.py), so checking a name imports no
+model code. Each module is one family (or a few that share its computation), composed of the
+shared layers in kvserve/models/layers/."""
 
-from kvserve.models.families import gemma, llama, phi3, qwen  # noqa: F401 (they register)
+from kvserve.models.registry import register_model
+
+BUILTIN_FAMILIES = {
+    "llama": "llama:LlamaForCausalLM",
+    "mistral": "llama:LlamaForCausalLM",
+    "smollm3": "llama:LlamaForCausalLM",
+    "qwen2": "qwen:Qwen2ForCausalLM",
+    "qwen3": "qwen:Qwen3ForCausalLM",
+    "phi3": "phi3:Phi3ForCausalLM",
+    "gemma2": "gemma:Gemma2ForCausalLM",
+    "gemma3": "gemma:Gemma3ForCausalLM",
+}
+
+for _architecture, _where in BUILTIN_FAMILIES.items():
+    register_model(_architecture, f"{__name__}.{_where}")

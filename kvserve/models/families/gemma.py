@@ -13,7 +13,6 @@ from kvserve.models.layers.attention import QKNorm, SelfAttention
 from kvserve.models.layers.causal_lm import CausalLM
 from kvserve.models.layers.mlp import GatedMLP
 from kvserve.models.layers.norm import RMSNorm
-from kvserve.models.registry import register_model
 
 NORM_OFFSET = 1.0
 
@@ -67,7 +66,3 @@ class Gemma2ForCausalLM(CausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
-
-
-register_model("gemma2", Gemma2ForCausalLM)
-register_model("gemma3", Gemma3ForCausalLM)

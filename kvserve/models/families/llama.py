@@ -15,7 +15,6 @@ from kvserve.models.layers.attention import SelfAttention
 from kvserve.models.layers.causal_lm import CausalLM
 from kvserve.models.layers.mlp import GatedMLP
 from kvserve.models.layers.norm import RMSNorm
-from kvserve.models.registry import register_model
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -57,7 +56,3 @@ class LlamaForCausalLM(CausalLM):
     def feed_forward(self, config: ModelConfig, prefix: str) -> GatedMLP:
         return GatedMLP(config.hidden_size, config.intermediate_size,
                         config.hidden_act, self.quant, f"{prefix}.mlp", self.parallel)
-
-
-for _name in ("llama", "mistral", "smollm3"):
-    register_model(_name, LlamaForCausalLM)

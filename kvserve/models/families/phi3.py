@@ -8,7 +8,6 @@ from __future__ import annotations
 from kvserve.models.families.llama import LlamaForCausalLM
 from kvserve.models.layers.mlp import GatedMLP
 from kvserve.models.layers.rotary import rotary_head_order
-from kvserve.models.registry import register_model
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -18,6 +17,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def feed_forward(self, config, prefix):
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                         self.quant, f"{prefix}.mlp", self.parallel, fused_checkpoint=True)
-
-
-register_model("phi3", Phi3ForCausalLM)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from kvserve.models.families.llama import LlamaForCausalLM
 from kvserve.models.layers.attention import QKNorm
-from kvserve.models.registry import register_model
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -15,7 +14,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(self, config):
         return {"qk_norm": QKNorm(config.rms_norm_eps)}
-
-
-register_model("qwen2", Qwen2ForCausalLM)
-register_model("qwen3", Qwen3ForCausalLM)
