@@ -68,6 +68,29 @@ def test_pack_then_dequantize_gives_the_files_values_to_the_bit(qtype, kernels):
                                                torch.bfloat16), expected[16:33].bfloat16())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("ops_name", ["kernels", "reference"])
+def test_parts_packed_into_one_tensors_panels_equal_the_joined_parts(qtype, ops_name, kernels):
+    """A projection's parts (Q, K, V) packed each into its run of the panels (`out`) are the
+    panels of their rows joined; a part of whole panels is required before the last, and the
+    wrong `out` shape is a clear error."""
+    from kvserve.quant.stored import pack_segments
+    from kvserve.weights.quantized_rows import QuantizedRows
+
+    ops = kernels if ops_name == "kernels" else reference
+    block = reference.GGUF_FORMATS[qtype][0]
+    raws = [_file_rows(qtype, rows, 512, seed=rows) for rows in (32, 16, 21)]
+    parts = [QuantizedRows(qtype, raw, 512, block, f"part{i}") for i, raw in enumerate(raws)]
+    joined = ops.gguf_pack(torch.cat(raws), qtype)
+    (segment,) = pack_segments(parts, ops)
+    assert torch.equal(segment.panels, joined) and segment.rows == 69
+    uneven = [QuantizedRows(qtype, raw, 512, block) for raw in (raws[2], raws[0])]
+    (segment,) = pack_segments(uneven, ops)  # 21 rows first: joined, then packed
+    assert torch.equal(segment.panels, ops.gguf_pack(torch.cat([raws[2], raws[0]]), qtype))
+    with pytest.raises(ValueError, match="out must be contiguous uint8"):
+        ops.gguf_pack(raws[0], qtype, torch.empty_like(joined))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_integer_kernel_is_the_linear_of_rounded_activations(qtype, dtype, kernels):

@@ -583,9 +583,20 @@ def _plane_codes(planes: torch.Tensor, high_bits: int) -> torch.Tensor:
     return high.reshape(panels * INT4_PANEL, groups, INT4_GROUP).to(torch.uint8)
 
 
-def gguf_pack(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+def gguf_pack(raw: torch.Tensor, qtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """A GGUF tensor's bytes, uint8 [N, row_bytes] -> panels uint8 [ceil(N / 16), blocks a row,
-    bytes a (panel, block)] (the layouts of csrc/gguf_layouts.h); rows past N are zero."""
+    bytes a (panel, block)] (the layouts of csrc/gguf_layouts.h); rows past N are zero. `out`:
+    panels of that shape to write instead (a run of a larger tensor's)."""
+    panels = _gguf_pack(raw, qtype)
+    if out is None:
+        return panels
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.shape != panels.shape:
+        raise ValueError(f"gguf_pack: out must be contiguous uint8 {tuple(panels.shape)}, got "
+                         f"{tuple(out.shape)}")
+    return out.copy_(panels)
+
+
+def _gguf_pack(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     codes, meta = _gguf_decode(raw, qtype)
     rows, cols = codes.shape
     panels, blocks = -(-rows // INT4_PANEL), raw.shape[1] // GGUF_FORMATS[qtype][1]

@@ -19,6 +19,7 @@ from torch import nn
 
 from kvserve.kernels import autotune
 from kvserve.kernels.reference import GGUF_FORMATS
+from kvserve.kernels.reference import INT4_PANEL as PANEL_ROWS  # rows a panel interleaves
 from kvserve.quant.methods import LinearMethod, part_rows
 from kvserve.weights.quantized_rows import QuantizedRows
 
@@ -103,14 +104,34 @@ def pack_segments(parts: list[QuantizedRows], kernels) -> list[Segment]:
     start, run = 0, []
     for part in parts + [None]:
         if run and (part is None or part.qtype != run[0].qtype):
-            rows = QuantizedRows.cat(run) if len(run) > 1 else run[0]
-            segments.append(Segment(rows.qtype, kernels.gguf_pack(rows.bytes(), rows.qtype),
-                                    rows.shape[0], start))
-            start += rows.shape[0]
+            rows = sum(piece.shape[0] for piece in run)
+            segments.append(Segment(run[0].qtype, _pack_run(run, kernels), rows, start))
+            start += rows
             run = []
         if part is not None:
             run.append(part)
     return segments
+
+
+def _pack_run(run: list[QuantizedRows], kernels) -> torch.Tensor:
+    """One type's parts (Q, K and V; gate and up) as one tensor's panels. Each part is packed
+    straight from the file's map into its run of panels where the parts before it fill whole
+    panels (16 rows, as every real model's do); joining the bytes first was a third of a
+    load's time."""
+    first = run[0]
+    if len(run) == 1 or any(part.shape[0] % PANEL_ROWS for part in run[:-1]):
+        rows = QuantizedRows.cat(run) if len(run) > 1 else first
+        return kernels.gguf_pack(rows.bytes(), rows.qtype)
+    block_values, _, panel_block_bytes = GGUF_FORMATS[first.qtype]
+    total = sum(part.shape[0] for part in run)
+    panels = torch.empty(-(-total // PANEL_ROWS), first.cols // block_values, panel_block_bytes,
+                         dtype=torch.uint8)
+    offset = 0
+    for part in run:
+        count = -(-part.shape[0] // PANEL_ROWS)
+        kernels.gguf_pack(part.bytes(), part.qtype, panels[offset:offset + count])
+        offset += count
+    return panels
 
 
 class StoredMethod(LinearMethod):

@@ -1138,8 +1138,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x' @ W.T (+ bias): x rounded to int8 per group of 32, Q8_0 W, integer dot products",
         py::call_guard<py::gil_scoped_release>());
   m.def("gguf_pack", &kvserve::gguf_pack,
-        "a GGUF tensor's bytes [N, row_bytes] -> panels of its own codes and scales",
-        py::arg("raw"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
+        "a GGUF tensor's bytes [N, row_bytes] -> panels of its own codes and scales (into "
+        "`out`, contiguous panels of that shape, if given)",
+        py::arg("raw"), py::arg("qtype"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   // rows: int64 indices or a range (step 1), read while the GIL is held
   m.def("gguf_dequantize",
         [](const at::Tensor& panels, const std::string& qtype, const py::object& rows,

@@ -11,7 +11,8 @@ namespace kvserve {
 
 // raw: uint8 [N, row_bytes], a GGUF tensor's bytes (rows possibly reordered by the caller) ->
 // panels uint8 [ceil(N / 16), blocks a row, panel block bytes]; rows past N are zero.
-at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype);
+at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype,
+                     const c10::optional<at::Tensor>& out = c10::nullopt);
 
 // Rows `rows` (int64 [R]) or begin..end - 1 of gguf_pack's panels for K = cols -> [R, K] in
 // dtype (float32 or bfloat16): gguf.quants.dequantize's float32 values to the bit, then cast.

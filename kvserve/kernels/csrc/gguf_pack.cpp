@@ -548,7 +548,8 @@ at::Tensor gguf_dequantize_range(const at::Tensor& panels, const std::string& qt
   return dequantized(panels, qtype, nullptr, begin, end - begin, cols, dtype);
 }
 
-at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype) {
+at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype,
+                     const c10::optional<at::Tensor>& out_panels) {
   const GgufFormat& format = gguf_format(qtype);
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2,
               "gguf_pack: raw must be uint8 [N, row_bytes] (the tensor's bytes, one row each)");
@@ -558,8 +559,14 @@ at::Tensor gguf_pack(const at::Tensor& raw, const std::string& qtype) {
                     format.block_bytes, " bytes per ", format.block_values, " values)");
   const int64_t blocks = row_bytes / format.block_bytes;
   const at::Tensor src = raw.contiguous();
-  at::Tensor out = at::empty({(rows + kInt4Panel - 1) / kInt4Panel, blocks,
-                              format.panel_block_bytes}, raw.options());
+  const std::vector<int64_t> shape{(rows + kInt4Panel - 1) / kInt4Panel, blocks,
+                                   format.panel_block_bytes};
+  at::Tensor out = out_panels.has_value() ? *out_panels : at::empty(shape, raw.options());
+  // `out`: a run of another tensor's panels (parts of one projection packed in place)
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                        out.sizes() == at::IntArrayRef(shape),
+                    "gguf_pack: out must be contiguous uint8 ", at::IntArrayRef(shape),
+                    ", got ", out.sizes());
   bool fits = true;
   with_format(format.type, [&](auto tag) {
     fits = pack_panels<decltype(tag)>(src.data_ptr<uint8_t>(), rows, row_bytes, format,
