@@ -177,3 +177,22 @@ def test_the_engine_serves_it(checkpoint):
         assert len(output[0].outputs[0].token_ids) == 8
     finally:
         llm.shutdown()
+
+
+def test_a_family_registered_by_name_is_imported_only_when_built(monkeypatch):
+    """"module:Class" registers a family without importing it: its name passes the check (what
+    the API front-end does, without torch); building it imports the module, and one that cannot
+    be imported is a PluginError naming it."""
+    from kvserve.plugins import PluginError
+
+    monkeypatch.setitem(registry._models, "lazyfamily", "kvserve_no_such_module:Model")
+    registry.check_architecture("lazyfamily")
+    assert "lazyfamily" in registry.registered_architectures()
+    with pytest.raises(PluginError, match="kvserve_no_such_module:Model cannot be imported"):
+        registry.model_class_for("lazyfamily")
+    with pytest.raises(ValueError, match="package.module:ClassName"):
+        registry.register_model("lazyfamily", "no_colon")
+    monkeypatch.setitem(registry._models, "lazyllama",
+                        "kvserve.models.families.llama:LlamaForCausalLM")
+    assert registry.model_class_for("lazyllama").__name__ == "LlamaForCausalLM"
+    assert registry._models["lazyllama"] is registry.model_class_for("lazyllama")
