@@ -40,7 +40,7 @@ def git_commit(checkout: Path) -> str:
 
 
 def serve_and_measure(checkout: Path, port: int, scenarios: list[str], out_dir: Path,
-                      label: str) -> dict[str, dict]:
+                      label: str, server_args: list[str] = ()) -> dict[str, dict]:
     """Start `kvserve serve` from `checkout` (its own package first on the path), run each
     scenario with this checkout's client, stop it; the summaries by scenario."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
@@ -48,7 +48,8 @@ def serve_and_measure(checkout: Path, port: int, scenarios: list[str], out_dir: 
     summaries = {}
     with open(out_dir / f"{label}.server.log", "wb") as log:
         process = subprocess.Popen([PY, "-m", "kvserve.cli", "serve", "--port", str(port),
-                                    "--disable-log-requests"], cwd=checkout, env=env,
+                                    "--disable-log-requests", *server_args], cwd=checkout,
+                                   env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_healthy(base_url, process, timeout=900)
@@ -102,6 +103,9 @@ def main() -> int:
     parser.add_argument("--scenarios", default="s1,s2")
     parser.add_argument("--name", required=True)
     parser.add_argument("--port", type=int, default=8761)
+    parser.add_argument("--server-args", default="",
+                        help="flags both servers get, e.g. '--quantization w4a8' (one mode on "
+                        "both sides)")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     header = machine_header()
@@ -112,12 +116,15 @@ def main() -> int:
     rounds = []
     for index in range(args.rounds):
         rounds.append({side: serve_and_measure(Path(sides[side]["path"]), args.port, scenarios,
-                                               out_dir, f"{side}-r{index}")
+                                               out_dir, f"{side}-r{index}",
+                                               args.server_args.split())
                        for side in ("before", "after")})
         print(f"round {index} done", flush=True)
     (out_dir.parent / f"{args.name}.json").write_text(json.dumps(
         {"machine": header, "sides": sides, "rounds": rounds, "at": time.time()}, indent=1))
     text = report(args.name, header, sides, rounds, scenarios)
+    if args.server_args:
+        text += f"\nBoth servers ran with `{args.server_args}`.\n"
     (out_dir.parent / f"{args.name}.md").write_text(text)
     print(text)
     return 0

@@ -65,18 +65,26 @@ def test_leases_are_pulled_once_and_expire_unpulled():
 
 
 # ---- the TCP transport ---------------------------------------------------------------------
-def _caches(layers=3, blocks=8, fill=0.0, dtype=torch.float32):
-    return [torch.full((2, blocks, 4, 2, 8), fill, dtype=dtype) + torch.arange(
-        blocks, dtype=dtype).view(1, blocks, 1, 1, 1) * (i + 1) for i in range(layers)]
+# per-layer pages without the block dimension: standard attention's K and V planes, and a
+# single-plane page of another row width (a latent cache's shape) beside it
+PAGES = {"standard": [(2, 4, 2, 8)] * 3, "mixed": [(2, 4, 2, 8), (1, 4, 1, 24), (2, 4, 1, 8)]}
+
+
+def _caches(layers=3, blocks=8, fill=0.0, dtype=torch.float32, pages="standard"):
+    return [torch.full((planes, blocks, *rest), fill, dtype=dtype) + torch.arange(
+        blocks, dtype=dtype).view(1, blocks, 1, 1, 1) * (i + 1)
+        for i, (planes, *rest) in enumerate(PAGES[pages][:layers])]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_shm", [True, False])
-def test_a_pull_moves_the_held_blocks(dtype, use_shm):
-    caches, leases = _caches(dtype=dtype), LeaseTable()
+@pytest.mark.parametrize("pages", ["standard", "mixed"])
+def test_a_pull_moves_the_held_blocks(dtype, use_shm, pages):
+    """Blocks move by id, through /dev/shm or frames, whatever each layer's page layout."""
+    caches, leases = _caches(dtype=dtype, pages=pages), LeaseTable()
     sender = KVSender(caches, leases, "127.0.0.1", use_shm=use_shm)
     context = zmq.Context()
-    target = _caches(dtype=dtype, fill=-7)
+    target = _caches(dtype=dtype, fill=-7, pages=pages)
     before = [cache.clone() for cache in target]
     try:
         leases.hold("r", [5, 2, 6], timeout_s=10)
@@ -89,8 +97,8 @@ def test_a_pull_moves_the_held_blocks(dtype, use_shm):
             pull_into(context, "127.0.0.1", sender.port, "r", target, [1], 5)
         leases.hold("s", [1], timeout_s=10)
         with pytest.raises(KVTransferError, match="layouts differ"):
-            pull_into(context, "127.0.0.1", sender.port, "s", _caches(layers=2, dtype=dtype),
-                      [0], 5)
+            pull_into(context, "127.0.0.1", sender.port, "s",
+                      _caches(layers=2, dtype=dtype, pages=pages), [0], 5)
     finally:
         sender.close()
         context.term()

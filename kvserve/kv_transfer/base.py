@@ -125,7 +125,9 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """This rank's KV tensors, one per decoder layer it runs (its pipeline stage's), each
-        [2, blocks, block_size, kv_heads of this rank, head_dim]."""
+        its layer's page layout (attention/kv_tensors.py KVPageLayout.shape): [planes, blocks,
+        block_size, heads, row], blocks always on dim 1 (standard attention: [2, blocks,
+        block_size, kv_heads of this rank, head_dim]); layers may differ in shape."""
 
     def get_handshake_metadata(self) -> dict | None:
         """What the scheduler side must know of this rank (JSON-able), after

@@ -31,18 +31,18 @@ def shm_available() -> bool:
 
 def write_blocks(kv_caches: list[torch.Tensor], index: torch.Tensor) -> str:
     """Gather blocks `index` of every layer into a new /dev/shm file; its path. Raises OSError
-    (e.g. /dev/shm full) after removing what it wrote."""
-    per_layer = [2, len(index), *kv_caches[0].shape[2:]]
-    layer_bytes = kv_caches[0].element_size() * int(torch.Size(per_layer).numel())
+    (e.g. /dev/shm full) after removing what it wrote. Each layer's cache is its page layout's
+    [planes, blocks, block_size, ...] (attention/kv_tensors.py), layers of any shapes, one
+    dtype."""
+    shapes = block_run_shapes(kv_caches, len(index))
     path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, layer_bytes * len(kv_caches))
-        with mmap.mmap(fd, layer_bytes * len(kv_caches), flags=_MAP_FLAGS) as mapping:
+        size = sum(shape.numel() for shape in shapes) * kv_caches[0].element_size()
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size, flags=_MAP_FLAGS) as mapping:
             flat = _view(mapping, kv_caches[0].dtype)
-            for i, cache in enumerate(kv_caches):
-                out = flat[i * layer_bytes // cache.element_size():
-                           (i + 1) * layer_bytes // cache.element_size()].view(per_layer)
+            for cache, out in zip(kv_caches, _layers(flat, shapes)):
                 torch.index_select(cache, 1, index, out=out)
                 del out
             del flat
@@ -61,19 +61,30 @@ def read_blocks(path: str, kv_caches: list[torch.Tensor], index: torch.Tensor,
     fd = os.open(path, os.O_RDONLY)
     os.unlink(path)
     try:
-        per_layer = [2, num_blocks, *kv_caches[0].shape[2:]]
-        layer_elems = int(torch.Size(per_layer).numel())
-        size = layer_elems * kv_caches[0].element_size() * len(kv_caches)
+        shapes = block_run_shapes(kv_caches, num_blocks)
+        size = sum(shape.numel() for shape in shapes) * kv_caches[0].element_size()
         with mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ) as mapping:
             flat = _view(mapping, kv_caches[0].dtype)
             count = len(index)
-            for i, cache in enumerate(kv_caches):
-                layer = flat[i * layer_elems:(i + 1) * layer_elems].view(per_layer)
+            for cache, layer in zip(kv_caches, _layers(flat, shapes)):
                 cache.index_copy_(1, index, layer[:, :count])
                 del layer
             del flat
     finally:
         os.close(fd)
+
+
+def block_run_shapes(kv_caches: list[torch.Tensor], num_blocks: int) -> list[torch.Size]:
+    """Each layer's shape for `num_blocks` of its blocks (its cache with dim 1 resized)."""
+    return [torch.Size([cache.shape[0], num_blocks, *cache.shape[2:]]) for cache in kv_caches]
+
+
+def _layers(flat: torch.Tensor, shapes: list[torch.Size]):
+    """Consecutive views of `flat`, one per shape."""
+    offset = 0
+    for shape in shapes:
+        yield flat[offset:offset + shape.numel()].view(shape)
+        offset += shape.numel()
 
 
 def _view(mapping: mmap.mmap, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The transport (ZeroMQ over TCP): a decode engine pulls a held request's blocks by id.
 
 The prefill engine's `KVSender` thread serves a ROUTER socket. A `Pull` names the request and
-the layout the puller expects (layers, block size, KV heads, head dim, dtype); the sender takes
+the layout the puller expects (block size, each layer's page shape, dtype); the sender takes
 the lease (leases.py), gathers the request's blocks from every layer's KV tensor and answers
-with a `PullReply` header and one frame per layer ([2, blocks, block_size, kv_heads, head_dim],
+with a `PullReply` header and one frame per layer (its page layout's [planes, blocks, ...],
 sent without copying once gathered), then marks the lease done. One round trip: there is no
 release message, and a puller that dies mid-reply costs the sender nothing. A sender that dies
 is a pull that times out (`transfer_timeout_s`). A pull may come before the sender's rank has
@@ -39,19 +39,27 @@ class KVTransferError(RuntimeError):
 
 
 class KVLayout(msgspec.Struct, frozen=True, array_like=True):
-    """What a block is: two engines exchange blocks only when these agree."""
+    """What a block is: two engines exchange blocks only when these agree. `pages`: each
+    layer's page as its cache holds it without the block dimension (its KVPageLayout: planes,
+    block size, then the rows: [2, 16, kv heads, head dim] for standard attention)."""
 
-    num_layers: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
+    pages: tuple[tuple[int, ...], ...]
     dtype: str
 
     @classmethod
     def of(cls, kv_caches: list[torch.Tensor]) -> "KVLayout":
-        _, _, block_size, kv_heads, head_dim = kv_caches[0].shape
-        return cls(len(kv_caches), block_size, kv_heads, head_dim,
+        pages = tuple((int(cache.shape[0]), *map(int, cache.shape[2:])) for cache in kv_caches)
+        return cls(int(kv_caches[0].shape[2]), pages,
                    str(kv_caches[0].dtype).removeprefix("torch."))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pages)
+
+    def layer_shape(self, layer: int, num_blocks: int) -> tuple[int, ...]:
+        planes, *rest = self.pages[layer]
+        return (planes, num_blocks, *rest)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -209,11 +217,10 @@ def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
         return count
     if len(frames) != layout.num_layers:
         raise KVTransferError(f"{len(frames)} layers received, {layout.num_layers} expected")
-    shape = (2, reply.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     with warnings.catch_warnings():  # read-only buffers: only read, then copied
         warnings.simplefilter("ignore", UserWarning)
-        for cache, frame in zip(kv_caches, frames):
+        for number, (cache, frame) in enumerate(zip(kv_caches, frames)):
             layer = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(
-                layout.torch_dtype).view(shape)
+                layout.torch_dtype).view(layout.layer_shape(number, reply.num_blocks))
             cache.index_copy_(1, index, layer[:, :count])
     return count

@@ -21,7 +21,7 @@ from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.distributed.sharding import kv_heads_of_rank
 from kvserve.models.layers.linear import qkv_parallel, row_parallel
 from kvserve.models.layers.norm import RMSNorm
-from kvserve.models.layers.rotary import RotaryEmbedding
+from kvserve.models.layers.rotary import RotaryEmbedding, rotate_cached_keys
 from kvserve.quant import QuantPolicy
 
 
@@ -80,6 +80,14 @@ class SelfAttention(nn.Module):
     def kv_page_layout(self, dtype: torch.dtype) -> KVPageLayout:
         """What one token of this layer keeps in the paged cache (this rank's KV heads)."""
         return attention_page_layout(self.num_kv_heads, self.head_dim, dtype)
+
+    def shift_cached_keys(self, block_ids: torch.Tensor,
+                          rotation: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rotate the keys this layer cached in `block_ids` by `rotation` (attention sinks'
+        window moving back, worker/streaming.py): its page's first plane holds the keys. A
+        layer with another page layout rotates whatever of its page carries RoPE."""
+        keys = self.kv_cache[0]
+        keys[block_ids] = rotate_cached_keys(keys[block_ids], rotation)
 
     def forward(self, ops, positions: torch.Tensor, hidden: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

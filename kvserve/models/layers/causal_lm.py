@@ -25,7 +25,7 @@ from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 from kvserve.models.layers.decoder import DecoderModel, IntermediateTensors
 from kvserve.models.layers.embedding import LogitsHead, TokenEmbedding
 from kvserve.models.layers.linear import PartitionedLinear
-from kvserve.models.layers.rotary import RotaryEmbedding, rotate_cached_keys
+from kvserve.models.layers.rotary import RotaryEmbedding
 from kvserve.quant import QuantPolicy
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
@@ -128,8 +128,7 @@ class CausalLM(nn.Module):
         index = torch.tensor(block_ids, dtype=torch.long)
         rotations = {kind: table.rotation(delta) for kind, table in self.model.rotaries.items()}
         for layer in self.model.stage_layers:
-            keys = layer.self_attn.kv_cache[0]
-            keys[index] = rotate_cached_keys(keys[index], rotations[layer.self_attn.rope_kind])
+            layer.self_attn.shift_cached_keys(index, rotations[layer.self_attn.rope_kind])
 
     def bind_kv_connector(self, hooks) -> None:
         """A KV connector's worker side whose per-layer hooks the stage's layers call (its
