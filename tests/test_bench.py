@@ -571,3 +571,17 @@ def test_structured_scenarios_constrain_every_request_in_each_servers_own_field(
         "s2": summary(0.050, 600.0), "s11": summary(0.051, 585.0)}}])
     assert lines[-1] == ("- kvserve: s10/s1 TPOT p50 1.020x, out tok/s 0.978x; s11/s2 TPOT p50 "
                          "1.020x, out tok/s 0.975x")
+
+
+def test_bench_offline_runs_the_engine_and_reports_its_dtype(tiny_model_dir, tmp_path, capsys):
+    """`kvserve bench offline`: throughput of LLM.generate, with the dtype and quantization the
+    engine core reports (it once read an attribute the engine no longer had)."""
+    from kvserve.cli import main
+
+    out = tmp_path / "offline.json"
+    assert main(["bench", "offline", "--model", str(tiny_model_dir), "--dtype", "float32",
+                 "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 2 and result["output_throughput"] > 0
+    assert (result["dtype"], result["quantization"]) == ("float32", "none")

@@ -248,7 +248,8 @@ def _offline(args) -> int:
     result = {"requests": len(outputs), "seconds": seconds,
               "output_throughput": generated / seconds,
               "total_token_throughput": (generated + prompt_tokens) / seconds,
-              "ttft_p50_s": ttfts[len(ttfts) // 2], "dtype": str(llm.llm_engine.dtype)}
+              "ttft_p50_s": ttfts[len(ttfts) // 2], "dtype": llm.llm_engine.core_ready.dtype,
+              "quantization": llm.llm_engine.core_ready.quantization}
     print(json.dumps(result, indent=1))
     if args.output_json:
         report.write_json(args.output_json, result)

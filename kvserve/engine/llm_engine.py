@@ -80,6 +80,7 @@ class LLMEngine:
         except BaseException:
             self.core.shutdown()
             raise
+        self.core_ready = ready  # what the core reports of itself: dtype, quantization, sizing
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
