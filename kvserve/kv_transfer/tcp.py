@@ -25,7 +25,13 @@ import torch
 import zmq
 
 from kvserve.kv_transfer.leases import LeaseTable
-from kvserve.kv_transfer.shm import ShmJanitor, read_blocks, shm_available, write_blocks
+from kvserve.kv_transfer.shm import (
+    ShmJanitor,
+    block_run_shapes,
+    read_blocks,
+    shm_available,
+    write_blocks,
+)
 from kvserve.platform import host_identity
 
 logger = logging.getLogger(__name__)
@@ -56,10 +62,6 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     @property
     def num_layers(self) -> int:
         return len(self.pages)
-
-    def layer_shape(self, layer: int, num_blocks: int) -> tuple[int, ...]:
-        planes, *rest = self.pages[layer]
-        return (planes, num_blocks, *rest)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -219,8 +221,10 @@ def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
         raise KVTransferError(f"{len(frames)} layers received, {layout.num_layers} expected")
     with warnings.catch_warnings():  # read-only buffers: only read, then copied
         warnings.simplefilter("ignore", UserWarning)
-        for number, (cache, frame) in enumerate(zip(kv_caches, frames)):
+        # the layouts agreed, so the sender's layers have this side's page shapes
+        for cache, frame, shape in zip(kv_caches, frames,
+                                       block_run_shapes(kv_caches, reply.num_blocks)):
             layer = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(
-                layout.torch_dtype).view(layout.layer_shape(number, reply.num_blocks))
+                layout.torch_dtype).view(shape)
             cache.index_copy_(1, index, layer[:, :count])
     return count

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import autotune
-from kvserve.quant.modes import FLOAT_SOURCE_TYPES, check_quantization_device
+from kvserve.quant.modes import FLOAT_SOURCE_TYPES, check_quantization_device, device_type
 from kvserve.kernels.reference import (
     pack_bf16,
     pack_int4,
@@ -284,7 +284,7 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     check_quantization_device(mode, device)
     if mode != "auto":
         return mode
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = device_type(device) == "cpu"
     block_quantized = source_weight_type is not None and \
         source_weight_type not in FLOAT_SOURCE_TYPES
     if on_cpu and block_quantized and (dtype == torch.bfloat16 or dtype_is_default):
