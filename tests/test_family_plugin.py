@@ -22,6 +22,7 @@ FAMILY_FILE = '''
 """A parallel-block decoder: x + attn(norm(x)) + mlp(norm(x))."""
 from torch import nn
 
+from kvserve.config import FamilyRules
 from kvserve.models import register_model
 from kvserve.models.layers.attention import SelfAttention
 from kvserve.models.layers.causal_lm import CausalLM
@@ -55,8 +56,23 @@ class ParallelForCausalLM(CausalLM):
         return ParallelBlock(config, attention, mlp)
 
 
+class ParallelBlockRules(FamilyRules):
+    """Its config.json names the model type parallel_block and the MLP width ffn_hidden_size."""
+    architecture = "parallelblock"
+    hf_model_type = "parallel_block"
+    hf_class_name = "ParallelForCausalLM"
+
+    def from_hf(self, hf):
+        return super().from_hf(dict(hf, intermediate_size=hf["ffn_hidden_size"]))
+
+    def to_hf(self, config):
+        hf = super().to_hf(config)
+        hf["ffn_hidden_size"] = hf.pop("intermediate_size")
+        return hf
+
+
 def register():
-    register_model("parallelblock", ParallelForCausalLM)
+    register_model("parallelblock", ParallelForCausalLM, config_rules=ParallelBlockRules())
 '''
 
 
@@ -120,6 +136,7 @@ def checkpoint(plugin, tmp_path_factory, tokenizer):
 
     from kvserve.models import random_model
 
+    registry.check_architecture("parallelblock")  # discovers the plugin (and its config rules)
     config = tiny_config(architecture="parallelblock")
     model = random_model(config, "float32", seed=7)
     directory = tmp_path_factory.mktemp("parallelblock")
@@ -133,6 +150,19 @@ def checkpoint(plugin, tmp_path_factory, tokenizer):
 def test_the_family_is_found_through_its_entry_point(plugin):
     assert registry.model_class_for("parallelblock").__name__ == "ParallelForCausalLM"
     assert "parallelblock" in registry.registered_architectures()
+
+
+def test_its_config_is_read_by_its_own_rules(checkpoint):
+    """The family's config rules (registered with it) read a config.json whose fields the
+    shared reading does not know: its own model_type and MLP width name."""
+    from kvserve.model_source import resolve_model
+    from kvserve.weights.loader import load_config
+
+    directory, config, _ = checkpoint
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["model_type"] == "parallel_block" and "intermediate_size" not in raw
+    assert load_config(resolve_model(directory), use_cache=False,
+                       check_architecture=registry.check_architecture) == config
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])

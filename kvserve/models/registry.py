@@ -16,6 +16,7 @@ import importlib
 import threading
 from importlib.metadata import entry_points
 
+from kvserve.config import FamilyRules, architecture_of_hf_model_type, register_family_rules
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.plugins import PluginError
 
@@ -25,13 +26,21 @@ _lock = threading.Lock()
 _discovered = False
 
 
-def register_model(architecture: str, model_class: type | str) -> None:
+def register_model(architecture: str, model_class: type | str,
+                   config_rules: FamilyRules | None = None) -> None:
     """`architecture`: the name configs and GGUF files give (HF model_type as we name it,
     GGUF general.architecture). `model_class`: the class, or "package.module:ClassName" to
-    import it only when a model of the family is built (as vLLM's registry)."""
+    import it only when a model of the family is built (as vLLM's registry). `config_rules`:
+    how the family's configs are read (kvserve.config.FamilyRules, torch-free; None: the
+    shared reading, as a Llama-shaped config)."""
     if isinstance(model_class, str) and ":" not in model_class:
         raise ValueError(f"register_model({architecture!r}, {model_class!r}): a lazy class is "
                          f"named 'package.module:ClassName'")
+    if config_rules is not None:
+        if config_rules.architecture != architecture:
+            raise ValueError(f"register_model({architecture!r}): its config rules are "
+                             f"{config_rules.architecture!r}'s")
+        register_family_rules(config_rules)
     _models[architecture] = model_class
 
 
@@ -52,9 +61,10 @@ def model_class_for(architecture: str) -> type:
 
 def check_architecture(architecture: str | None, where: str | None = None) -> None:
     """UnsupportedArchitectureError naming every registered family unless one is
-    `architecture` (what a config or GGUF file at `where` names)."""
+    `architecture` (what a config or GGUF file at `where` names: an HF model_type is read as
+    the family whose rules claim it, e.g. gemma3_text as gemma3)."""
     _discover()
-    if architecture not in _models:
+    if architecture_of_hf_model_type(architecture) not in _models:
         source = f" ({where})" if where else ""
         raise UnsupportedArchitectureError(
             f"Architecture {architecture!r} is not supported yet{source}; kvserve implements "

@@ -15,11 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.config import (
-    GEMMA_ARCHITECTURES,
-    ModelConfig,
-    gemma_options,
-)
+from kvserve.config import FamilyRules, ModelConfig, family_rules
 from kvserve.errors import (
     CorruptModelFileError,
     UnsupportedArchitectureError,
@@ -47,37 +43,9 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma's four norms per layer: llama.cpp's ffn_norm is the MLP's input norm, as in Llama, but
-# HF names it pre_feedforward_layernorm there (post_attention_layernorm normalises attention's
-# output instead).
-_GEMMA_LAYER_NAMES = dict(_LAYER_NAMES, **{
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-})
-# Phi-3: the checkpoint's fused projections as they are (llama.cpp's ffn_up holds gate then up)
-_PHI3_LAYER_NAMES = dict(_LAYER_NAMES, **{
-    "attn_qkv.weight": "self_attn.qkv_proj.weight",
-    "attn_qkv.bias": "self_attn.qkv_proj.bias",
-    "ffn_up.weight": "mlp.gate_up_proj.weight",
-})
-_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
-                     "phi3": _PHI3_LAYER_NAMES}
 # LongRoPE's factor sets: llama.cpp stores them as tensors, we read them into the config
 _LONGROPE_TENSORS = {"long_factor": "rope_factors_long.weight",
                      "short_factor": "rope_factors_short.weight"}
-# Architectures whose llama.cpp converter permutes Q/K rows for its interleaved RoPE.
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "smollm3")
-# llama.cpp's built-in layer patterns where the file has no sliding_window_pattern key: each
-# n-th layer is global (its LLM_ARCH hparams).
-_DEFAULT_WINDOW_PATTERNS = {"gemma2": 2, "gemma3": 6}
-# SmolLM3 applies no RoPE on each 4th layer (llama.cpp's n_no_rope_layer_step, HF's interval)
-_NO_ROPE_EVERY = {"smollm3": 4}
-# Gemma 3's sliding layers' RoPE base: llama.cpp's rope_freq_base_train_swa for the family
-_LOCAL_ROPE_THETA = {"gemma3": 10000.0}
-# The 27B Gemmas scale queries by hidden / heads, not head_dim (llama.cpp's LLM_TYPE_27B, by
-# layer count; HF configs say so in query_pre_attn_scalar)
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -126,12 +94,13 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     if vocab is None:
         raise CorruptModelFileError(f"GGUF file lacks {arch}.vocab_size")
     layers = int(need("block_count"))
-    return ModelConfig(
+    rules = family_rules(arch)
+    fields = dict(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_hidden_layers=int(need("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -143,35 +112,29 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_scaling=_rope_scaling(meta, arch),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        sliding_windows=_sliding_windows(meta, arch, layers),
+        sliding_windows=_sliding_windows(meta, arch, layers, rules),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        rope_layers=tuple((i + 1) % _NO_ROPE_EVERY[arch] != 0 for i in range(layers))
-        if arch in _NO_ROPE_EVERY else (),
-        local_rope_theta=_LOCAL_ROPE_THETA.get(arch),
+        rope_layers=_rope_layers(rules, layers),
+        local_rope_theta=rules.gguf_local_rope_theta,
         partial_rotary_factor=_partial_rotary_factor(rotary, head_dim),
-        **(_gemma_gguf_options(meta, arch, hidden, heads, layers)
-           if arch in GEMMA_ARCHITECTURES else {}),
     )
+    return ModelConfig(**fields, **rules.gguf_fields(meta, fields))
 
 
-def _gemma_gguf_options(meta: dict[str, Any], arch: str, hidden: int, heads: int,
-                        layers: int) -> dict[str, Any]:
-    hf_like = {"attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
-               "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
-    if _GEMMA_27B_LAYERS.get(arch) == layers:
-        hf_like["query_pre_attn_scalar"] = hidden // heads
-    return dict(gemma_options(arch, hidden, hf_like), hidden_act="gelu_pytorch_tanh")
+def _rope_layers(rules: FamilyRules, layers: int) -> tuple[bool, ...]:
+    every = rules.gguf_no_rope_every
+    return tuple((i + 1) % every != 0 for i in range(layers)) if every else ()
 
 
-def _sliding_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(meta: dict[str, Any], arch: str, layers: int,
+                     rules: FamilyRules) -> tuple[int | None, ...]:
     """`<arch>.attention.sliding_window` (0 or absent: none) on the layers its
     `sliding_window_pattern` marks, as llama.cpp reads them: an array of bools (true: windowed),
     or an integer n (every layer but each n-th, 0: all); no pattern: every layer."""
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     if window <= 0:
         return ()
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern",
-                       _DEFAULT_WINDOW_PATTERNS.get(arch))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", rules.window_pattern)
     if pattern is None:
         return (window,) * layers
     if isinstance(pattern, (list, tuple)):
@@ -261,16 +224,17 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """llama.cpp name -> HF name, or None for tensors we do not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = _ARCH_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in layer_names:
-        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
+    if match:
+        name = family_rules(architecture).gguf_layer_names.get(match.group(2)) or \
+            _LAYER_NAMES.get(match.group(2))
+        return f"model.layers.{match.group(1)}.{name}" if name else None
     return None
 
 
 def permuted_heads(name: str, config: ModelConfig) -> int:
     """Heads of a Q or K projection llama.cpp permuted for its interleaved RoPE, else 0."""
-    if config.architecture not in _PERMUTED_QK_ARCHITECTURES:
+    if not family_rules(config.architecture).gguf_permuted_qk:
         return 0
     if ".q_proj." in name:
         return config.num_attention_heads

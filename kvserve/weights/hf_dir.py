@@ -6,21 +6,20 @@ import json
 from pathlib import Path
 
 
-from kvserve.config import ModelConfig, hf_architecture_name
+from kvserve.config import ModelConfig
 from kvserve.errors import CorruptModelFileError
 
 
 def load_hf_config(directory: Path, check_architecture=None) -> ModelConfig:
-    """config.json as our ModelConfig; `check_architecture(name, where)` first (see
-    weights.loader.load_config)."""
+    """config.json as our ModelConfig; `check_architecture(model_type, where)` first (see
+    weights.loader.load_config; it maps the HF model_type once every family is registered)."""
     config_path = directory / "config.json"
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CorruptModelFileError(f"Cannot read {config_path}: {exc}") from exc
     if check_architecture is not None:
-        check_architecture(hf_architecture_name(raw.get("model_type")),
-                           f"{config_path}'s model_type")
+        check_architecture(raw.get("model_type"), f"{config_path}'s model_type")
     try:
         return ModelConfig.from_hf_dict(raw)
     except KeyError as exc:

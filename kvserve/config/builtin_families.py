@@ -1,0 +1,171 @@
+"""The config rules of the built-in families (their model code is in kvserve/models/families/):
+what each family's HF config class and llama.cpp's converter do differently from the shared
+reading in families.FamilyRules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.config.families import FamilyRules, one_window_size
+
+
+class Llama(FamilyRules):
+    architecture = "llama"
+    gguf_permuted_qk = True
+
+    def hf_sliding_windows(self, hf: dict[str, Any]) -> tuple[int | None, ...]:
+        return ()  # LlamaConfig has no window
+
+
+class _EveryLayerWindow(FamilyRules):
+    """Configs whose `sliding_window` windows every layer (absent: the class default; null:
+    none) and which ignore `layer_types`."""
+
+    default_window: int | None = None
+
+    def hf_sliding_windows(self, hf: dict[str, Any]) -> tuple[int | None, ...]:
+        window = hf.get("sliding_window", self.default_window)
+        return (window,) * hf["num_hidden_layers"] if window is not None else ()
+
+    def hf_window_fields(self, config) -> dict[str, Any]:
+        window = one_window_size(config)
+        if window is not None and None in config.sliding_windows:
+            raise ValueError(f"HF {self.architecture} windows every layer or none")
+        return {"sliding_window": window}
+
+
+class Mistral(_EveryLayerWindow):
+    architecture = "mistral"
+    hf_class_name = "MistralForCausalLM"
+    default_window = 4096
+    gguf_permuted_qk = True
+
+
+class Phi3(_EveryLayerWindow):
+    """Phi-3 and Phi-4-mini: fused QKV and gate/up projections, LongRoPE under old names."""
+
+    architecture = "phi3"
+    hf_class_name = "Phi3ForCausalLM"
+    rope_type_aliases = {"su": "longrope", "yarn": "longrope"}  # Phi3Config's own mapping
+    original_context_default = 4096
+    gguf_layer_names = {  # llama.cpp's ffn_up holds gate then up
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_qkv.bias": "self_attn.qkv_proj.bias",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    }
+
+
+class Qwen2(FamilyRules):
+    """Qwen2 drops `sliding_window` unless `use_sliding_window`; its windowed layers are
+    `layer_types`, or else those from index `max_window_layers` on."""
+
+    architecture = "qwen2"
+    hf_class_name = "Qwen2ForCausalLM"
+    attention_bias_by_default = True
+
+    def hf_sliding_windows(self, hf: dict[str, Any]) -> tuple[int | None, ...]:
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+        first = hf.get("max_window_layers", 28)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(hf["num_hidden_layers"])]
+        return super().hf_sliding_windows(dict(hf, sliding_window=window,
+                                               layer_types=layer_types))
+
+    def hf_window_fields(self, config) -> dict[str, Any]:
+        fields = super().hf_window_fields(config)
+        if fields:
+            fields["use_sliding_window"] = True
+            fields["max_window_layers"] = fields["layer_types"].index("sliding_attention")
+        return fields
+
+
+class Qwen3(Qwen2):
+    architecture = "qwen3"
+    hf_class_name = "Qwen3ForCausalLM"
+    attention_bias_by_default = False
+    qk_norm = True
+
+
+class SmolLM3(FamilyRules):
+    """Llama with no RoPE on some layers (HF's `no_rope_layers`, llama.cpp's every 4th)."""
+
+    architecture = "smollm3"
+    hf_class_name = "SmolLM3ForCausalLM"
+    tied_by_default = True
+    gguf_permuted_qk = True
+    gguf_no_rope_every = 4
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return dict(super().from_hf(hf), rope_layers=tuple(hf.get("no_rope_layers") or ()))
+
+    def to_hf(self, config) -> dict[str, Any]:
+        hf = super().to_hf(config)
+        if config.rope_layers:
+            hf["no_rope_layers"] = [int(r) for r in config.rope_layers]
+        return hf
+
+
+class Gemma2(FamilyRules):
+    """Norms scale by (1 + weight) in float32, around attention and MLP both (before and
+    after), a GeGLU MLP, the embedding scaled by sqrt(hidden), attention scaled by
+    query_pre_attn_scalar, scores and logits soft-capped."""
+
+    architecture = "gemma2"
+    hf_class_name = "Gemma2ForCausalLM"
+    tied_by_default = True
+    window_pattern = 2
+    # llama.cpp's ffn_norm is the MLP's input norm, as in Llama, but HF names it
+    # pre_feedforward_layernorm here (post_attention_layernorm normalises attention's output)
+    gguf_layer_names = {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+    # the 27B scales queries by hidden / heads, not head_dim (llama.cpp's LLM_TYPE_27B, by
+    # layer count; HF configs say so in query_pre_attn_scalar)
+    layers_of_27b = 46
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return dict(super().from_hf(hf), **self._gemma_fields(hf["hidden_size"], hf))
+
+    def to_hf(self, config) -> dict[str, Any]:
+        return dict(super().to_hf(config), query_pre_attn_scalar=config.scale**-2,
+                    attn_logit_softcapping=config.attn_logit_softcapping,
+                    final_logit_softcapping=config.final_logit_softcapping)
+
+    def gguf_fields(self, meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        arch, hidden = self.architecture, fields["hidden_size"]
+        hf_like = {"attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+                   "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping")}
+        if fields["num_hidden_layers"] == self.layers_of_27b:
+            hf_like["query_pre_attn_scalar"] = hidden // fields["num_attention_heads"]
+        return dict(self._gemma_fields(hidden, hf_like), hidden_act="gelu_pytorch_tanh")
+
+    @staticmethod
+    def _gemma_fields(hidden_size: int, hf: dict[str, Any]) -> dict[str, Any]:
+        scalar = hf.get("query_pre_attn_scalar")
+        return {
+            "norm_weight_offset": 1.0,
+            "sandwich_norms": True,
+            "embedding_multiplier": hidden_size**0.5,
+            "attention_scale": None if scalar is None else float(scalar) ** -0.5,
+            "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+            "final_logit_softcapping": hf.get("final_logit_softcapping"),
+        }
+
+
+class Gemma3(Gemma2):
+    """Gemma 2's layers with QK-norm, and a second RoPE base for the sliding layers; served as
+    its text model (HF's gemma3_text)."""
+
+    architecture = "gemma3"
+    hf_model_type = "gemma3_text"
+    hf_class_name = "Gemma3ForCausalLM"
+    qk_norm = True
+    window_pattern = 6
+    gguf_local_rope_theta = 10000.0  # llama.cpp's rope_freq_base_train_swa for the family
+    layers_of_27b = 62
+
+
+BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3())
