@@ -34,7 +34,8 @@ from kvserve.distributed.parallel_state import (
 from kvserve.memory import check_fits
 from kvserve.model_source import ModelSource
 from kvserve.models.registry import check_architecture, model_class_for
-from kvserve.quant import QuantPolicy, resolve_quantization
+from kvserve.quant import QuantPolicy, pack_cache, resolve_quantization
+from kvserve.quant.pack_cache import PackCache
 from kvserve.weights import gguf_file, gguf_stored
 from kvserve.weights import load_config as read_config
 from kvserve.weights.hf_dir import safetensors_files
@@ -70,10 +71,11 @@ def load_config(source: ModelSource, use_cache: bool = True) -> ModelConfig:
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
                 attention_backend: str = "torch_ref", use_cpu_kernels: bool = True,
                 quantization: str = "none", parallel: ParallelContext | None = None,
-                source_types: dict[str, str] | None = None):
+                source_types: dict[str, str] | None = None, pack_cache=None):
     """The family's model for `config` (the whole model's; with `parallel`, this rank's share
     is built), allocated on `device` in `dtype`, awaiting `load_weights`. `source_types`: how
-    the checkpoint stores each tensor (a GGUF's block types), which `gguf` keeps."""
+    the checkpoint stores each tensor (a GGUF's block types), which `gguf` keeps, packed for
+    our kernels or found so in `pack_cache` (quant/pack_cache.py)."""
     # the compiled kernels read CPU memory; other devices run the torch versions of the ops
     use_cpu_kernels = use_cpu_kernels and torch.device(device).type == "cpu"
     backend = get_attention_backend(attention_backend, use_cpu_kernels)
@@ -81,7 +83,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     # kernels only); quantized ones need our kernels whatever path attends
     kernels = getattr(backend, "ops", None) if quantization == "none" \
         else get_ops(use_cpu_kernels)
-    quant = QuantPolicy(quantization, dtype, kernels, parallel, source_types)
+    quant = QuantPolicy(quantization, dtype, kernels, parallel, source_types, pack_cache)
     with torch.device("meta"):
         model = model_class_for(config.architecture)(config, backend, parallel, quant)
     _allocate(model, dtype, device)
@@ -139,16 +141,38 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, kernels,
                                                        parallel, source_types),
                            parallel, reserve_bytes)
+    cache = _pack_cache(source, quantization, parallel, device)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
-                        quantization, parallel, source_types)
+                        quantization, parallel, source_types, cache)
     built = time.perf_counter()
     model.load_weights(_on_device(_checkpoint_tensors(source, reader, config, parallel),
                                   device))
     del reader  # the file's map goes with the last tensor that still views it
+    loaded = time.perf_counter()
+    if cache is not None:
+        cache.save()
     logger.info("model %s (%s, quantization %s) from %s: config and build %.2fs, weights "
-                "%.2fs", source.name, torch_dtype, quantization, source.path, built - start,
-                time.perf_counter() - built)
+                "%.2fs%s", source.name, torch_dtype, quantization, source.path, built - start,
+                loaded - built, _pack_cache_note(cache, loaded))
     return model, model.config
+
+
+def _pack_cache(source: ModelSource, quantization: str, parallel: ParallelContext | None,
+                device) -> PackCache | None:
+    """The GGUF's packed-panel cache where a load packs them (one process holding the whole
+    model on the CPU; ranks pack their shards afresh)."""
+    if source.format != "gguf" or quantization != "gguf" or is_distributed(parallel) or \
+            torch.device(device).type != "cpu" or not pack_cache.enabled(source.path):
+        return None
+    return PackCache(source.path)
+
+
+def _pack_cache_note(cache: PackCache | None, loaded: float) -> str:
+    if cache is None:
+        return ""
+    if cache.hits:
+        return f" ({cache.hits} packed runs mapped from {cache.data_path})"
+    return f" (packed; written to {cache.data_path} in {time.perf_counter() - loaded:.2f}s)"
 
 
 def estimate_weight_bytes(config: ModelConfig, policy: QuantPolicy,

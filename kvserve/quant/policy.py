@@ -38,9 +38,10 @@ UNKEPT_TYPE_MODE = "w4a8"
 class QuantPolicy:
     def __init__(self, mode: str, dtype: torch.dtype, kernels=None,
                  parallel: ParallelContext | None = None,
-                 source_types: dict[str, str] | None = None):
+                 source_types: dict[str, str] | None = None, pack_cache=None):
         """`source_types`: checkpoint tensor name -> how the file stores it (a GGUF's
-        GGMLQuantizationType names; empty for an HF directory)."""
+        GGMLQuantizationType names; empty for an HF directory). `pack_cache`: where `gguf`
+        mode's stored projections find their panels packed already (quant/pack_cache.py)."""
         if mode not in QUANTIZATION_MODES:
             raise ValueError(f"Unknown quantization {mode!r}; choose one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
@@ -50,6 +51,7 @@ class QuantPolicy:
             kernels = get_ops(True)
         self.mode, self.dtype, self.kernels, self.parallel = mode, dtype, kernels, parallel
         self.source_types = source_types or {}
+        self.pack_cache = pack_cache
 
     def stored_type(self, name: str) -> str | None:
         """The block type the file keeps checkpoint tensor `name` in, when the layer keeps it
@@ -66,7 +68,7 @@ class QuantPolicy:
         if mode == "gguf":
             types = {self.source_types.get(f"{prefix}.{name}.weight") for name in names} - {None}
             if types and types <= set(STORED_TYPES):
-                return StoredMethod(self.dtype, self.kernels)
+                return StoredMethod(self.dtype, self.kernels, self.pack_cache)
             if types <= set(FLOAT_TYPES):
                 return FloatMethod(self.dtype, self.kernels)
             mode = UNKEPT_TYPE_MODE
@@ -96,8 +98,8 @@ class QuantPolicy:
         F.linear on the weights as held)."""
         if isinstance(weight, QuantizedRows):
             if self.mode == "gguf" and weight.qtype in STORED_TYPES:
-                return StoredLinear(pack_segments([weight], self.kernels), None, weight.cols,
-                                    self.kernels, self.dtype)
+                return StoredLinear(pack_segments([weight], self.kernels, self.pack_cache),
+                                    None, weight.cols, self.kernels, self.dtype)
             weight = weight.dequantize()
         linear = _as_linear(weight.float(), None)
         if self.mode != "none":

@@ -98,14 +98,17 @@ class StoredLinear(nn.Module):
                                             self.in_features, dtype)
 
 
-def pack_segments(parts: list[QuantizedRows], kernels) -> list[Segment]:
-    """The parts' rows (in order) packed into one segment per run of a type."""
+def pack_segments(parts: list[QuantizedRows], kernels, cache=None) -> list[Segment]:
+    """The parts' rows (in order) packed into one segment per run of a type (`cache`: a
+    quant.pack_cache.PackCache that may hold them packed already)."""
     segments: list[Segment] = []
     start, run = 0, []
     for part in parts + [None]:
         if run and (part is None or part.qtype != run[0].qtype):
             rows = sum(piece.shape[0] for piece in run)
-            segments.append(Segment(run[0].qtype, _pack_run(run, kernels), rows, start))
+            panels = _pack_run(run, kernels) if cache is None else \
+                cache.panels(run, lambda parts: _pack_run(parts, kernels))
+            segments.append(Segment(run[0].qtype, panels, rows, start))
             start += rows
             run = []
         if part is not None:
@@ -137,8 +140,8 @@ def _pack_run(run: list[QuantizedRows], kernels) -> torch.Tensor:
 class StoredMethod(LinearMethod):
     """A projection whose parts are all in types our kernels keep (`STORED_TYPES`)."""
 
-    def __init__(self, dtype: torch.dtype, kernels):
-        self.dtype, self.kernels = dtype, kernels
+    def __init__(self, dtype: torch.dtype, kernels, pack_cache=None):
+        self.dtype, self.kernels, self.pack_cache = dtype, kernels, pack_cache
 
     def create_weights(self, layer):
         layer.impl = None
@@ -157,7 +160,8 @@ class StoredMethod(LinearMethod):
 
     def finish(self, layer):
         parts = [layer.staged[index] for index in range(len(layer.parts))]
-        layer.impl = StoredLinear(pack_segments(parts, self.kernels), layer.staged.get("bias"),
+        layer.impl = StoredLinear(pack_segments(parts, self.kernels, self.pack_cache),
+                                  layer.staged.get("bias"),
                                   layer.in_features, self.kernels, self.dtype)
         layer.staged = {}
 

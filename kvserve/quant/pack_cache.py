@@ -1,0 +1,138 @@
+"""Packed GGUF panels kept in the cache directory, so that a second load of the same file maps
+them instead of packing every projection again.
+
+Packing (`gguf_pack`: the file's blocks into our kernels' 16-row panels) reads the whole file
+and writes a fresh copy of it; the copy's pages are faulted in as they are written. Mapped from
+a file written on the first load, the panels cost nothing until a step touches them, and the
+page cache usually holds them already. The cost is a second copy of the model on disk (the
+file's size), so it is a switch: `KVSERVE_PACK_CACHE=0` turns it off; files under
+`MIN_FILE_BYTES`, which pack in a fraction of a second, are never copied.
+
+The file is keyed by the GGUF's path, size and mtime (weights/cache.py) and by the panel
+layout (`layout_fingerprint`); each run it serves is checked against a fresh pack of its first
+rows, so a cache from a build whose layout differs is never used. A cache whose size disagrees with its
+index (a truncated write, a full disk) is ignored and written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvserve.kernels.reference import GGUF_FORMATS, INT4_PANEL
+from kvserve.weights.cache import _atomic_write, artifact_path
+
+logger = logging.getLogger(__name__)
+
+PACK_LAYOUT_VERSION = 1  # bump whenever gguf_pack's output changes for the same input
+_ALIGN = 4096  # each run starts on a page of the file
+
+
+# files smaller than this pack in well under a second: no copy of them on disk
+MIN_FILE_BYTES = 64 << 20
+
+
+def enabled(gguf_path: Path) -> bool:
+    """Whether loads of this file use the cache: `KVSERVE_PACK_CACHE` (0: never) and size."""
+    if os.environ.get("KVSERVE_PACK_CACHE", "1") == "0":
+        return False
+    return gguf_path.stat().st_size >= MIN_FILE_BYTES
+
+
+def layout_fingerprint() -> str:
+    text = f"{PACK_LAYOUT_VERSION}|{INT4_PANEL}|{sorted(GGUF_FORMATS.items())}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class PackCache:
+    """The packed runs of one GGUF file: mapped from the cache where a complete one exists,
+    else collected as they are packed and written by `save` after the load."""
+
+    def __init__(self, gguf_path: Path):
+        base = artifact_path(gguf_path, f"packed-{layout_fingerprint()}")
+        self.index_path = base.with_name(base.name + ".json")
+        self.data_path = base.with_name(base.name + ".bin")
+        self.entries: dict[str, tuple[int, list[int]]] = {}
+        self.mapped: torch.Tensor | None = None
+        self.packed: list[tuple[str, torch.Tensor]] = []  # a miss: what `save` writes
+        self.hits = 0
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            index = json.loads(self.index_path.read_text())
+            size = self.data_path.stat().st_size
+        except (OSError, ValueError):
+            return
+        if index.get("bytes") != size or size == 0:
+            logger.warning("ignoring the packed-weights cache %s: %d bytes, its index says %s",
+                           self.data_path, size, index.get("bytes"))
+            return
+        self.entries = {key: (offset, shape) for key, (offset, shape) in
+                        index["entries"].items()}
+        self.mapped = torch.from_file(str(self.data_path), shared=False, size=size,
+                                      dtype=torch.uint8)
+
+    def panels(self, run: list, pack: Callable[[list], torch.Tensor]) -> torch.Tensor:
+        """The run's panels (`run`: its parts, QuantizedRows): a view of the mapped cache, or
+        `pack(run)`'s. A view is checked first: its first panel must equal a fresh pack of the
+        run's first rows (a few KB), so a cache of another layout or file is never served."""
+        key = run_key(run)
+        entry = self.entries.get(key) if self.mapped is not None else None
+        if entry is None:
+            panels = pack(run)
+            if self.mapped is None:
+                self.packed.append((key, panels))
+            return panels
+        offset, shape = entry
+        view = self.mapped[offset:offset + _numel(shape)].view(shape)
+        head = pack([run[0][:min(INT4_PANEL, run[0].shape[0])]])
+        if not torch.equal(head[0], view[0]):
+            logger.warning("the packed-weights cache %s differs from a fresh pack of %s: "
+                           "packing it afresh", self.data_path, key)
+            return pack(run)
+        self.hits += 1
+        return view
+
+    def save(self) -> None:
+        """Write the runs this load packed (none when the cache served it), data then index,
+        each atomically; a failure (a full disk) is logged, never raised."""
+        if not self.packed:
+            return
+        entries, offset = {}, 0
+        for key, panels in self.packed:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            entries[key] = (offset, list(panels.shape))
+            offset += panels.numel()
+        try:
+            _atomic_write(self.data_path, self._write_data)
+            _atomic_write(self.index_path, lambda name: Path(name).write_text(
+                json.dumps({"bytes": offset, "entries": entries})))
+        except OSError as exc:
+            logger.warning("could not write the packed-weights cache %s: %s", self.data_path,
+                           exc)
+        self.packed = []
+
+    def _write_data(self, name: str) -> None:
+        with open(name, "wb") as out:
+            for _, panels in self.packed:
+                out.seek(-(-out.tell() // _ALIGN) * _ALIGN)
+                out.write(memoryview(panels.contiguous().numpy()).cast("B"))
+
+
+def run_key(parts) -> str:
+    """A run's identity in its file: each part's tensor name, rows, columns and type."""
+    return "+".join(f"{p.name}:{p.shape[0]}x{p.cols}:{p.qtype}" for p in parts)
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
