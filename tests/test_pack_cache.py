@@ -5,6 +5,7 @@ truncated cache, or one whose panels differ from a fresh pack, is never served."
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ def _load(path):
     model, _ = load_model(resolve_model(path), "float32", attention_backend="paged",
                           quantization="gguf")
     logits = PagedLoop(model, 1, 64).step([PROMPT[:12]], [12], [0], all_logits=True)[0]
+    for thread in threading.enumerate():  # the first load's copy, written in the background
+        if thread.name == "kvserve-pack-cache":
+            thread.join()
     return model, logits
 
 
@@ -95,6 +99,15 @@ def test_panels_that_differ_from_a_fresh_pack_are_not_served(model_file, caplog)
     assert f"fresh pack of {key}" in caplog.text
     assert torch.equal(logits, again)
     assert sum(_mapped_path(p) is None for p in _panels(model)) == 1
+
+
+def test_a_write_abandoned_by_a_killed_process_is_removed(model_file):
+    cache = PackCache(model_file)
+    cache.data_path.parent.mkdir(parents=True)
+    abandoned = cache.data_path.with_name(cache.data_path.name + ".partial-999999999")
+    abandoned.write_bytes(b"half a copy")
+    _load(model_file)
+    assert not abandoned.exists() and PackCache(model_file).mapped is not None
 
 
 def test_the_switch_turns_it_off(model_file, monkeypatch):

@@ -148,12 +148,11 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     model.load_weights(_on_device(_checkpoint_tensors(source, reader, config, parallel),
                                   device))
     del reader  # the file's map goes with the last tensor that still views it
-    loaded = time.perf_counter()
-    if cache is not None:
-        cache.save()
     logger.info("model %s (%s, quantization %s) from %s: config and build %.2fs, weights "
                 "%.2fs%s", source.name, torch_dtype, quantization, source.path, built - start,
-                loaded - built, _pack_cache_note(cache, loaded))
+                time.perf_counter() - built, _pack_cache_note(cache))
+    if cache is not None:
+        cache.save()
     return model, model.config
 
 
@@ -167,12 +166,12 @@ def _pack_cache(source: ModelSource, quantization: str, parallel: ParallelContex
     return PackCache(source.path)
 
 
-def _pack_cache_note(cache: PackCache | None, loaded: float) -> str:
+def _pack_cache_note(cache: PackCache | None) -> str:
     if cache is None:
         return ""
     if cache.hits:
         return f" ({cache.hits} packed runs mapped from {cache.data_path})"
-    return f" (packed; written to {cache.data_path} in {time.perf_counter() - loaded:.2f}s)"
+    return f" (packed; being written to {cache.data_path})" if cache.packed else ""
 
 
 def estimate_weight_bytes(config: ModelConfig, policy: QuantPolicy,

@@ -20,6 +20,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -100,30 +102,62 @@ class PackCache:
         self.hits += 1
         return view
 
-    def save(self) -> None:
-        """Write the runs this load packed (none when the cache served it), data then index,
-        each atomically; a failure (a full disk) is logged, never raised."""
+    def save(self, background: bool = True) -> threading.Thread | None:
+        """Write the runs this load packed (none when the cache served it): data, then the
+        index that makes it valid. In a background thread by default, so a first start
+        serves while its copy goes to disk (the panels are the model's own tensors, never
+        written to: the thread reads them as they are). The data goes to a file named by the
+        pid, renamed when whole: a process that exits first leaves no index (the next load
+        packs and writes again) and a partial file the next write removes. A failure (a full
+        disk) is logged, never raised."""
         if not self.packed:
-            return
+            return None
+        packed, self.packed = self.packed, []
+        if not background:
+            self._write(packed)
+            return None
+        thread = threading.Thread(target=self._write, args=(packed,),
+                                  name="kvserve-pack-cache", daemon=True)
+        thread.start()
+        return thread
+
+    def _write(self, packed: list[tuple[str, torch.Tensor]]) -> None:
         entries, offset = {}, 0
-        for key, panels in self.packed:
+        for key, panels in packed:
             offset = -(-offset // _ALIGN) * _ALIGN
             entries[key] = (offset, list(panels.shape))
             offset += panels.numel()
+        started = time.perf_counter()
+        _remove_abandoned_writes(self.data_path)
+        partial = self.data_path.with_name(f"{self.data_path.name}.partial-{os.getpid()}")
         try:
-            _atomic_write(self.data_path, self._write_data)
+            _write_data(partial, packed)
+            os.replace(partial, self.data_path)
             _atomic_write(self.index_path, lambda name: Path(name).write_text(
                 json.dumps({"bytes": offset, "entries": entries})))
         except OSError as exc:
+            partial.unlink(missing_ok=True)
             logger.warning("could not write the packed-weights cache %s: %s", self.data_path,
                            exc)
-        self.packed = []
+            return
+        logger.info("packed weights cached in %s (%.0f MiB, %.1fs); the next load maps them",
+                    self.data_path, offset / 2**20, time.perf_counter() - started)
 
-    def _write_data(self, name: str) -> None:
-        with open(name, "wb") as out:
-            for _, panels in self.packed:
-                out.seek(-(-out.tell() // _ALIGN) * _ALIGN)
-                out.write(memoryview(panels.contiguous().numpy()).cast("B"))
+
+def _write_data(path: Path, packed: list[tuple[str, torch.Tensor]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as out:
+        for _, panels in packed:
+            out.seek(-(-out.tell() // _ALIGN) * _ALIGN)
+            out.write(memoryview(panels.contiguous().numpy()).cast("B"))
+
+
+def _remove_abandoned_writes(data_path: Path) -> None:
+    """Partial copies left by processes killed while writing (named by their pid)."""
+    for partial in data_path.parent.glob(f"{data_path.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            partial.unlink(missing_ok=True)
 
 
 def run_key(parts) -> str:
