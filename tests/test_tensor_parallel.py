@@ -175,6 +175,18 @@ def test_phi3_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
     _hf_checkpoint_shards_match_one_process(pool, tmp_path / "phi3", config, tokenizer)
 
 
+def test_mixture_of_experts_shards_match_one_process(pool, tmp_path, tokenizer):
+    """Qwen2-MoE: each expert's (and the shared expert's) intermediate dimension split over
+    the ranks, the replicated router and shared-expert gate, one all-reduce of the routed and
+    shared sum; a dense layer beside the sparse ones."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, **CONFIGS[pool.world_size], num_hidden_layers=3, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+        mlp_only_layers=[1], norm_topk_prob=True, initializer_range=0.2)
+    _hf_checkpoint_shards_match_one_process(pool, tmp_path / "qwen2_moe", config, tokenizer)
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 

@@ -168,4 +168,80 @@ class Gemma3(Gemma2):
     layers_of_27b = 62
 
 
-BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3())
+class Mixtral(_EveryLayerWindow):
+    """Mistral's layers with a mixture of experts in each (softmax top-k, renormalised)."""
+
+    architecture = "mixtral"
+    hf_class_name = "MixtralForCausalLM"
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return dict(super().from_hf(hf), num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+
+    def to_hf(self, config) -> dict[str, Any]:
+        return dict(super().to_hf(config), num_local_experts=config.num_experts,
+                    num_experts_per_tok=config.num_experts_per_tok)
+
+
+class _QwenMoE(Qwen2):
+    """Qwen2-MoE and Qwen3-MoE: the mixture on the layers `decoder_sparse_step` and
+    `mlp_only_layers` leave sparse, top-k of a softmax renormalised if `norm_topk_prob`."""
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        # the hub's configs say num_experts; transformers 5 writes num_local_experts
+        experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        step = hf.get("decoder_sparse_step", 1) or 1
+        dense = set(hf.get("mlp_only_layers") or ())
+        layers = hf["num_hidden_layers"]
+        return dict(super().from_hf(hf), num_experts=experts,
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["moe_intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                                     for i in range(layers)))
+
+    def to_hf(self, config) -> dict[str, Any]:
+        layers = range(config.num_hidden_layers)
+        return dict(super().to_hf(config), num_experts=config.num_experts,
+                    num_experts_per_tok=config.num_experts_per_tok,
+                    moe_intermediate_size=config.moe_intermediate_size,
+                    norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
+                    mlp_only_layers=[i for i in layers if not config.is_moe_layer(i)])
+
+
+class Qwen2MoE(_QwenMoE):
+    """Qwen1.5-MoE / Qwen2-MoE: Q/K/V biases (`qkv_bias`), a shared expert with a sigmoid
+    gate beside the routed ones; windows on odd layers below max_window_layers when
+    `use_sliding_window` (its config class's rule, where no layer_types are given)."""
+
+    architecture = "qwen2_moe"
+    hf_class_name = "Qwen2MoeForCausalLM"
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return dict(super().from_hf(hf), attention_bias=bool(hf.get("qkv_bias", True)),
+                    shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size")
+                    or 0)
+
+    def hf_sliding_windows(self, hf: dict[str, Any]) -> tuple[int | None, ...]:
+        if hf.get("layer_types") or not hf.get("use_sliding_window", False):
+            return super().hf_sliding_windows(hf)
+        first_full = hf.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if (i + 1) % 2 and i < first_full
+                       else "full_attention" for i in range(hf["num_hidden_layers"])]
+        return super().hf_sliding_windows(dict(hf, layer_types=layer_types))
+
+    def to_hf(self, config) -> dict[str, Any]:
+        return dict(super().to_hf(config), qkv_bias=config.attention_bias,
+                    shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+
+
+class Qwen3MoE(_QwenMoE):
+    architecture = "qwen3_moe"
+    hf_class_name = "Qwen3MoeForCausalLM"
+    attention_bias_by_default = False
+    qk_norm = True
+
+
+BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3(),
+                 Mixtral(), Qwen2MoE(), Qwen3MoE())

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.config.registry import architecture_of_hf_model_type, family_rules
-from kvserve.errors import UnsupportedArchitectureError
+from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -65,6 +65,18 @@ class ModelConfig:
     # Phi-4-mini: RoPE rotates only the first `rotary_dim` = int(head_dim * factor) dims of each
     # query and key head (rotate-half within them); the rest pass through (HF's and vLLM's name).
     partial_rotary_factor: float = 1.0
+    # Mixtures of experts (0: every layer's MLP is dense). Each token goes to
+    # `num_experts_per_tok` of `num_experts` routed experts (softmax over the router's logits,
+    # the top k, renormalised to sum to 1 if `norm_topk_prob`), each a gated MLP of
+    # `moe_intermediate_size`; `shared_expert_intermediate_size` > 0 adds an expert every token
+    # takes, scaled by a sigmoid gate (Qwen2-MoE). `moe_layers`: per decoder layer, whether its
+    # MLP is the mixture (empty: every layer's); the others are dense of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
     # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
     # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
     max_model_len: int | None = field(default=None, compare=False)
@@ -90,9 +102,31 @@ class ModelConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedArchitectureError(
                 f"activation {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
+        moe_layers = self._checked_moe_layers()
         # normalised (JSON caches hand back lists): frozen, so through object.__setattr__
         object.__setattr__(self, "sliding_windows", windows)
         object.__setattr__(self, "rope_layers", rope_layers)
+        object.__setattr__(self, "moe_layers", moe_layers)
+
+    def _checked_moe_layers(self) -> tuple[bool, ...]:
+        layers = tuple(bool(m) for m in self.moe_layers)
+        if not self.num_experts:
+            if any(layers):
+                raise ValueError("moe_layers names mixture-of-experts layers of a model with "
+                                 "no experts")
+            return ()
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise CorruptModelFileError(
+                f"{self.num_experts_per_tok} experts per token of {self.num_experts}")
+        if self.moe_intermediate_size <= 0:
+            raise CorruptModelFileError("a mixture of experts needs moe_intermediate_size")
+        if layers and len(layers) != self.num_hidden_layers:
+            raise ValueError(f"{len(layers)} MoE flags for {self.num_hidden_layers} layers")
+        return () if all(layers) else layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     def sliding_window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window, None for full attention."""

@@ -94,6 +94,9 @@ class Recorder:
                           sliding_window=attention.sliding_window, softcap=attention.softcap,
                           **_head_settings(attention))
 
+    def moe(self, moe: nn.Module, hidden: Value) -> Value:
+        raise Unsupported("a mixture of experts")
+
     def all_reduce_(self, x: Value, tp) -> None:
         raise Unsupported("a tensor-parallel all-reduce")
 

@@ -85,6 +85,11 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
             raise CorruptModelFileError(f"GGUF file lacks required key {full!r}")
         return meta[full]
 
+    if int(meta.get(f"{arch}.expert_count") or 0):  # llama.cpp writes Mixtral as "llama"
+        raise UnsupportedArchitectureError(
+            f"this GGUF file's {arch} model is a mixture of {meta[f'{arch}.expert_count']} "
+            "experts, which kvserve reads from HF directories only so far (GGUF expert "
+            "tensors, ffn_*_exps, are not loaded yet)")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))

@@ -14,6 +14,9 @@ BUILTIN_FAMILIES = {
     "phi3": "phi3:Phi3ForCausalLM",
     "gemma2": "gemma:Gemma2ForCausalLM",
     "gemma3": "gemma:Gemma3ForCausalLM",
+    "mixtral": "moe:MixtralForCausalLM",
+    "qwen2_moe": "moe:Qwen2MoeForCausalLM",
+    "qwen3_moe": "moe:Qwen3MoeForCausalLM",
 }
 
 for _architecture, _where in BUILTIN_FAMILIES.items():

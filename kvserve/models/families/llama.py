@@ -20,12 +20,16 @@ from kvserve.models.layers.norm import RMSNorm
 class PreNormDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)): Llama's block (and Qwen's, Phi-3's)."""
 
-    def __init__(self, config: ModelConfig, self_attn: SelfAttention, mlp: GatedMLP):
+    def __init__(self, config: ModelConfig, self_attn: SelfAttention, mlp: nn.Module,
+                 mlp_name: str = "mlp"):
+        """`mlp`: a GatedMLP or a SparseMoE, held under `mlp_name` (its checkpoint name:
+        Mixtral's block_sparse_moe)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
 
     def forward(self, ops, positions, hidden, residual, metadata):
         if residual is None:  # the first layer: the residual stream is the embedding
@@ -34,7 +38,7 @@ class PreNormDecoderLayer(nn.Module):
             ops.add_rms_norm_(hidden, residual, self.input_layernorm)
         hidden = self.self_attn(ops, positions, hidden, metadata)
         ops.add_rms_norm_(hidden, residual, self.post_attention_layernorm)
-        return self.mlp(ops, hidden), residual
+        return self._modules[self.mlp_name](ops, hidden), residual
 
 
 class LlamaForCausalLM(CausalLM):

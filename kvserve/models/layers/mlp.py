@@ -16,18 +16,21 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str,
                  quant: QuantPolicy, prefix: str, parallel: ParallelContext | None = None,
-                 fused_checkpoint: bool = False):
+                 fused_checkpoint: bool = False,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         """`intermediate_size`: the whole model's; `prefix`: the module's checkpoint name;
-        `fused_checkpoint`: the checkpoint holds gate_up_proj (Phi-3), not gate/up."""
+        `fused_checkpoint`: the checkpoint holds gate_up_proj (Phi-3), not gate/up; `names`:
+        the gate, up and down projections' checkpoint names (Mixtral's experts: w1, w3, w2)."""
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: one of {', '.join(ACTIVATIONS)}")
         self.hidden_act = activation
+        gate, up, down = names
         self.gate_up_proj = column_parallel(
-            hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
+            hidden_size, [(gate, intermediate_size), (up, intermediate_size)],
             False, quant, prefix, parallel, fused_name="gate_up_proj",
             export_fused=fused_checkpoint)
-        self.down_proj = row_parallel(intermediate_size, hidden_size, "down_proj", False, quant,
+        self.down_proj = row_parallel(intermediate_size, hidden_size, down, False, quant,
                                       prefix, parallel)
 
     def forward(self, ops, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The operations a layer's forward is written against, once: RMSNorm (with the residual add
-fused), projections, an in-place add, gated activations, QK-norm, and attention (RoPE, the cache
-write, the attention backend). `LayerOps` runs them on an op set (the compiled C++ kernels or their torch
+fused), projections, an in-place add, gated activations, QK-norm, attention (RoPE, the cache
+write, the attention backend) and a mixture of experts. `LayerOps` runs them on an op set (the compiled C++ kernels or their torch
 versions, kvserve/kernels) and an attention backend; the decode stack's recorder
 (models/decode_stack.py) implements the same methods to capture a layer's op sequence, so the
 C++ stack is assembled from the layers' own forwards rather than written a second time.
@@ -65,6 +65,11 @@ class LayerOps:
                                      metadata.slot_mapping, heads, kv_heads, head_dim)
         return self.backend.attend(qkv, attention.kv_cache, metadata, heads, kv_heads, head_dim,
                                    attention.scale, attention.sliding_window, attention.softcap)
+
+    def moe(self, moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts (models/layers/moe.py): routing, each active expert's
+        projections over its tokens, the weighted sum."""
+        return moe.run(self, hidden)
 
     def all_reduce_(self, x: torch.Tensor, tp) -> None:
         """Tensor parallelism: partial sums (row-parallel outputs) summed over the ranks."""

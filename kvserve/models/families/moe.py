@@ -1,0 +1,50 @@
+"""Mixtures of experts on the pre-norm block: Mixtral (Mistral's layers, every MLP a mixture of
+8 experts, top 2 renormalised; checkpoints name it block_sparse_moe and its experts' projections
+w1, w3, w2), Qwen2-MoE (Qwen2's attention with Q/K/V biases, a shared expert with a sigmoid gate
+beside 60 routed ones) and Qwen3-MoE (Qwen3's QK-norm). The Qwen mixtures may leave layers
+dense (`ModelConfig.moe_layers`: decoder_sparse_step, mlp_only_layers)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.models.families.llama import LlamaForCausalLM, PreNormDecoderLayer
+from kvserve.models.layers.attention import QKNorm
+from kvserve.models.layers.moe import SparseMoE
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Llama's block whose MLP is a SparseMoE on the config's MoE layers."""
+
+    mlp_name = "mlp"
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def decoder_layer(self, config, index, prefix, rotary):
+        attention = self.attention(config, index, prefix, rotary)
+        if not config.is_moe_layer(index):
+            return PreNormDecoderLayer(config, attention, self.feed_forward(config, prefix))
+        return PreNormDecoderLayer(config, attention,
+                                   self.mixture(config, f"{prefix}.{self.mlp_name}"),
+                                   self.mlp_name)
+
+    def mixture(self, config: ModelConfig, prefix: str) -> nn.Module:
+        return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                         config.moe_intermediate_size, config.hidden_act, self.quant, prefix,
+                         self.parallel, normalize_top_k=config.norm_topk_prob,
+                         shared_intermediate_size=config.shared_expert_intermediate_size,
+                         expert_names=self.expert_names)
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    mlp_name = "block_sparse_moe"
+    expert_names = ("w1", "w3", "w2")
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    """Q/K/V biases come from the config (`qkv_bias`, true by default)."""
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    def attention_options(self, config):
+        return {"qk_norm": QKNorm(config.rms_norm_eps)}

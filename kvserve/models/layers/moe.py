@@ -1,0 +1,110 @@
+"""A mixture of experts in place of a layer's MLP: a router scores the experts per token, each
+token runs through its top k (their outputs weighted by the routing weights and summed), and,
+where the family has one, a shared expert every token takes (Qwen2-MoE, scaled by a sigmoid
+gate).
+
+Each expert is a `GatedMLP` with its own projections, so experts load, shard and quantize as
+every projection does (kvserve/quant: float, our int4/int8 conversions): with tensor
+parallelism each expert's intermediate dimension is split over the ranks (gate/up by rows, down
+by columns), the routed and shared outputs are summed on each rank and all-reduced once. The
+router is replicated and kept in the activation dtype, softmax in float32 (HF's order).
+
+The computation runs as one op of the op set (`LayerOps.moe`), here in Python over the op set's
+projections: tokens grouped by expert, one projection call per active expert over its tokens,
+the weighted outputs added into one float32 buffer. The decode stack cannot record it yet, so a
+model with experts keeps Python's decode loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.models.layers.mlp import GatedMLP
+from kvserve.quant import QuantPolicy
+
+
+class Router(nn.Module):
+    """The router's weights [experts, hidden] (checkpoint `<moe>.gate.weight`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+
+class SharedExpertGate(nn.Module):
+    """The shared expert's scalar gate per token (`<moe>.shared_expert_gate.weight`, [1, H])."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 activation: str, quant: QuantPolicy, prefix: str,
+                 parallel: ParallelContext | None = None, normalize_top_k: bool = False,
+                 shared_intermediate_size: int = 0,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        """`intermediate_size`: each expert's (the whole model's); `prefix`: the module's
+        checkpoint name; `expert_names`: an expert's gate, up and down projections'."""
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.normalize_top_k = normalize_top_k
+        self.tp = active(parallel)
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = nn.ModuleList(
+            self._expert(hidden_size, intermediate_size, activation, quant,
+                         f"{prefix}.experts.{index}", parallel, expert_names)
+            for index in range(num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = self._expert(hidden_size, shared_intermediate_size, activation,
+                                              quant, f"{prefix}.shared_expert", parallel)
+            self.shared_expert_gate = SharedExpertGate(hidden_size)
+
+    @staticmethod
+    def _expert(hidden_size, intermediate_size, activation, quant, prefix, parallel,
+                names=("gate_proj", "up_proj", "down_proj")) -> GatedMLP:
+        expert = GatedMLP(hidden_size, intermediate_size, activation, quant, prefix, parallel,
+                          names=names)
+        expert.down_proj.tp = None  # the layer all-reduces the sum of every expert's, once
+        return expert
+
+    def forward(self, ops, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.moe(self, hidden)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (float32): softmax over
+        the router's logits, the k largest, renormalised to sum to 1 where the family does."""
+        probabilities = F.linear(hidden, self.gate.weight).float().softmax(dim=-1)
+        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def run(self, ops, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, H] over `ops`' projections (`LayerOps.moe` calls this)."""
+        weights, experts = self.route(hidden)
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        flat_weights = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = tokens[start:start + count]
+                outputs = self.experts[expert](ops, hidden[rows])
+                out.index_add_(0, rows, outputs.float() * flat_weights[start:start + count, None])
+                start += count
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight).float())
+            out += gate * self.shared_expert(ops, hidden).float()
+        out = out.to(hidden.dtype)
+        if self.tp is not None:
+            ops.all_reduce_(out, self.tp)
+        return out
