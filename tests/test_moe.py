@@ -117,3 +117,52 @@ def test_int8_experts_stay_close(family):
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(family):
     assert_engine_chunked_and_cached_match(family["dir"], family["prompts"], family["tokens"],
                                            NEW_TOKENS)
+
+
+def _moe_fields(config) -> tuple:
+    return (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.norm_topk_prob, config.shared_expert_intermediate_size, config.moe_layers,
+            config.qk_norm, config.attention_bias)
+
+
+# llama.cpp's converter leaves no layer of a qwen2moe file dense
+GGUF_FAMILIES = dict(FAMILIES, qwen2_moe=lambda: transformers.Qwen2MoeConfig(
+    **SHAPE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+    shared_expert_intermediate_size=80))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GGUF_FAMILIES))
+def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
+    """llama.cpp's converter's file (Mixtral as "llama" with experts; qwen2moe, qwen3moe; each
+    layer's experts as one [experts, rows, cols] tensor) gives the HF directory's config and
+    logits: float32 to 1e-4; as Q8_0 blocks kept as stored (each expert's rows of the
+    experts tensor, the dequantizing GEMM: row limit 0), the same file dequantized to float32
+    within 1e-3."""
+    from kvserve.models.paged_loop import PagedLoop
+    from tests.helpers import convert_hf_to_gguf, save_hf_checkpoint
+
+    directory = tmp_path / name
+    save_hf_checkpoint(GGUF_FAMILIES[name](), directory, tokenizer)
+    hf_dir, _ = load_model(resolve_model(directory), "float32", attention_backend="paged")
+    prompt = list(range(5, 45))
+    expected = PagedLoop(hf_dir, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    for outtype in ("f32", "q8_0"):
+        path = convert_hf_to_gguf(directory, tmp_path / f"{name}-{outtype}.gguf", outtype)
+        model, config = load_model(resolve_model(path), "float32", attention_backend="paged",
+                                   quantization="gguf" if outtype == "q8_0" else "none")
+        assert config.architecture == name
+        assert _moe_fields(config) == _moe_fields(hf_dir.config)
+        got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+        if outtype == "f32":
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            continue
+        stored = [m for m in model.modules() if type(m).__name__ == "StoredLinear"]
+        expert = next(m for m in model.modules() if type(m).__name__ == "GatedMLP")
+        assert expert.gate_up_proj.impl in stored  # (a width of 48 or 40 stays F32 in the file)
+        for module in stored:
+            module.max_rows = 0
+        got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+        dequantized, _ = load_model(resolve_model(path), "float32", attention_backend="paged")
+        reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+        torch.testing.assert_close(got, reference, atol=1e-3, rtol=1e-4)

@@ -143,10 +143,10 @@ def test_gguf_rope_dimension_count_is_the_rotary_dim(rotary, head_dim):
     assert tiny_config(head_dim=head_dim, partial_rotary_factor=factor).rotary_dim == rotary
 
 
-def test_a_mixture_of_experts_gguf_is_refused_at_load():
-    """llama.cpp writes Mixtral as a "llama" file with an expert count: refused by name, not
-    loaded as a dense model that lacks its MLPs."""
-    meta = {"general.architecture": "llama", "llama.expert_count": 8}
+def test_experts_in_a_family_without_them_are_refused_at_load():
+    """A GGUF whose family kvserve runs dense but whose file has experts is refused by name,
+    not loaded as a dense model that lacks its MLPs (a "llama" file with experts is Mixtral)."""
+    meta = {"general.architecture": "gemma3", "gemma3.expert_count": 8}
     with pytest.raises(UnsupportedArchitectureError, match="mixture of 8 experts"):
         gguf_file.config_from_metadata(meta, set())
 

@@ -168,11 +168,26 @@ class Gemma3(Gemma2):
     layers_of_27b = 62
 
 
+def _expert_names(moe: str, gate: str, up: str, down: str) -> dict[str, str]:
+    """llama.cpp's MoE tensor names -> ours, under the block's name `moe`."""
+    return {"ffn_gate_inp.weight": f"{moe}.gate.weight",
+            "ffn_gate_exps.weight": f"{moe}.experts.{{}}.{gate}.weight",
+            "ffn_up_exps.weight": f"{moe}.experts.{{}}.{up}.weight",
+            "ffn_down_exps.weight": f"{moe}.experts.{{}}.{down}.weight"}
+
+
 class Mixtral(_EveryLayerWindow):
-    """Mistral's layers with a mixture of experts in each (softmax top-k, renormalised)."""
+    """Mistral's layers with a mixture of experts in each (softmax top-k, renormalised).
+    llama.cpp's converter writes it as a "llama" file with an expert count, Q/K rows
+    permuted."""
 
     architecture = "mixtral"
     hf_class_name = "MixtralForCausalLM"
+    is_moe = True
+    gguf_architecture = "llama"
+    gguf_permuted_qk = True
+    gguf_norm_topk_prob = True
+    gguf_layer_names = _expert_names("block_sparse_moe", "w1", "w3", "w2")
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         return dict(super().from_hf(hf), num_experts=hf["num_local_experts"],
@@ -187,6 +202,13 @@ class Mixtral(_EveryLayerWindow):
 class _QwenMoE(Qwen2):
     """Qwen2-MoE and Qwen3-MoE: the mixture on the layers `decoder_sparse_step` and
     `mlp_only_layers` leave sparse, top-k of a softmax renormalised if `norm_topk_prob`."""
+
+    is_moe = True
+    gguf_layer_names = dict(_expert_names("mlp", "gate_proj", "up_proj", "down_proj"), **{
+        "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"})
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         # the hub's configs say num_experts; transformers 5 writes num_local_experts
@@ -217,6 +239,7 @@ class Qwen2MoE(_QwenMoE):
 
     architecture = "qwen2_moe"
     hf_class_name = "Qwen2MoeForCausalLM"
+    gguf_architecture = "qwen2moe"
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         return dict(super().from_hf(hf), attention_bias=bool(hf.get("qkv_bias", True)),
@@ -239,6 +262,8 @@ class Qwen2MoE(_QwenMoE):
 class Qwen3MoE(_QwenMoE):
     architecture = "qwen3_moe"
     hf_class_name = "Qwen3MoeForCausalLM"
+    gguf_architecture = "qwen3moe"
+    gguf_norm_topk_prob = True  # llama.cpp's qwen3moe graph renormalises
     attention_bias_by_default = False
     qk_norm = True
 

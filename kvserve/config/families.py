@@ -39,7 +39,13 @@ class FamilyRules:
     # HF RoPE scaling names read as others (Phi-3's "su" and "yarn" are LongRoPE)
     rope_type_aliases: dict[str, str] = {}
     original_context_default: int | None = None  # a top-level original_max_position_embeddings
-    # GGUF: llama.cpp layer tensor names -> ours where the family differs from Llama's
+    is_moe = False  # its layers' MLPs are mixtures of experts
+    # GGUF: general.architecture where llama.cpp names the family otherwise (qwen2moe; Mixtral
+    # is "llama" with an expert count)
+    gguf_architecture: str | None = None
+    gguf_norm_topk_prob = False  # llama.cpp's choice where the file has no expert_weights_norm
+    # GGUF: llama.cpp layer tensor names -> ours where the family differs from Llama's ("{}" in
+    # ours: a tensor of every expert, [experts, rows, cols], split into one per expert)
     gguf_layer_names: dict[str, str] = {}
     gguf_permuted_qk = False  # the converter permuted Q/K rows for its interleaved RoPE
     gguf_no_rope_every: int | None = None  # each n-th layer has no RoPE (llama.cpp's step)

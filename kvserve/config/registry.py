@@ -27,3 +27,14 @@ def architecture_of_hf_model_type(model_type: str | None) -> str | None:
         if rules.hf_model_type is not None and rules.hf_model_type == model_type:
             return rules.architecture
     return model_type
+
+
+def architecture_of_gguf(gguf_architecture: str | None, has_experts: bool) -> str | None:
+    """Our architecture name for a GGUF's general.architecture (and whether the file has
+    experts: llama.cpp writes Mixtral as "llama")."""
+    named = [rules for rules in list(_rules.values())
+             if (rules.gguf_architecture or rules.architecture) == gguf_architecture]
+    for rules in named:
+        if rules.is_moe == has_experts:
+            return rules.architecture
+    return named[0].architecture if named else gguf_architecture

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.config import FamilyRules, ModelConfig, family_rules
+from kvserve.config import FamilyRules, ModelConfig, architecture_of_gguf, family_rules
 from kvserve.errors import (
     CorruptModelFileError,
     UnsupportedArchitectureError,
@@ -85,11 +85,13 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
             raise CorruptModelFileError(f"GGUF file lacks required key {full!r}")
         return meta[full]
 
-    if int(meta.get(f"{arch}.expert_count") or 0):  # llama.cpp writes Mixtral as "llama"
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    rules = family_rules(architecture_of_gguf(arch, experts > 0))
+    if experts and not rules.is_moe:
         raise UnsupportedArchitectureError(
-            f"this GGUF file's {arch} model is a mixture of {meta[f'{arch}.expert_count']} "
-            "experts, which kvserve reads from HF directories only so far (GGUF expert "
-            "tensors, ffn_*_exps, are not loaded yet)")
+            f"this GGUF file's {arch} model is a mixture of {experts} experts, which kvserve "
+            f"does not implement for {arch} (it does for "
+            f"{', '.join(_MOE_GGUF_NAMES)})")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
@@ -99,9 +101,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     if vocab is None:
         raise CorruptModelFileError(f"GGUF file lacks {arch}.vocab_size")
     layers = int(need("block_count"))
-    rules = family_rules(arch)
     fields = dict(
-        architecture=arch,
+        architecture=rules.architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -122,8 +123,32 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         rope_layers=_rope_layers(rules, layers),
         local_rope_theta=rules.gguf_local_rope_theta,
         partial_rotary_factor=_partial_rotary_factor(rotary, head_dim),
+        **(_moe_fields(meta, arch, rules, experts, layers) if experts else {}),
     )
     return ModelConfig(**fields, **rules.gguf_fields(meta, fields))
+
+
+# the mixtures of experts llama.cpp writes that kvserve reads (general.architecture names)
+_MOE_GGUF_NAMES = ("llama (Mixtral)", "qwen2moe", "qwen3moe")
+
+
+def _moe_fields(meta: dict[str, Any], arch: str, rules: FamilyRules, experts: int,
+                layers: int) -> dict[str, Any]:
+    """`<arch>.expert_*` keys as ModelConfig's MoE fields: the experts' MLP width (Mixtral's
+    is feed_forward_length), whether the top k renormalise (llama.cpp's per-family choice
+    where the file has no expert_weights_norm), leading dense layers."""
+    dense = int(meta.get(f"{arch}.leading_dense_block_count") or 0)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(meta.get(f"{arch}.expert_feed_forward_length")
+                                     or meta[f"{arch}.feed_forward_length"]),
+        "shared_expert_intermediate_size":
+            int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm",
+                                        rules.gguf_norm_topk_prob)),
+        "moe_layers": tuple(i >= dense for i in range(layers)) if dense else (),
+    }
 
 
 def _rope_layers(rules: FamilyRules, layers: int) -> tuple[bool, ...]:
@@ -212,7 +237,9 @@ def load_gguf_config(path: Path, check_architecture=None) -> ModelConfig:
     weights.loader.load_config)."""
     reader = open_gguf(path)
     if check_architecture is not None:
-        check_architecture(reader.metadata.get("general.architecture"), str(path))
+        arch = reader.metadata.get("general.architecture")
+        experts = reader.metadata.get(f"{arch}.expert_count") or 0
+        check_architecture(architecture_of_gguf(arch, experts > 0), str(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     meta = read_metadata(reader)
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -226,7 +253,8 @@ def load_gguf_config(path: Path, check_architecture=None) -> ModelConfig:
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """llama.cpp name -> HF name, or None for tensors we do not use."""
+    """llama.cpp name -> HF name, or None for tensors we do not use. A name with "{}" is a
+    tensor of every expert ([experts, rows, cols]), each expert's named by its index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)

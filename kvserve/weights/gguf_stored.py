@@ -32,23 +32,41 @@ def iter_gguf_stored(reader, config: ModelConfig) -> Iterator[tuple[str, object]
         if name is None:
             continue
         consumed.entering(tensor)
-        heads = permuted_heads(name, config)
-        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
-            array = dequantize_tensor(tensor)
-            if heads:
-                array = unpermute_rope_rows(array, heads)
-            if config.norm_weight_offset and name.endswith("norm.weight"):
-                array = array - np.float32(config.norm_weight_offset)
-            yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+        if "{}" in name:  # every expert's, [experts, rows, cols]: one tensor each
+            yield from _per_expert(name, _as_loaded(tensor, name, config),
+                                   int(tensor.shape[-1]))  # GGUF lists dims innermost first
             continue
-        _check_readable(tensor)
-        rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
-                             int(tensor.shape[0]), _block_elements(tensor), tensor.name)
-        if heads:
-            rows = rows[torch.from_numpy(unpermute_rope_rows(
-                np.arange(rows.shape[0])[:, None], heads)[:, 0])]
-        yield name, rows
+        yield name, _as_loaded(tensor, name, config)
     consumed.entering(None)
+
+
+def _as_loaded(tensor, name: str, config: ModelConfig):
+    """A float tensor as float32 torch (Q/K rows unpermuted, Gemma's norms less 1), a block-
+    quantized one as its QuantizedRows (rows moved the same way)."""
+    heads = permuted_heads(name, config)
+    if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+        array = dequantize_tensor(tensor)
+        if heads:
+            array = unpermute_rope_rows(array, heads)
+        if config.norm_weight_offset and name.endswith("norm.weight"):
+            array = array - np.float32(config.norm_weight_offset)
+        return torch.from_numpy(np.array(array, dtype=np.float32))
+    _check_readable(tensor)
+    rows = QuantizedRows(tensor.tensor_type.name, _rows_bytes(tensor),
+                         int(tensor.shape[0]), _block_elements(tensor), tensor.name)
+    if heads:
+        rows = rows[torch.from_numpy(unpermute_rope_rows(
+            np.arange(rows.shape[0])[:, None], heads)[:, 0])]
+    return rows
+
+
+def _per_expert(name: str, whole, experts: int) -> Iterator[tuple[str, object]]:
+    """An experts tensor's experts: float [E, rows, cols] by index; QuantizedRows (E * rows
+    rows, expert-major) by their runs of rows."""
+    rows = whole.shape[0] // experts
+    for expert in range(experts):
+        yield name.format(expert), whole[expert] if isinstance(whole, torch.Tensor) else \
+            whole[expert * rows:(expert + 1) * rows]
 
 
 class _PageRelease:
@@ -90,9 +108,17 @@ def _check_readable(tensor) -> None:
 
 def tensor_types(reader, config: ModelConfig) -> dict[str, str]:
     """HF name -> how the file stores it (a GGMLQuantizationType name), for the tensors the
-    model uses: what each projection's method is chosen from."""
-    return {name: tensor.tensor_type.name for tensor in reader.tensors
-            if (name := hf_tensor_name(tensor.name, config.architecture)) is not None}
+    model uses (each expert's of an experts tensor): what each projection's method is chosen
+    from."""
+    types = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, config.architecture)
+        if name is None:
+            continue
+        names = [name.format(e) for e in range(int(tensor.shape[-1]))] if "{}" in name \
+            else [name]
+        types.update(dict.fromkeys(names, tensor.tensor_type.name))
+    return types
 
 
 def _block_elements(tensor) -> int:

@@ -2,7 +2,8 @@
 8 experts, top 2 renormalised; checkpoints name it block_sparse_moe and its experts' projections
 w1, w3, w2), Qwen2-MoE (Qwen2's attention with Q/K/V biases, a shared expert with a sigmoid gate
 beside 60 routed ones) and Qwen3-MoE (Qwen3's QK-norm). The Qwen mixtures may leave layers
-dense (`ModelConfig.moe_layers`: decoder_sparse_step, mlp_only_layers)."""
+dense (`ModelConfig.moe_layers`: decoder_sparse_step, mlp_only_layers). Each loads from an HF
+directory or a GGUF (config/builtin_families.py names llama.cpp's tensors)."""
 
 from __future__ import annotations
 
