@@ -1,9 +1,10 @@
 """Mixtures of experts (models/layers/moe.py, models/families/moe.py): Mixtral, Qwen2-MoE (a
-shared expert with its sigmoid gate, a dense layer beside the sparse ones) and Qwen3-MoE
-(QK-norm, renormalised top-k), each a tiny random checkpoint made by HF transformers' own config
+shared expert with its sigmoid gate, a dense layer beside the sparse ones), Qwen3-MoE
+(QK-norm, renormalised top-k) and OLMoE (QK-norm over whole projections, Q/K/V clamped), each a tiny random checkpoint made by HF transformers' own config
 and model classes, against HF's forward pass in float32: logits within 1e-4 on each attention
 path, greedy tokens equal to HF's `generate` batched and alone, through the engine with chunked
-prefill and prefix hits, and with two tensor-parallel ranks. The router's weights are large
+prefill and prefix hits, int8 experts; each converted by llama.cpp's converter (float and
+Q8_0 kept as stored). Tensor parallelism: tests/test_tensor_parallel.py. The router's weights are large
 enough that the tokens of one prompt spread over every expert and pick different top-k sets
 (checked: a test whose tokens all took one expert would not test routing)."""
 
@@ -39,6 +40,9 @@ FAMILIES = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **SHAPE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1]),
+    # QK-norm over whole projections, Q/K/V clamped (small enough to bind here), top-3 of 5
+    "olmoe": lambda: transformers.OlmoeConfig(**SHAPE, num_experts=5, num_experts_per_tok=3,
+                                              clip_qkv=4.0),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
         norm_topk_prob=True),
@@ -85,6 +89,18 @@ def test_tokens_spread_over_the_experts(family):
     assert len({tuple(sorted(row)) for row in experts.tolist()}) > moe.num_experts // 2
 
 
+def test_the_olmoe_clamp_binds(family):
+    """The fixture's clip_qkv changes HF's logits, so matching them tests the clamp."""
+    if family["name"] != "olmoe":
+        pytest.skip("OLMoE only")
+    model = _model(family)
+    for module in model.modules():
+        if hasattr(module, "clip_qkv"):
+            module.clip_qkv = None
+    with pytest.raises(AssertionError):
+        assert_last_logits_match_hf(model, family, MAX_LEN, 1e-2)
+
+
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
 def test_logits_match_hf(family, backend):
     assert_last_logits_match_hf(_model(family, backend), family, MAX_LEN, TOLERANCE[backend])
@@ -125,10 +141,11 @@ def _moe_fields(config) -> tuple:
             config.qk_norm, config.attention_bias)
 
 
-# llama.cpp's converter leaves no layer of a qwen2moe file dense
+# llama.cpp's converter leaves no layer of a qwen2moe file dense, and writes no clip_qkv
 GGUF_FAMILIES = dict(FAMILIES, qwen2_moe=lambda: transformers.Qwen2MoeConfig(
     **SHAPE, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
-    shared_expert_intermediate_size=80))
+    shared_expert_intermediate_size=80),
+    olmoe=lambda: transformers.OlmoeConfig(**SHAPE, num_experts=5, num_experts_per_tok=3))
 
 
 @pytest.mark.slow

@@ -268,5 +268,33 @@ class Qwen3MoE(_QwenMoE):
     qk_norm = True
 
 
+class Olmoe(FamilyRules):
+    """OLMoE: RMSNorm over the whole query and key projections (not per head; the family's
+    attention, not `qk_norm`), an optional clamp of Q, K and V, 64 experts top-8 not
+    renormalised by default."""
+
+    architecture = "olmoe"
+    hf_class_name = "OlmoeForCausalLM"
+    is_moe = True
+    gguf_layer_names = _expert_names("mlp", "gate_proj", "up_proj", "down_proj")
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return dict(super().from_hf(hf),
+                    num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    clip_qkv=hf.get("clip_qkv"))
+
+    def to_hf(self, config) -> dict[str, Any]:
+        return dict(super().to_hf(config), num_experts=config.num_experts,
+                    num_experts_per_tok=config.num_experts_per_tok,
+                    norm_topk_prob=config.norm_topk_prob, clip_qkv=config.clip_qkv)
+
+    def gguf_fields(self, meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        clamp = meta.get(f"{self.architecture}.attention.clamp_kqv")
+        return {"qk_norm": False, "clip_qkv": None if clamp is None else float(clamp)}
+
+
 BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3(),
-                 Mixtral(), Qwen2MoE(), Qwen3MoE())
+                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe())

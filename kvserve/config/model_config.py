@@ -77,6 +77,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
+    # OLMoE: queries, keys and values clamped to [-clip_qkv, clip_qkv] after the projections
+    # (and its QK-norm); None: not clamped
+    clip_qkv: float | None = None
     # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
     # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
     max_model_len: int | None = field(default=None, compare=False)

@@ -94,6 +94,12 @@ class Recorder:
                           sliding_window=attention.sliding_window, softcap=attention.softcap,
                           **_head_settings(attention))
 
+    def norm_projections_(self, qkv: Value, attention: nn.Module) -> None:
+        raise Unsupported("QK-norm over whole projections")
+
+    def clamp_(self, x: Value, limit: float) -> None:
+        raise Unsupported("a clamp")
+
     def moe(self, moe: nn.Module, hidden: Value) -> Value:
         raise Unsupported("a mixture of experts")
 

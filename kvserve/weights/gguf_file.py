@@ -125,7 +125,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         partial_rotary_factor=_partial_rotary_factor(rotary, head_dim),
         **(_moe_fields(meta, arch, rules, experts, layers) if experts else {}),
     )
-    return ModelConfig(**fields, **rules.gguf_fields(meta, fields))
+    return ModelConfig(**{**fields, **rules.gguf_fields(meta, fields)})
 
 
 # the mixtures of experts llama.cpp writes that kvserve reads (general.architecture names)

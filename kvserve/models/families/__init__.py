@@ -17,6 +17,7 @@ BUILTIN_FAMILIES = {
     "mixtral": "moe:MixtralForCausalLM",
     "qwen2_moe": "moe:Qwen2MoeForCausalLM",
     "qwen3_moe": "moe:Qwen3MoeForCausalLM",
+    "olmoe": "moe:OlmoeForCausalLM",
 }
 
 for _architecture, _where in BUILTIN_FAMILIES.items():

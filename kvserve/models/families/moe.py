@@ -1,7 +1,8 @@
 """Mixtures of experts on the pre-norm block: Mixtral (Mistral's layers, every MLP a mixture of
 8 experts, top 2 renormalised; checkpoints name it block_sparse_moe and its experts' projections
 w1, w3, w2), Qwen2-MoE (Qwen2's attention with Q/K/V biases, a shared expert with a sigmoid gate
-beside 60 routed ones) and Qwen3-MoE (Qwen3's QK-norm). The Qwen mixtures may leave layers
+beside 60 routed ones), Qwen3-MoE (Qwen3's QK-norm) and OLMoE (QK-norm over whole
+projections, an optional clamp of Q, K and V). The Qwen mixtures may leave layers
 dense (`ModelConfig.moe_layers`: decoder_sparse_step, mlp_only_layers). Each loads from an HF
 directory or a GGUF (config/builtin_families.py names llama.cpp's tensors)."""
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel_state import active
+from kvserve.errors import UnsupportedArchitectureError
 from kvserve.models.families.llama import LlamaForCausalLM, PreNormDecoderLayer
-from kvserve.models.layers.attention import QKNorm
+from kvserve.models.layers.attention import QKNorm, SelfAttention
 from kvserve.models.layers.moe import SparseMoE
+from kvserve.models.layers.norm import RMSNorm
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -49,3 +53,35 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     def attention_options(self, config):
         return {"qk_norm": QKNorm(config.rms_norm_eps)}
+
+
+class ProjectionNormAttention(SelfAttention):
+    """OLMoE's attention: RMSNorm over the whole query and key projections before RoPE (its
+    weights of hidden and KV width), then Q, K and V clamped where the config says."""
+
+    def __init__(self, *args, clip_qkv: float | None = None, eps: float = 1e-5, **kwargs):
+        super().__init__(*args, **kwargs)
+        if active(kwargs.get("parallel")) is not None:
+            raise UnsupportedArchitectureError(
+                "OLMoE's QK-norm spans every head, so its attention cannot be split over "
+                "tensor-parallel ranks yet")
+        self.q_norm = RMSNorm(self.q_size, eps)
+        self.k_norm = RMSNorm(self.kv_size, eps)
+        self.clip_qkv = clip_qkv
+
+    def forward(self, ops, positions, hidden, metadata):
+        qkv = ops.linear(self.qkv_proj, hidden)
+        ops.norm_projections_(qkv, self)
+        if self.clip_qkv is not None:
+            ops.clamp_(qkv, self.clip_qkv)
+        attended = ops.attention(self, qkv, positions, metadata)
+        return ops.linear(self.o_proj, attended)
+
+
+class OlmoeForCausalLM(MoEForCausalLM):
+    def attention(self, config: ModelConfig, index: int, prefix: str, rotary) -> SelfAttention:
+        return ProjectionNormAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, rotary, self.quant, f"{prefix}.self_attn",
+            bias=config.attention_bias, parallel=self.parallel, clip_qkv=config.clip_qkv,
+            eps=config.rms_norm_eps)

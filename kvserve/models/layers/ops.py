@@ -52,6 +52,19 @@ class LayerOps:
                                      attention.num_kv_heads, attention.head_dim, q_norm.eps,
                                      q_norm.weight_offset)
 
+    def norm_projections_(self, qkv: torch.Tensor, attention: nn.Module) -> None:
+        """RMSNorm over the whole query and key projections (OLMoE; `norm_heads_` normalises
+        each head), in place."""
+        q_size, kv_size = attention.q_size, attention.kv_size
+        for part, norm in ((qkv[:, :q_size], attention.q_norm),
+                           (qkv[:, q_size:q_size + kv_size], attention.k_norm)):
+            part.copy_(self.kernels.rms_norm(part.contiguous(), norm.weight, norm.eps,
+                                             norm.weight_offset))
+
+    def clamp_(self, x: torch.Tensor, limit: float) -> None:
+        """x clamped to [-limit, limit] in place (OLMoE's clip_qkv)."""
+        x.clamp_(-limit, limit)
+
     def attention(self, attention: nn.Module, qkv: torch.Tensor, positions: torch.Tensor,
                   metadata: AttentionMetadata) -> torch.Tensor:
         """RoPE on the fused QKV rows' Q and K and their K/V written to the layer's cache (one
