@@ -61,6 +61,12 @@ class EngineMetrics:
             "Draft tokens accepted, by position in the draft", labels + ["position", "method"],
             registry=r)
         self._last_per_position: list[int] = []
+        # mixtures of experts: tokens routed to each expert of each MoE layer (a token counts
+        # once per expert of its top k), for load balance and to see which experts run
+        self._expert_tokens = Counter(
+            "kvserve:moe_expert_routed_tokens", "Tokens routed to each expert, by MoE layer",
+            labels + ["layer", "expert"], registry=r)
+        self._last_experts: dict[int, list[int]] = {}
         self._success = Counter("kvserve:request_success", "Finished requests by reason",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -101,6 +107,21 @@ class EngineMetrics:
             self._last[key] = value
         if stats.spec_accepted_per_position:
             self._record_spec_positions(stats)
+        if stats.expert_counts:
+            self._record_expert_counts(stats.expert_counts)
+
+    def _record_expert_counts(self, counts: dict[int, list[int]]) -> None:
+        """Each MoE layer's per-expert routed tokens (cumulative in the core): the increase
+        since the last report (a restarted core counts from zero: taken as a fresh start)."""
+        for layer, experts in counts.items():
+            last = self._last_experts.get(layer) or [0] * len(experts)
+            if sum(experts) < sum(last):
+                last = [0] * len(experts)
+            for expert, (value, before) in enumerate(zip(experts, last)):
+                if value > before:
+                    self._expert_tokens.labels(self.model_name, str(layer),
+                                               str(expert)).inc(value - before)
+            self._last_experts[layer] = list(experts)
 
     def _record_spec_positions(self, stats) -> None:
         counts = stats.spec_accepted_per_position

@@ -183,3 +183,41 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
         dequantized, _ = load_model(resolve_model(path), "float32", attention_backend="paged")
         reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
         torch.testing.assert_close(got, reference, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_metrics_count_the_tokens_routed_to_each_expert(tmp_path, tokenizer):
+    """`kvserve:moe_expert_routed_tokens` per MoE layer and expert: each layer's total is
+    top-k times the tokens the model ran (warm-up, a prompt, its decode steps, a second
+    prompt), reported about once a second from the worker; the dense layer has none."""
+    import time
+
+    import httpx
+    import prometheus_client.parser
+
+    from kvserve.testing.server import ServerProcess
+    from tests.helpers import save_hf_checkpoint, tiny_server_flags
+
+    save_hf_checkpoint(FAMILIES["qwen2_moe"](), tmp_path / "model", tokenizer)
+    warm_up = 4 + 1  # the core's warm-up request: a 4-token prompt, one decode step
+    first, new_tokens, second = list(range(5, 35)), 8, list(range(40, 52))
+    with ServerProcess(tiny_server_flags(tmp_path / "model"),
+                       log_path=tmp_path / "server.log") as server:
+        for prompt, tokens in ((first, new_tokens), (second, 1)):
+            time.sleep(1.2)  # the next step reports (one a second at most)
+            httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}).raise_for_status()
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    per_layer: dict[str, dict[str, float]] = {}
+    for family in prometheus_client.parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvserve:moe_expert_routed_tokens_total":
+                per_layer.setdefault(sample.labels["layer"], {})[sample.labels["expert"]] = \
+                    sample.value
+    ran = warm_up + len(first) + new_tokens - 1 + len(second)
+    assert sorted(per_layer) == ["0", "2"]  # layer 1 is dense
+    for experts in per_layer.values():
+        assert sum(experts.values()) == 3 * ran  # top-3
+        assert set(experts) <= {str(e) for e in range(6)} and len(experts) > 3

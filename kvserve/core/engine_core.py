@@ -69,6 +69,7 @@ HOUSEKEEPING_SECONDS = 0.1  # how often an idle core holding blocks for the conn
 # 3 drafts), over this many rounds (~0.8 s at start-up on Zen 4, with the curve's 0.4 s)
 READ_PROFILE_REQUESTS, READ_PROFILE_CONTEXT, READ_PROFILE_QUERIES = 4, 256, 4
 READ_PROFILE_ROUNDS = 6
+EXPERT_REPORT_INTERVAL_S = 1.0  # how often a model with experts reports their routed tokens
 
 
 class EngineCore:
@@ -110,7 +111,10 @@ class EngineCore:
         self.kv_events.add_source(self.scheduler.connector)
         # a transfer is done when every rank reported it
         self.kv_reports = KVOutputAggregator(config.world_size)
-        self.step_encoder = StepEncoder()  # what the workers hold: each step sends the rest
+        # what the workers hold: each step sends the rest (and, about once a second, asks a
+        # model with experts for their routed-token counts, for /metrics)
+        self.step_encoder = StepEncoder(
+            EXPERT_REPORT_INTERVAL_S if self.model_config.num_experts else None)
         spec = parse_speculative_config(config.speculative_config)
         self.drafter = self._make_drafter(spec) if spec is not None else None  # speculation
         # batches submitted to a pipelined executor, oldest first, not yet collected
@@ -576,7 +580,9 @@ class EngineCore:
         if self.scheduler.connector is not None:
             self._send_connector_work()
         self.kv_events.flush()
-        return EngineCoreOutputs(outputs, self.stats())
+        stats = self.stats()
+        stats.expert_counts = runner_output.expert_counts
+        return EngineCoreOutputs(outputs, stats)
 
     # ---- speculative decoding -------------------------------------------------------------------
     def _observe_drafts(self, scheduler_output: SchedulerOutput,

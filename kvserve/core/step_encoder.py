@@ -3,6 +3,8 @@ every worker gets, carrying only what the workers do not hold yet."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -14,9 +16,13 @@ class StepEncoder:
     """Turns each SchedulerOutput into the ExecuteStep every worker gets, remembering what the
     workers already hold: a request's prompt and parameters, and its block ids so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, expert_report_interval_s: float | None = None) -> None:
+        """`expert_report_interval_s`: how often a step asks for the experts' routed-token
+        counts (a model with experts; None: never)."""
         # request id -> the block ids workers hold, per KV cache group
         self._sent_blocks: dict[str, list[list[int]]] = {}
+        self._expert_interval = expert_report_interval_s
+        self._next_expert_report = 0.0
 
     def encode(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
         new_requests, scheduled = [], []
@@ -37,7 +43,17 @@ class StepEncoder:
                                            item.start_position, blocks, item.sample, reset,
                                            others, item.num_draft_tokens))
         return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
-                           encode_connector_metadata(scheduler_output.kv_connector_metadata))
+                           encode_connector_metadata(scheduler_output.kv_connector_metadata),
+                           report_expert_counts=self._expert_report_due())
+
+    def _expert_report_due(self) -> bool:
+        if self._expert_interval is None:
+            return False
+        now = time.monotonic()
+        if now < self._next_expert_report:
+            return False
+        self._next_expert_report = now + self._expert_interval
+        return True
 
     def encode_alone(self, item: ScheduledRequest) -> ExecuteStep:
         """One scheduled request again, on its own (after its batch raised): its prompt and

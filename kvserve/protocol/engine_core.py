@@ -96,6 +96,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     session_queries: int = 0
     session_hits: int = 0
     num_pinned_blocks: int = 0  # free blocks kept for recent sessions
+    # mixtures of experts, on the steps that collected them (about once a second): per MoE
+    # layer, the tokens routed to each expert since the model was loaded
+    expert_counts: dict[int, list[int]] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):

@@ -43,6 +43,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]]
     num_rejected_tokens: dict[str, int] = field(default_factory=dict)
+    # when the step asked (ExecuteStep.report_expert_counts): per MoE layer of the output
+    # rank's stage, the tokens routed to each expert so far
+    expert_counts: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -52,6 +55,7 @@ class ModelRunnerOutput:
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.num_rejected_tokens.update(other.num_rejected_tokens)
+        self.expert_counts.update(other.expert_counts)
 
 
 class KVConnectorOutput(msgspec.Struct, **_WIRE):
@@ -106,6 +110,7 @@ class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):
     finished_ids: list[str]
     # the KV connector's metadata for this step, msgpack of its own struct (None: nothing)
     kv_connector_metadata: bytes | None = None
+    report_expert_counts: bool = False  # the output rank adds its experts' routed tokens
 
 
 class StopWorker(msgspec.Struct, tag=True, **_WIRE):

@@ -162,6 +162,8 @@ class Worker:
             return None
         for request_id, tokens in output.sampled_token_ids.items():
             self.requests[request_id].output_token_ids.extend(tokens)
+        if step.report_expert_counts:
+            output.expert_counts = self.runner.model.expert_counts()
         return StepResult(output)
 
     # ---- the KV connector's reports --------------------------------------------------------

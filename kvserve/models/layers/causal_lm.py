@@ -130,6 +130,16 @@ class CausalLM(nn.Module):
         for layer in self.model.stage_layers:
             layer.self_attn.shift_cached_keys(index, rotations[layer.self_attn.rope_kind])
 
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Per mixture-of-experts layer of this stage (by its index in the model), the tokens
+        routed to each expert so far."""
+        counts = {}
+        for index in range(self.model.start_layer, self.model.end_layer):
+            for module in self.model.layers[index].modules():
+                if hasattr(module, "expert_counts"):
+                    counts[index] = module.expert_counts()
+        return counts
+
     def bind_kv_connector(self, hooks) -> None:
         """A KV connector's worker side whose per-layer hooks the stage's layers call (its
         layer index is the position in `bind_kv_cache`'s list)."""

@@ -59,6 +59,10 @@ class SparseMoE(nn.Module):
             self._expert(hidden_size, intermediate_size, activation, quant,
                          f"{prefix}.experts.{index}", parallel, expert_names)
             for index in range(num_experts))
+        # tokens routed to each expert since the model was built (top-k slots: a token counts
+        # once per expert it takes); /metrics reads them (`expert_counts`). Made on the first
+        # step: the model is built on the meta device.
+        self.routed_tokens: torch.Tensor | None = None
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = self._expert(hidden_size, shared_intermediate_size, activation,
@@ -76,6 +80,12 @@ class SparseMoE(nn.Module):
     def forward(self, ops, hidden: torch.Tensor) -> torch.Tensor:
         return ops.moe(self, hidden)
 
+    def expert_counts(self) -> list[int]:
+        """Tokens routed to each expert so far."""
+        if self.routed_tokens is None:
+            return [0] * self.num_experts
+        return self.routed_tokens.tolist()
+
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (float32): softmax over
         the router's logits, the k largest, renormalised to sum to 1 where the family does."""
@@ -91,7 +101,11 @@ class SparseMoE(nn.Module):
         out = torch.zeros(hidden.shape, dtype=torch.float32)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counted = torch.bincount(flat, minlength=self.num_experts)
+        if self.routed_tokens is None:
+            self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.routed_tokens += counted
+        counts = counted.tolist()
         tokens = order // self.top_k
         flat_weights = weights.flatten()[order]
         start = 0
