@@ -1,12 +1,13 @@
-"""Write a random-weight HF Llama checkpoint of a real Llama shape, for memory and start-up
-benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
+"""Write a random-weight HF Llama (or OLMoE: a mixture of experts) checkpoint of a real shape,
+for memory, start-up and speed benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
 Llama weights can be downloaded here, so the weights are random (normal(0, 0.02) matrices, ones
 for the norms) and the tokenizer is the bundled SmolLM2 one (49152 tokens, the vocabulary padded to
 Llama 3's 128256 by convert_hf_to_gguf.py). The model is never built in memory: one tensor is
 generated at a time into safetensors shards of about 2 GB (bfloat16), so the peak stays about one
 shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generator(seed + i).
 
-Usage: make_random_llama.py SHAPE OUTDIR   (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b)
+Usage: make_random_llama.py SHAPE OUTDIR
+       (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, OlmoeConfig
 
 # from the real configs; rope_scaling left out (plain RoPE: same shapes, same cost)
 SHAPES = {
@@ -32,6 +33,11 @@ SHAPES = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          tie_word_embeddings=False),
+    # OLMoE-1B-7B-0924: 64 experts of 1024, 8 a token (6.9B parameters, 1.3B active)
+    "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                        num_experts_per_tok=8, tie_word_embeddings=False, vocab_size=50304,
+                        rope_theta=10000.0),
 }
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
               rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
@@ -43,9 +49,11 @@ SHARD_BYTES = 2 * 1024**3
 CHUNK = 1 << 24  # elements generated in float32 at a time
 
 
-def tensor_plan(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
+def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    experts = getattr(cfg, "num_experts", 0)
     plan = [("model.embed_tokens.weight", (v, h))]
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -54,10 +62,17 @@ def tensor_plan(cfg: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
                  (p + "self_attn.k_proj.weight", (kv, h)),
                  (p + "self_attn.v_proj.weight", (kv, h)),
                  (p + "self_attn.o_proj.weight", (h, q)),
-                 (p + "post_attention_layernorm.weight", (h,)),
-                 (p + "mlp.gate_proj.weight", (i, h)),
-                 (p + "mlp.up_proj.weight", (i, h)),
-                 (p + "mlp.down_proj.weight", (h, i))]
+                 (p + "post_attention_layernorm.weight", (h,))]
+        if experts:  # OLMoE: QK-norm over whole projections, the router, each expert
+            plan += [(p + "self_attn.q_norm.weight", (q,)),
+                     (p + "self_attn.k_norm.weight", (kv,)),
+                     (p + "mlp.gate.weight", (experts, h))]
+            mlps = [f"{p}mlp.experts.{e}." for e in range(experts)]
+        else:
+            mlps = [p + "mlp."]
+        for mlp in mlps:
+            plan += [(mlp + "gate_proj.weight", (i, h)), (mlp + "up_proj.weight", (i, h)),
+                     (mlp + "down_proj.weight", (h, i))]
     plan.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         plan.append(("lm_head.weight", (v, h)))
@@ -104,8 +119,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     special = write_tokenizer(out)
-    cfg = LlamaConfig(**SHAPES[args.shape], **COMMON, **special, dtype="bfloat16")
-    cfg.architectures = ["LlamaForCausalLM"]
+    moe = args.shape.startswith("olmoe")
+    config_class = OlmoeConfig if moe else LlamaConfig
+    cfg = config_class(**{**COMMON, **SHAPES[args.shape], **special}, dtype="bfloat16")
+    cfg.architectures = ["OlmoeForCausalLM" if moe else "LlamaForCausalLM"]
     cfg.save_pretrained(str(out))
     if not (out / "generation_config.json").exists():
         GenerationConfig(**special).save_pretrained(str(out))

@@ -743,3 +743,73 @@ def assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
             assert got.dtype == dtype and got.shape == (m, rows)
             torch.testing.assert_close(got.float(), expected, rtol=tolerance,
                                        atol=tolerance * expected.abs().max().item())
+
+
+# ---- a tiny Q4_K_M-typed GGUF -------------------------------------------------------------
+Q4_K_M_CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     num_hidden_layers=2)
+# a Q4_K_M file's choices (llama.cpp keeps some V and down projections in Q6_K)
+Q4_K_M_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0",
+                "output": "Q6_K"}
+# byte offsets of each K-quant block's float16 scales (d, and dmin for Q4_K)
+_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def _q4_k_m_rows(qtype: str, rows: int, cols: int, generator):
+    """A tensor's bytes in `qtype`: gguf's quantization of small random weights where the
+    package has one, else random blocks with small scales (weights of a few hundredths)."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in _SCALE_OFFSETS:
+        weights = generator.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        return gguf.quants.quantize(weights, kind)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = generator.integers(0, 256, (rows, cols // block_values, block_bytes), np.uint8)
+    for offset in _SCALE_OFFSETS[qtype]:
+        scale = (generator.uniform(1, 2, (rows, cols // block_values)) * 3e-4
+                 ).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_q4_k_m(path, tied: bool, seed: int = 0):
+    """A tiny Llama GGUF with each matrix in Q4_K_M_TYPES' block type (the norms float32):
+    tests/test_gguf_stored.py's model, and the packed-panel cache's."""
+    import gguf
+    import numpy as np
+
+    from kvserve.testing.tiny import tiny_config
+
+    config = tiny_config(**Q4_K_M_CONFIG, tie_word_embeddings=tied)
+    generator = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    if not tied:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, config.hidden_size),
+                       p + "self_attn.k_proj.weight": (kv, config.hidden_size),
+                       p + "self_attn.v_proj.weight": (kv, config.hidden_size),
+                       p + "self_attn.o_proj.weight": (config.hidden_size, q),
+                       p + "mlp.gate_proj.weight": (inter, config.hidden_size),
+                       p + "mlp.up_proj.weight": (inter, config.hidden_size),
+                       p + "mlp.down_proj.weight": (config.hidden_size, inter)})
+    tensors, raw = {}, {}
+    for name, (rows, cols) in shapes.items():
+        tensors[name] = np.zeros((rows, cols), np.float32)
+        gguf_name = _gguf_name(name)
+        qtype = Q4_K_M_TYPES[gguf_name.split(".")[-2]]
+        raw[gguf_name] = (_q4_k_m_rows(qtype, rows, cols, generator),
+                          gguf.GGMLQuantizationType[qtype])
+    for i in range(config.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{norm}.weight"] = \
+                1 + generator.standard_normal(config.hidden_size).astype(np.float32) * 0.1
+    tensors["model.norm.weight"] = np.ones(config.hidden_size, np.float32)
+    write_gguf(path, config, tensors, raw_override=raw)
+    return path

@@ -11,84 +11,18 @@ value projection's second block type beside the first, equals the Python loop to
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
-from kvserve.testing.tiny import tiny_config
-from tests.helpers import kernel_level, write_gguf
+from tests.helpers import kernel_level, write_q4_k_m
 
-CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
-# a Q4_K_M file's choices (llama.cpp keeps some V and down projections in Q6_K)
-TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
-         "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0",
-         "output": "Q6_K"}
-# byte offsets of each K-quant block's float16 scales (d, and dmin for Q4_K)
-_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 # float sums in another order (kernels, levels), on logits up to ~20: measured up to 3e-4 (the
 # scalar build), as test_hf_parity's bound for SmolLM2
 LOGIT_TOLERANCE = 1e-3
-
-
-def _file_rows(qtype: str, rows: int, cols: int, generator) -> np.ndarray:
-    """A tensor's bytes in `qtype`: gguf's quantization of small random weights where the
-    package has one, else random blocks with small scales (weights of a few hundredths)."""
-    kind = gguf.GGMLQuantizationType[qtype]
-    if qtype not in _SCALE_OFFSETS:
-        weights = generator.standard_normal((rows, cols)).astype(np.float32) * 0.05
-        return gguf.quants.quantize(weights, kind)
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    blocks = generator.integers(0, 256, (rows, cols // block_values, block_bytes), np.uint8)
-    for offset in _SCALE_OFFSETS[qtype]:
-        scale = (generator.uniform(1, 2, (rows, cols // block_values)) * 3e-4
-                 ).astype(np.float16)
-        blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
-    return blocks.reshape(rows, -1)
-
-
-def write_q4_k_m(path, tied: bool, seed: int = 0):
-    """A tiny Llama GGUF with each matrix in TYPES' block type (the norms float32)."""
-    config = tiny_config(**CONFIG, tie_word_embeddings=tied)
-    generator = np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
-    if not tied:
-        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, config.hidden_size),
-                       p + "self_attn.k_proj.weight": (kv, config.hidden_size),
-                       p + "self_attn.v_proj.weight": (kv, config.hidden_size),
-                       p + "self_attn.o_proj.weight": (config.hidden_size, q),
-                       p + "mlp.gate_proj.weight": (inter, config.hidden_size),
-                       p + "mlp.up_proj.weight": (inter, config.hidden_size),
-                       p + "mlp.down_proj.weight": (config.hidden_size, inter)})
-    tensors, raw = {}, {}
-    for name, (rows, cols) in shapes.items():
-        tensors[name] = np.zeros((rows, cols), np.float32)
-        gguf_name = _gguf_name(name)
-        qtype = TYPES[gguf_name.split(".")[-2]]
-        raw[gguf_name] = (_file_rows(qtype, rows, cols, generator),
-                          gguf.GGMLQuantizationType[qtype])
-    for i in range(config.num_hidden_layers):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"model.layers.{i}.{norm}.weight"] = \
-                1 + generator.standard_normal(config.hidden_size).astype(np.float32) * 0.1
-    tensors["model.norm.weight"] = np.ones(config.hidden_size, np.float32)
-    write_gguf(path, config, tensors, raw_override=raw)
-    return path
-
-
-def _gguf_name(hf_name: str) -> str:
-    from tests.helpers import _gguf_name as name_of
-
-    return name_of(hf_name)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied-q8_0", "untied-q6_k"])

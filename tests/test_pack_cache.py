@@ -15,7 +15,9 @@ from kvserve.models import load_model
 from kvserve.models.paged_loop import PagedLoop
 from kvserve.quant import pack_cache
 from kvserve.quant.pack_cache import PackCache
-from tests.test_gguf_stored import PROMPT, write_q4_k_m
+from tests.helpers import write_q4_k_m
+
+PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
 
 
 @pytest.fixture

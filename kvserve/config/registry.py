@@ -29,6 +29,12 @@ def architecture_of_hf_model_type(model_type: str | None) -> str | None:
     return model_type
 
 
+def moe_gguf_architectures() -> list[str]:
+    """The GGUF general.architecture names of the mixtures of experts kvserve reads."""
+    return sorted((r.gguf_architecture or r.architecture) for r in list(_rules.values())
+                  if r.is_moe)
+
+
 def architecture_of_gguf(gguf_architecture: str | None, has_experts: bool) -> str | None:
     """Our architecture name for a GGUF's general.architecture (and whether the file has
     experts: llama.cpp writes Mixtral as "llama")."""

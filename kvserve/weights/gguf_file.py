@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.config import FamilyRules, ModelConfig, architecture_of_gguf, family_rules
+from kvserve.config.registry import moe_gguf_architectures
 from kvserve.errors import (
     CorruptModelFileError,
     UnsupportedArchitectureError,
@@ -91,7 +92,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         raise UnsupportedArchitectureError(
             f"this GGUF file's {arch} model is a mixture of {experts} experts, which kvserve "
             f"does not implement for {arch} (it does for "
-            f"{', '.join(_MOE_GGUF_NAMES)})")
+            f"{', '.join(moe_gguf_architectures())})")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
@@ -126,10 +127,6 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         **(_moe_fields(meta, arch, rules, experts, layers) if experts else {}),
     )
     return ModelConfig(**{**fields, **rules.gguf_fields(meta, fields)})
-
-
-# the mixtures of experts llama.cpp writes that kvserve reads (general.architecture names)
-_MOE_GGUF_NAMES = ("llama (Mixtral)", "qwen2moe", "qwen3moe")
 
 
 def _moe_fields(meta: dict[str, Any], arch: str, rules: FamilyRules, experts: int,
