@@ -90,6 +90,22 @@ def test_model_cost_matches_the_known_smollm_figures():
     assert cost.kv_bytes_per_token == 2 * 30 * 192 * 2
 
 
+def test_a_mixture_of_experts_costs_its_active_experts():
+    """A token reads the router, its top-k experts (and a shared one), not every expert; a
+    dense layer beside them its whole MLP."""
+    import dataclasses
+
+    from kvserve.testing.tiny import tiny_config
+
+    dense = tiny_config(num_hidden_layers=2, hidden_size=64, intermediate_size=96)
+    moe = dataclasses.replace(dense, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                              moe_layers=(True, False))
+    extra = (64 * 8 + 3 * 64 * 32 * 2 + 3 * 64 * 48 + 64) - 3 * 64 * 96  # layer 0's MLP
+    assert roofline.model_cost(moe).layer_flops_per_token == \
+        roofline.model_cost(dense).layer_flops_per_token + 2 * extra
+
+
 def test_decode_roof_is_min_of_memory_and_compute():
     cost = roofline.ModelCost(layer_flops_per_token=200e6, lm_head_flops_per_token=0,
                               weight_bytes=200e6, kv_bytes_per_token=0)

@@ -110,10 +110,10 @@ def roof_gemm_dtype(dtype: str, native_bf16: bool) -> str:
 def model_cost(config: ModelConfig, bytes_per_weight: float = 2.0,
                bytes_per_kv_value: float = 2.0, head_bytes_per_weight: float | None = None
                ) -> ModelCost:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden \
-        + 3 * hidden * inter
-    layer_params = per_layer * config.num_hidden_layers
+    hidden = config.hidden_size
+    attention = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
+    layer_params = sum(attention + _mlp_params(config, layer)
+                       for layer in range(config.num_hidden_layers))
     head_params = hidden * config.vocab_size
     return ModelCost(
         layer_flops_per_token=2.0 * layer_params,
@@ -122,6 +122,19 @@ def model_cost(config: ModelConfig, bytes_per_weight: float = 2.0,
             bytes_per_weight if head_bytes_per_weight is None else head_bytes_per_weight),
         kv_bytes_per_token=2.0 * config.num_hidden_layers * config.kv_size * bytes_per_kv_value,
     )
+
+
+def _mlp_params(config: ModelConfig, layer: int) -> int:
+    """The MLP weights one token reads in `layer`: a dense layer's all; a mixture of experts'
+    router, its top-k experts and the shared expert (what a batch-1 step reads; a batch reads
+    the union of its tokens' experts, up to all of them)."""
+    hidden = config.hidden_size
+    if not config.is_moe_layer(layer):
+        return 3 * hidden * config.intermediate_size
+    shared = config.shared_expert_intermediate_size
+    return (hidden * config.num_experts
+            + 3 * hidden * config.moe_intermediate_size * config.num_experts_per_tok
+            + (3 * hidden * shared + hidden if shared else 0))
 
 
 def format_cost(config: ModelConfig, fmt: WeightFormat) -> ModelCost:
