@@ -26,20 +26,14 @@ from kvserve.models.layers.mlp import GatedMLP
 from kvserve.quant import QuantPolicy
 
 
-class Router(nn.Module):
-    """The router's weights [experts, hidden] (checkpoint `<moe>.gate.weight`)."""
+class GateWeight(nn.Module):
+    """A gate's weights [rows, hidden], replicated on every rank: the router's (a row an
+    expert, checkpoint `<moe>.gate.weight`) or the shared expert's scalar gate
+    (`<moe>.shared_expert_gate.weight`, one row)."""
 
-    def __init__(self, num_experts: int, hidden_size: int):
+    def __init__(self, rows: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-
-
-class SharedExpertGate(nn.Module):
-    """The shared expert's scalar gate per token (`<moe>.shared_expert_gate.weight`, [1, H])."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
 
 class SparseMoE(nn.Module):
@@ -54,7 +48,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.normalize_top_k = normalize_top_k
         self.tp = active(parallel)
-        self.gate = Router(num_experts, hidden_size)
+        self.gate = GateWeight(num_experts, hidden_size)
         self.experts = nn.ModuleList(
             self._expert(hidden_size, intermediate_size, activation, quant,
                          f"{prefix}.experts.{index}", parallel, expert_names)
@@ -67,7 +61,7 @@ class SparseMoE(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = self._expert(hidden_size, shared_intermediate_size, activation,
                                               quant, f"{prefix}.shared_expert", parallel)
-            self.shared_expert_gate = SharedExpertGate(hidden_size)
+            self.shared_expert_gate = GateWeight(1, hidden_size)
 
     @staticmethod
     def _expert(hidden_size, intermediate_size, activation, quant, prefix, parallel,
