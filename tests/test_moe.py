@@ -238,3 +238,17 @@ def test_metrics_count_the_tokens_routed_to_each_expert(tmp_path, tokenizer):
     for experts in per_layer.values():
         assert sum(experts.values()) == 3 * ran  # top-3
         assert set(experts) <= {str(e) for e in range(6)} and len(experts) > 3
+
+
+def test_each_experts_quantized_rows_have_their_own_name():
+    """An experts tensor's per-expert QuantizedRows are named apart: the packed-panel cache keys
+    runs by name, and experts of one tensor would otherwise share a key."""
+    import numpy as np
+
+    from kvserve.quant.pack_cache import run_key
+    from kvserve.weights.gguf_stored import _per_expert
+    from kvserve.weights.quantized_rows import QuantizedRows
+
+    whole = QuantizedRows("Q8_0", np.zeros((4 * 16, 34), np.uint8), 32, 32, "blk.0.ffn_up_exps")
+    parts = [part for _, part in _per_expert("mlp.experts.{}.up_proj.weight", whole, 4)]
+    assert len({run_key([part]) for part in parts}) == 4

@@ -32,7 +32,7 @@ from kvserve.weights.cache import _atomic_write, artifact_path
 
 logger = logging.getLogger(__name__)
 
-PACK_LAYOUT_VERSION = 1  # bump whenever gguf_pack's output changes for the same input
+PACK_LAYOUT_VERSION = 2  # bump whenever gguf_pack's output or a run's key changes (2: experts named apart)
 _ALIGN = 4096  # each run starts on a page of the file
 
 

@@ -65,8 +65,12 @@ def _per_expert(name: str, whole, experts: int) -> Iterator[tuple[str, object]]:
     rows, expert-major) by their runs of rows."""
     rows = whole.shape[0] // experts
     for expert in range(experts):
-        yield name.format(expert), whole[expert] if isinstance(whole, torch.Tensor) else \
-            whole[expert * rows:(expert + 1) * rows]
+        if isinstance(whole, torch.Tensor):
+            yield name.format(expert), whole[expert]
+            continue
+        part = whole[expert * rows:(expert + 1) * rows]
+        part.name = f"{whole.name}[{expert}]"  # its own identity (the packed-panel cache's key)
+        yield name.format(expert), part
 
 
 class _PageRelease:
