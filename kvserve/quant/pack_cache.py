@@ -32,7 +32,8 @@ from kvserve.weights.cache import _atomic_write, artifact_path
 
 logger = logging.getLogger(__name__)
 
-PACK_LAYOUT_VERSION = 2  # bump whenever gguf_pack's output or a run's key changes (2: experts named apart)
+# bump whenever gguf_pack's output or a run's key changes (2: each expert's rows named apart)
+PACK_LAYOUT_VERSION = 2
 _ALIGN = 4096  # each run starts on a page of the file
 
 
