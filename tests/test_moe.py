@@ -1,12 +1,13 @@
 """Mixtures of experts (models/layers/moe.py, models/families/moe.py): Mixtral, Qwen2-MoE (a
-shared expert with its sigmoid gate, a dense layer beside the sparse ones), Qwen3-MoE
-(QK-norm, renormalised top-k) and OLMoE (QK-norm over whole projections, Q/K/V clamped), each a tiny random checkpoint made by HF transformers' own config
-and model classes, against HF's forward pass in float32: logits within 1e-4 on each attention
-path, greedy tokens equal to HF's `generate` batched and alone, through the engine with chunked
-prefill and prefix hits, int8 experts; each converted by llama.cpp's converter (float and
-Q8_0 kept as stored). Tensor parallelism: tests/test_tensor_parallel.py. The router's weights are large
-enough that the tokens of one prompt spread over every expert and pick different top-k sets
-(checked: a test whose tokens all took one expert would not test routing)."""
+shared expert with its sigmoid gate, a dense layer beside the sparse ones), Qwen3-MoE (QK-norm,
+renormalised top-k) and OLMoE (QK-norm over whole projections, Q/K/V clamped), each a tiny
+random checkpoint made by HF transformers' own config and model classes, against HF's forward
+pass in float32: logits within 1e-4 on each attention path, greedy tokens equal to HF's
+`generate` batched and alone, through the engine with chunked prefill and prefix hits, int8
+experts, bfloat16; each converted by llama.cpp's converter (float, and Q8_0 kept as stored).
+Tensor parallelism: tests/test_tensor_parallel.py. The router's weights are large enough that
+the tokens of one prompt spread over every expert and pick different top-k sets (checked: a
+test whose tokens all took one expert would not test routing)."""
 
 from __future__ import annotations
 

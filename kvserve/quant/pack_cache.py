@@ -10,8 +10,8 @@ file's size), so it is a switch: `KVSERVE_PACK_CACHE=0` turns it off; files unde
 
 The file is keyed by the GGUF's path, size and mtime (weights/cache.py) and by the panel
 layout (`layout_fingerprint`); each run it serves is checked against a fresh pack of its first
-rows, so a cache from a build whose layout differs is never used. A cache whose size disagrees with its
-index (a truncated write, a full disk) is ignored and written again.
+rows, so a cache from a build whose layout differs is never used. A cache whose size disagrees
+with its index (a truncated write, a full disk) is ignored and written again.
 """
 
 from __future__ import annotations
