@@ -667,6 +667,27 @@ def assert_last_logits_match_hf(model, case: dict, max_len: int, atol: float = 1
         torch.testing.assert_close(ours.float(), theirs, atol=atol, rtol=1e-4)
 
 
+def decode_logits(model, prompts: list[list[int]], steps: int, eager: bool,
+                  max_len: int = 96):
+    """Greedy decode of every prompt together, through the decode stack or (`eager`) the
+    Python loop: the logits of each step, stacked [steps + 1, prompts, vocab]."""
+    import torch
+
+    from kvserve.models.paged_loop import PagedLoop
+
+    model.model.enforce_eager = eager
+    loop = PagedLoop(model, len(prompts), max_len)
+    lengths = [len(p) for p in prompts]
+    logits = loop.step(prompts, lengths, list(range(len(prompts))))
+    seen = [torch.stack(logits)]
+    for _ in range(steps):
+        tokens = [[int(row.argmax())] for row in logits]
+        lengths = [n + 1 for n in lengths]
+        logits = loop.step(tokens, lengths, list(range(len(prompts))))
+        seen.append(torch.stack(logits))
+    return torch.stack(seen)
+
+
 def assert_greedy_batched_and_alone(model, prompts: list[list[int]], expected: list[list[int]],
                                     new_tokens: int, max_len: int) -> None:
     """The model's greedy tokens for the prompts, all in one batch and each alone, are

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 # kvserve::StackOp
-RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_AND_MUL, GELU_AND_MUL, NORM_HEADS, ATTENTION, ADD = range(8)
+(RMS_NORM, ADD_RMS_NORM, LINEAR, SILU_AND_MUL, GELU_AND_MUL, NORM_HEADS, ATTENTION, ADD,
+ NORM_PROJECTIONS, CLAMP, MOE) = range(11)
 
 
 class Unsupported(Exception):
@@ -95,13 +96,21 @@ class Recorder:
                           **_head_settings(attention))
 
     def norm_projections_(self, qkv: Value, attention: nn.Module) -> None:
-        raise Unsupported("QK-norm over whole projections")
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        self._emit(NORM_PROJECTIONS, qkv, produces=False, weight=q_norm.weight,
+                   key_weight=k_norm.weight, eps=q_norm.eps, weight_offset=q_norm.weight_offset,
+                   **_head_settings(attention))
 
     def clamp_(self, x: Value, limit: float) -> None:
-        raise Unsupported("a clamp")
+        self._emit(CLAMP, x, produces=False, limit=limit)
 
     def moe(self, moe: nn.Module, hidden: Value) -> Value:
-        raise Unsupported("a mixture of experts")
+        if moe.tp is not None:
+            raise Unsupported("a tensor-parallel mixture of experts (its all-reduce)")
+        fused = moe.fused(self.kernels)
+        if fused is None:
+            raise Unsupported("a mixture of experts without its fused kernel")
+        return self._emit(MOE, hidden, moe=fused)
 
     def all_reduce_(self, x: Value, tp) -> None:
         raise Unsupported("a tensor-parallel all-reduce")

@@ -89,18 +89,6 @@ template <typename T> struct RoundScratch {
   }
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float total = 0.f;
-#if KVSERVE_VEC
-  vf acc = vzero();
-  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  total = vsum(acc);
-#endif
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   int64_t i = 0;
 #if KVSERVE_VEC
@@ -1188,6 +1176,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("panels"), py::arg("dense"), py::arg("bias"),
            py::arg("out_features"), py::arg("max_rows"), py::arg("qtype") = "",
            py::arg("segments") = std::vector<kvserve::StackLinear>());
+  py::class_<kvserve::MoeLayer, std::shared_ptr<kvserve::MoeLayer>>(m, "MoeLayer",
+                                                                    py::module_local())
+      .def(py::init([](at::Tensor router, int64_t top_k, bool normalize_top_k, bool gelu,
+                       std::vector<kvserve::StackLinear> gate_up,
+                       std::vector<kvserve::StackLinear> down, at::Tensor routed_tokens,
+                       c10::optional<kvserve::StackLinear> shared_gate_up,
+                       c10::optional<kvserve::StackLinear> shared_down,
+                       c10::optional<at::Tensor> shared_gate) {
+             auto layer = std::make_shared<kvserve::MoeLayer>();
+             layer->router = std::move(router);
+             layer->top_k = top_k, layer->normalize_top_k = normalize_top_k, layer->gelu = gelu;
+             layer->gate_up = std::move(gate_up), layer->down = std::move(down);
+             layer->routed_tokens = std::move(routed_tokens);
+             layer->shared_gate_up = std::move(shared_gate_up);
+             layer->shared_down = std::move(shared_down);
+             layer->shared_gate = std::move(shared_gate);
+             layer->check();
+             return layer;
+           }),
+           "a mixture-of-experts layer: float32 router [E, H], top k, each expert's gate_up and "
+           "down StackLinear, the int64 [E] routed-token counters it adds to, a shared expert",
+           py::arg("router"), py::arg("top_k"), py::arg("normalize_top_k"), py::arg("gelu"),
+           py::arg("gate_up"), py::arg("down"), py::arg("routed_tokens"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none())
+      .def("forward", &kvserve::MoeLayer::forward,
+           "routing, the active experts over their tokens, the weighted sum: [T, H] -> [T, H]",
+           py::call_guard<py::gil_scoped_release>());
   py::class_<kvserve::StackInstruction>(m, "StackInstruction", py::module_local())
       .def(py::init([](int64_t op, int64_t dst, int64_t src, int64_t aux,
                        c10::optional<at::Tensor> weight, c10::optional<at::Tensor> key_weight,
@@ -1195,8 +1211,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<kvserve::StackLinear> linear,
                        c10::optional<at::Tensor> kv_cache, c10::optional<at::Tensor> cos_sin,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t sliding_window, double scale, double softcap) {
-             TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kAdd),
+                       int64_t sliding_window, double scale, double softcap, double limit,
+                       std::shared_ptr<kvserve::MoeLayer> moe) {
+             TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kMoe),
                          "decode stack: unknown op ", op);
              kvserve::StackInstruction in;
              in.op = static_cast<kvserve::StackOp>(op);
@@ -1209,6 +1226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (cos_sin) in.cos_sin = *cos_sin;
              in.num_heads = num_heads, in.num_kv_heads = num_kv_heads, in.head_dim = head_dim;
              in.sliding_window = sliding_window, in.scale = scale, in.softcap = softcap;
+             in.limit = limit, in.moe = std::move(moe);
              return in;
            }),
            "one op of a recorded layer program (models/decode_stack.py)", py::arg("op"),
@@ -1218,7 +1236,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("linear") = py::none(), py::arg("kv_cache") = py::none(),
            py::arg("cos_sin") = py::none(), py::arg("num_heads") = 0,
            py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
-           py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0);
+           py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0,
+           py::arg("limit") = 0.0, py::arg("moe") = py::none());
   py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<kvserve::StackInstruction>, int64_t, int64_t>(),
            py::arg("program"), py::arg("num_registers"), py::arg("output"))

@@ -4,20 +4,13 @@
 // and decides per step whether the stack applies; `--enforce-eager` turns it off.
 #include "decode_stack.h"
 
-#include "bf16_gemm.h"
+#include <tuple>
+
 #include "flash_attention.h"
-#include "gguf_gemm.h"
-#include "int4_gemm.h"
 #include "layer_ops.h"
-#include "q8_dot_gemm.h"
 
 namespace kvserve {
 namespace {
-
-bool known_kind(const std::string& kind) {
-  return kind == "dense" || kind == "int4_q8" || kind == "int4" || kind == "bf16" ||
-         kind == "gguf" || kind == "concat";
-}
 
 // Step inputs every attention instruction reads.
 struct StepArgs {
@@ -49,24 +42,18 @@ at::Tensor attend(const StackInstruction& in, at::Tensor& qkv, const StepArgs& s
   return out;
 }
 
-}  // namespace
-
-at::Tensor StackLinear::operator()(const at::Tensor& x) const {
-  if (kind == "concat") {
-    std::vector<at::Tensor> outputs;
-    for (const StackLinear& segment : segments) outputs.push_back(segment(x));
-    return at::cat(outputs, -1);
+// OLMoE's QK-norm: one RMSNorm over all query heads, one over all key heads (as
+// LayerOps.norm_projections_: each part normalised contiguous and copied back).
+void norm_projections_(const StackInstruction& in, at::Tensor& qkv) {
+  const int64_t q_size = in.num_heads * in.head_dim, kv_size = in.num_kv_heads * in.head_dim;
+  for (const auto& [begin, size, weight] :
+       {std::tuple{int64_t{0}, q_size, in.weight}, std::tuple{q_size, kv_size, in.key_weight}}) {
+    at::Tensor part = qkv.narrow(1, begin, size);
+    part.copy_(layer_ops::rms_norm(part.contiguous(), weight, in.eps, in.weight_offset));
   }
-  if (kind == "gguf") {
-    return x.size(0) > max_rows ? gguf_linear_dequant(x, panels, qtype, bias, out_features)
-                                : gguf_linear_q8(x, panels, qtype, bias, out_features);
-  }
-  if (kind == "dense" || x.size(0) > max_rows) return at::linear(x, dense, bias);
-  if (kind == "int4_q8") return int4_linear_q8(x, panels, bias, out_features);
-  if (kind == "int4") return int4_linear(x, panels, bias, out_features);
-  if (kind == "bf16") return bf16_linear(x, panels, bias, out_features);
-  TORCH_CHECK(false, "decode stack: unknown projection kind ", kind);
 }
+
+}  // namespace
 
 DecodeStack::DecodeStack(std::vector<StackInstruction> program, int64_t num_registers,
                          int64_t output)
@@ -76,8 +63,10 @@ DecodeStack::DecodeStack(std::vector<StackInstruction> program, int64_t num_regi
   for (const StackInstruction& in : program_) {
     for (int64_t r : {in.dst, in.src, in.aux})
       TORCH_CHECK(r < num_registers, "decode stack: register ", r, " of ", num_registers);
-    TORCH_CHECK(in.op != StackOp::kLinear || known_kind(in.linear.kind),
+    TORCH_CHECK(in.op != StackOp::kLinear || StackLinear::known_kind(in.linear.kind),
                 "decode stack: unknown projection kind ", in.linear.kind);
+    TORCH_CHECK(in.op != StackOp::kMoe || in.moe,
+                "decode stack: a MoE instruction without its layer");
   }
 }
 
@@ -116,6 +105,15 @@ at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
         break;
       case StackOp::kAdd:
         regs[in.src].add_(regs[in.aux]);
+        break;
+      case StackOp::kNormProjections:
+        norm_projections_(in, regs[in.src]);
+        break;
+      case StackOp::kClamp:
+        regs[in.src].clamp_(-in.limit, in.limit);
+        break;
+      case StackOp::kMoe:
+        regs[in.dst] = in.moe->forward(regs[in.src]);
         break;
     }
   }

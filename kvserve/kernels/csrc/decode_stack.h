@@ -4,25 +4,13 @@
 
 #include <ATen/ATen.h>
 
-#include <string>
+#include <memory>
 #include <vector>
 
+#include "moe.h"
+#include "stack_linear.h"
+
 namespace kvserve {
-
-// One projection as the model holds it: which kernel serves few rows, its weights in that
-// kernel's layout, the dense copy for more rows (or the only weights, kind "dense"); "gguf": a
-// file's blocks of `qtype` (gguf_gemm.h: integer dots for few rows, dequantized slabs above);
-// "concat": `segments` side by side (a projection whose parts the file stores in two types).
-struct StackLinear {
-  std::string kind;  // "int4", "int4_q8", "bf16", "dense", "gguf" or "concat"
-  at::Tensor panels, dense;
-  c10::optional<at::Tensor> bias;
-  int64_t out_features = 0, max_rows = 0;
-  std::string qtype;
-  std::vector<StackLinear> segments;
-
-  at::Tensor operator()(const at::Tensor& x) const;
-};
 
 // The ops a layer may record. Registers hold the step's tensors: register 0 is the stack's
 // input (the embedded tokens, the residual stream), the others values the ops produce.
@@ -35,6 +23,9 @@ enum class StackOp : int64_t {
   kNormHeads = 5,    // QK-norm of src's query and key heads, in place
   kAttention = 6,    // RoPE and cache write on src (fused QKV), then dst = attention
   kAdd = 7,          // src += aux (in place)
+  kNormProjections = 8,  // RMSNorm over src's whole query and key projections, in place
+  kClamp = 9,        // src clamped to [-limit, limit], in place
+  kMoe = 10,         // dst = the mixture of experts `moe` over src
 };
 
 struct StackInstruction {
@@ -48,6 +39,8 @@ struct StackInstruction {
   at::Tensor kv_cache, cos_sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;
   double scale = 1.0, softcap = 0.0;
+  double limit = 0.0;  // kClamp's
+  std::shared_ptr<MoeLayer> moe;
 };
 
 // Runs the program for a step whose every sequence takes the paged attention kernel or, in

@@ -160,6 +160,19 @@ inline float exp_shifted_sum(float* values, int64_t n, float shift) {
   return total;
 }
 
+// sum of a[i] * b[i] in float (a float32 or bf16): vector FMAs over whole vectors, the tail after.
+template <typename T> inline float dot(const T* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if KVSERVE_VEC
+  vf acc = vzero();
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  total = vsum(acc);
+#endif
+  for (; i < n; ++i) total += static_cast<float>(a[i]) * b[i];
+  return total;
+}
+
 inline float max_of(const float* values, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t i = 0;

@@ -9,13 +9,17 @@ parallelism each expert's intermediate dimension is split over the ranks (gate/u
 by columns), the routed and shared outputs are summed on each rank and all-reduced once. The
 router is replicated and kept in the activation dtype, softmax in float32 (HF's order).
 
-The computation runs as one op of the op set (`LayerOps.moe`), here in Python over the op set's
-projections: tokens grouped by expert, one projection call per active expert over its tokens,
-the weighted outputs added into one float32 buffer. The decode stack cannot record it yet, so a
-model with experts keeps Python's decode loop.
+The computation runs as one op of the op set (`LayerOps.moe`). With the compiled kernels it is
+one C++ call (`fused`: kernels/csrc/moe.cpp's MoeLayer, which the decode stack records as one
+instruction): routing, tokens grouped by expert, each active expert's projection kernels over its
+tokens only, the weighted sum in float32. Otherwise (the torch reference kernels, a projection
+kind with no C++ kernel, or `KVSERVE_FUSED_MOE=0`) `run_loop` does the same in Python over the op
+set's projections; both share the routed-token counters.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,7 @@ class SparseMoE(nn.Module):
         # once per expert it takes); /metrics reads them (`expert_counts`). Made on the first
         # step: the model is built on the meta device.
         self.routed_tokens: torch.Tensor | None = None
+        self._fused: tuple | None = None  # (the op set, its MoeLayer or None)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = self._expert(hidden_size, shared_intermediate_size, activation,
@@ -82,23 +87,71 @@ class SparseMoE(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (float32): softmax over
-        the router's logits, the k largest, renormalised to sum to 1 where the family does."""
+        the router's logits, the k largest (ties: the lower expert, as the fused layer; bf16
+        logits tie often, and torch's topk breaks ties in no set order), renormalised to sum to
+        1 where the family does."""
         probabilities = F.linear(hidden, self.gate.weight).float().softmax(dim=-1)
-        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        weights, experts = probabilities.sort(dim=-1, descending=True, stable=True)
+        weights, experts = weights[:, :self.top_k], experts[:, :self.top_k]
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
     def run(self, ops, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer's output [T, H] over `ops`' projections (`LayerOps.moe` calls this)."""
+        """The layer's output [T, H] (`LayerOps.moe` calls this): the fused C++ layer where
+        the op set has one, else the Python loop; all-reduced under tensor parallelism."""
+        fused = self.fused(ops.kernels)
+        out = fused.forward(hidden) if fused is not None else self.run_loop(ops, hidden)
+        if self.tp is not None:
+            ops.all_reduce_(out, self.tp)
+        return out
+
+    def fused(self, kernels):
+        """This layer as the op set's C++ MoeLayer (built on first use, after the weights are
+        loaded), or None where it cannot run: kernels without it (the torch reference), an
+        expert projection with no C++ kernel (its `stack_linear` is None), or the switch
+        `KVSERVE_FUSED_MOE=0` (read when the layer is first run)."""
+        if self._fused is None or self._fused[0] is not kernels:
+            self._fused = (kernels, self._build_fused(kernels))
+        return self._fused[1]
+
+    def _build_fused(self, kernels):
+        if os.environ.get("KVSERVE_FUSED_MOE", "1") == "0" or not hasattr(kernels, "MoeLayer"):
+            return None
+        experts = [self._stack_linears(expert, kernels) for expert in self.experts]
+        shared = self._stack_linears(self.shared_expert, kernels) \
+            if self.shared_expert is not None else (None, None)
+        needed = experts + ([shared] if self.shared_expert is not None else [])
+        if any(linear is None for pair in needed for linear in pair):
+            return None
+        self._counters()
+        return kernels.MoeLayer(
+            self.gate.weight.float().contiguous(), self.top_k, self.normalize_top_k,
+            self.experts[0].hidden_act != "silu", [gate_up for gate_up, _ in experts],
+            [down for _, down in experts], self.routed_tokens, *shared,
+            None if self.shared_expert_gate is None else
+            self.shared_expert_gate.weight.float().reshape(-1).contiguous())
+
+    @staticmethod
+    def _stack_linears(expert: GatedMLP, kernels) -> tuple:
+        """An expert's gate_up and down projections as C++ StackLinears (None: no kernel)."""
+        return tuple(layer.method.stack_linear(layer, kernels)
+                     for layer in (expert.gate_up_proj, expert.down_proj))
+
+    def _counters(self) -> torch.Tensor:
+        if self.routed_tokens is None:
+            self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.int64)
+        return self.routed_tokens
+
+    def run_loop(self, ops, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, H] in Python over `ops`' projections, before any
+        all-reduce."""
         weights, experts = self.route(hidden)
         out = torch.zeros(hidden.shape, dtype=torch.float32)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counted = torch.bincount(flat, minlength=self.num_experts)
-        if self.routed_tokens is None:
-            self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.int64)
-        self.routed_tokens += counted
+        self._counters().add_(counted)
         counts = counted.tolist()
         tokens = order // self.top_k
         flat_weights = weights.flatten()[order]
@@ -112,7 +165,4 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight).float())
             out += gate * self.shared_expert(ops, hidden).float()
-        out = out.to(hidden.dtype)
-        if self.tp is not None:
-            ops.all_reduce_(out, self.tp)
-        return out
+        return out.to(hidden.dtype)

@@ -1,0 +1,33 @@
+// A mixture-of-experts layer in one C++ call (moe.cpp): routing, each active expert's
+// projections over its tokens, the weighted sum; what models/layers/moe.py's Python loop does,
+// without its ~40 op calls an expert.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "stack_linear.h"
+
+namespace kvserve {
+
+struct MoeLayer {
+  at::Tensor router;  // float32 [E, H]: the router's weights (a row an expert)
+  int64_t top_k = 1;
+  bool normalize_top_k = false;  // the top k weights renormalised to sum to 1
+  bool gelu = false;             // experts' activation: tanh-GELU (GeGLU), else SiLU
+  std::vector<StackLinear> gate_up, down;  // expert e's projections
+  // a shared expert every token takes, scaled by sigmoid(x . shared_gate) (Qwen2-MoE)
+  c10::optional<StackLinear> shared_gate_up, shared_down;
+  c10::optional<at::Tensor> shared_gate;  // float32 [H]
+  at::Tensor routed_tokens;  // int64 [E]: += each call's tokens routed to each expert
+
+  // x [T, H] (float32 or bfloat16) -> [T, H] in x's dtype. The router's logits are float dot
+  // products rounded to x's dtype (as the Python path's linear in that dtype), softmax in
+  // float32, top k (ties: the lower expert), expert outputs weighted and summed in float32 in
+  // expert order.
+  at::Tensor forward(const at::Tensor& x) const;
+  void check() const;
+};
+
+}  // namespace kvserve
