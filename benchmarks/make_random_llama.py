@@ -1,4 +1,4 @@
-"""Write a random-weight HF Llama (or OLMoE: a mixture of experts) checkpoint of a real shape,
+"""Write a random-weight HF Llama (or OLMoE, Qwen3-MoE: mixtures of experts) checkpoint of a real shape,
 for memory, start-up and speed benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
 Llama weights can be downloaded here, so the weights are random (normal(0, 0.02) matrices, ones
 for the norms) and the tokenizer is the bundled SmolLM2 one (49152 tokens, the vocabulary padded to
@@ -7,7 +7,7 @@ generated at a time into safetensors shards of about 2 GB (bfloat16), so the pea
 shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generator(seed + i).
 
 Usage: make_random_llama.py SHAPE OUTDIR
-       (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b)
+       (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, OlmoeConfig
+import transformers
+from transformers import AutoTokenizer, GenerationConfig
 
 # from the real configs; rope_scaling left out (plain RoPE: same shapes, same cost)
 SHAPES = {
@@ -38,7 +39,18 @@ SHAPES = {
                         num_attention_heads=16, num_key_value_heads=16, num_experts=64,
                         num_experts_per_tok=8, tie_word_embeddings=False, vocab_size=50304,
                         rope_theta=10000.0),
+    # Qwen3-30B-A3B's layer (128 experts of 768, 8 a token, 32 query / 4 KV heads of 128,
+    # QK-norm) for 6 of its 48 layers: 3.9B parameters, ~0.4B active, inside the 2-4B a
+    # 2-core, 24 GiB machine converts and serves
+    "qwen3-moe-6l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
+                         num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                         norm_topk_prob=True, tie_word_embeddings=False, vocab_size=49152,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
+# (config class, architecture) of the mixtures of experts; the rest are Llamas
+MOE_FAMILIES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+                "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
               rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -54,6 +66,8 @@ def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     experts = getattr(cfg, "num_experts", 0)
+    expert_width = getattr(cfg, "moe_intermediate_size", None) or i
+    head_norm = (head_dim,) if cfg.model_type == "qwen3_moe" else None  # per head, not whole
     plan = [("model.embed_tokens.weight", (v, h))]
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -63,16 +77,17 @@ def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
                  (p + "self_attn.v_proj.weight", (kv, h)),
                  (p + "self_attn.o_proj.weight", (h, q)),
                  (p + "post_attention_layernorm.weight", (h,))]
-        if experts:  # OLMoE: QK-norm over whole projections, the router, each expert
-            plan += [(p + "self_attn.q_norm.weight", (q,)),
-                     (p + "self_attn.k_norm.weight", (kv,)),
+        if experts:  # QK-norm (OLMoE's over whole projections), the router, each expert
+            plan += [(p + "self_attn.q_norm.weight", head_norm or (q,)),
+                     (p + "self_attn.k_norm.weight", head_norm or (kv,)),
                      (p + "mlp.gate.weight", (experts, h))]
             mlps = [f"{p}mlp.experts.{e}." for e in range(experts)]
+            width = expert_width
         else:
-            mlps = [p + "mlp."]
+            mlps, width = [p + "mlp."], i
         for mlp in mlps:
-            plan += [(mlp + "gate_proj.weight", (i, h)), (mlp + "up_proj.weight", (i, h)),
-                     (mlp + "down_proj.weight", (h, i))]
+            plan += [(mlp + "gate_proj.weight", (width, h)), (mlp + "up_proj.weight", (width, h)),
+                     (mlp + "down_proj.weight", (h, width))]
     plan.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         plan.append(("lm_head.weight", (v, h)))
@@ -119,10 +134,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     special = write_tokenizer(out)
-    moe = args.shape.startswith("olmoe")
-    config_class = OlmoeConfig if moe else LlamaConfig
+    family = next((f for f in MOE_FAMILIES if args.shape.startswith(f)), None)
+    config_name, architecture = MOE_FAMILIES.get(family, ("LlamaConfig", "LlamaForCausalLM"))
+    config_class = getattr(transformers, config_name)
     cfg = config_class(**{**COMMON, **SHAPES[args.shape], **special}, dtype="bfloat16")
-    cfg.architectures = ["OlmoeForCausalLM" if moe else "LlamaForCausalLM"]
+    cfg.architectures = [architecture]
     cfg.save_pretrained(str(out))
     if not (out / "generation_config.json").exists():
         GenerationConfig(**special).save_pretrained(str(out))

@@ -480,6 +480,33 @@ def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
     writer.close()
 
 
+def copy_gguf(src, dst, replace: dict | None = None) -> None:
+    """A GGUF file's metadata and tensors written again to `dst`, with `replace` mapping a
+    tensor's name to a float array in its place, or to None to leave the tensor out (a damaged
+    file for the bad-input tests)."""
+    import gguf
+
+    replace = replace or {}
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        writer.add_key_value(name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
+                             else None)
+    for tensor in reader.tensors:
+        if tensor.name not in replace:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        elif replace[tensor.name] is not None:
+            writer.add_tensor(tensor.name, replace[tensor.name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def run_until_finished(engine, request_id, prompt, params, kv=None):
     """Add one request to an LLMEngine (with a KV transfer handle, if any) and step until it
     finishes; its final RequestOutput."""

@@ -192,6 +192,7 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
         if outtype == "f32":
             got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            _assert_damaged_gguf_fails(path, tmp_path)
             continue
         stored = [m for m in model.modules() if type(m).__name__ == "StoredLinear"]
         expert = next(m for m in model.modules() if type(m).__name__ == "GatedMLP")
@@ -308,3 +309,72 @@ def test_the_decode_stack_runs_the_moe_layers(family):
     stacked = decode_logits(model, prompts, NEW_TOKENS, False, MAX_LEN)
     assert type(model.model._decode_stack).__name__ == "DecodeStack"
     assert torch.equal(stacked, decode_logits(model, prompts, NEW_TOKENS, True, MAX_LEN))
+
+
+def _assert_damaged_gguf_fails(path, tmp_path) -> None:
+    """The file without its first layer's down experts, or with one expert too few in them:
+    a typed error at load naming the tensor."""
+    import gguf
+
+    from kvserve.errors import CorruptModelFileError
+    from tests.helpers import copy_gguf
+
+    name = "blk.0.ffn_down_exps.weight"
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    for damage in (None, tensor.data[:-1].copy()):
+        damaged = tmp_path / "damaged.gguf"
+        copy_gguf(path, damaged, {name: damage})
+        with pytest.raises(CorruptModelFileError, match=r"blk\.0\.ffn_down_exps|"
+                                                         r"layers\.0\.\w+\.experts"):
+            load_model(resolve_model(damaged), "float32")
+
+
+def _damaged_copy(case, tmp_path, edit, config_edit=None):
+    """The case's HF directory copied with its safetensors edited (`edit(tensors)`) and its
+    config.json (`config_edit(config)`)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "damaged"
+    shutil.copytree(case["dir"], directory)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        edit(tensors)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    if config_edit is not None:
+        config = json.loads((directory / "config.json").read_text())
+        config_edit(config)
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_fails_naming_the_tensor(tmp_path,
+                                                                             tokenizer):
+    """Bad input fails at load, typed, naming what is wrong: an expert's tensor missing, a
+    router with more experts than the config, an expert of another width, an expert past the
+    config's count, more experts a token than there are."""
+    from kvserve.errors import CorruptModelFileError
+    from tests.helpers import save_hf_checkpoint
+
+    config = FAMILIES["qwen3_moe"]()
+    case = {"dir": tmp_path / "qwen3_moe"}
+    save_hf_checkpoint(config, case["dir"], tokenizer)
+    experts, hidden = config.num_experts, config.hidden_size
+    width, layer = config.moe_intermediate_size, "model.layers.0.mlp"
+    missing = f"{layer}.experts.3.down_proj.weight"
+    wrong_shapes = {f"{layer}.gate.weight": torch.zeros(experts + 1, hidden),
+                    f"{layer}.experts.1.gate_proj.weight": torch.zeros(width + 8, hidden),
+                    f"{layer}.experts.{experts}.up_proj.weight": torch.zeros(width, hidden)}
+    edits = {missing: lambda tensors: tensors.pop(missing)} | {
+        name: lambda tensors, name=name, value=value: tensors.update({name: value})
+        for name, value in wrong_shapes.items()}
+    for index, (named, edit) in enumerate(edits.items()):
+        directory = _damaged_copy(case, tmp_path / str(index), edit)
+        with pytest.raises(CorruptModelFileError, match=named.replace(".", r"\.")):
+            load_model(resolve_model(directory), "float32")
+    directory = _damaged_copy(case, tmp_path / "top_k", lambda tensors: None,
+                              lambda c: c.update(num_experts_per_tok=experts + 1))
+    with pytest.raises(CorruptModelFileError, match=f"{experts + 1} experts per token"):
+        load_model(resolve_model(directory), "float32")

@@ -202,7 +202,8 @@ class CausalLM(nn.Module):
                     and self.lm_head.tied:
                 continue
             if name not in loaders:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                raise CorruptModelFileError(f"checkpoint tensor {name!r} has no place in the "
+                                            f"model (its config: {self.config.architecture})")
             self._check_tensor(loaders[name], name, tensor)
             self._load_one(loaders[name], name, tensor)
             loaded.add(name)
