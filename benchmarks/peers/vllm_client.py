@@ -21,7 +21,11 @@ VLLM_PYTHON = WORK / "vllm-venv" / "bin" / "python"
 
 
 def hf_tokenizer() -> Path:
-    """The HF directory vllm.sh setup made (gguf_to_hf.py) for the model BENCH_MODEL names."""
+    """The HF directory vllm.sh setup made (gguf_to_hf.py) for the model BENCH_MODEL names, or
+    BENCH_TOKENIZER: an HF directory with the served model's tokenizer (a random-weight model
+    made with another model's tokenizer, which no HF directory of its own holds)."""
+    if os.environ.get("BENCH_TOKENIZER"):
+        return Path(os.environ["BENCH_TOKENIZER"])
     return WORK / f"{os.environ.get('BENCH_MODEL', 'smollm2-135m-instruct')}-hf"
 
 
