@@ -150,6 +150,19 @@ def test_dequantizing_kernel_is_the_linear_of_the_files_weights(qtype, dtype, ke
                                            atol=tolerance * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_kernel_multiplies_the_files_exact_values(qtype, dtype, kernels):
+    """x = the identity picks out W.T itself (each output one product by 1 plus exact zeros):
+    the weights the GEMM was given are gguf's float32 values exactly (rounded to bfloat16 in
+    bfloat16), over two slabs of rows whose last panel is partial."""
+    rows, cols = 600, 256
+    raw = _file_rows(qtype, rows, cols, seed=3 * len(qtype))
+    panels, expected = kernels.gguf_pack(raw, qtype), _file_values(raw, qtype).to(dtype)
+    got = kernels.gguf_linear_dequant(torch.eye(cols, dtype=dtype), panels, qtype, None, rows)
+    assert torch.equal(got, expected.t())  # == : a weight's -0.0 comes out as 0.0 + -0.0
+
+
 @pytest.mark.parametrize("ops_name", ["kernels", "reference"])
 def test_malformed_inputs_are_clear_errors(ops_name, kernels):
     """A raw tensor whose rows are not whole blocks, panels of another K, an unknown type, and a

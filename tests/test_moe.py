@@ -197,8 +197,9 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
         stored = [m for m in model.modules() if type(m).__name__ == "StoredLinear"]
         expert = next(m for m in model.modules() if type(m).__name__ == "GatedMLP")
         assert expert.gate_up_proj.impl in stored  # (a width of 48 or 40 stays F32 in the file)
-        for module in stored:  # before the first step: the fused MoE copies each row limit
-            module.max_rows = 0
+        PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])  # the q8 kernel's
+        for module in stored:  # the fused layers copied the old limits: binding the next
+            module.max_rows = 0  # loop's cache rebuilds them (as a changed limit does)
         got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
         dequantized, _ = load_model(resolve_model(path), "float32", attention_backend="paged")
         reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]

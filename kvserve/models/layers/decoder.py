@@ -207,5 +207,9 @@ class DecoderModel(nn.Module):
                     if p.is_floating_point())
 
     def reset_decode_stack(self) -> None:
-        """Forget the stack (new KV tensors, changed layers): the next step builds it again."""
+        """Forget the stack (new KV tensors, changed layers, new row limits) and the fused MoE
+        layers, which copied their projections' row limits: the next step builds them again."""
         self._decode_stack = None
+        for module in self.modules():
+            if hasattr(module, "reset_fused"):
+                module.reset_fused()

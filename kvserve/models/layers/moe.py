@@ -115,6 +115,11 @@ class SparseMoE(nn.Module):
             self._fused = (kernels, self._build_fused(kernels))
         return self._fused[1]
 
+    def reset_fused(self) -> None:
+        """Forget the fused layer (a projection's row limit changed): built again when next
+        run."""
+        self._fused = None
+
     def _build_fused(self, kernels):
         if os.environ.get("KVSERVE_FUSED_MOE", "1") == "0" or not hasattr(kernels, "MoeLayer"):
             return None
