@@ -482,8 +482,9 @@ def write_gguf(path, config, tensors: dict, arch="llama", qtype=None,
 
 def copy_gguf(src, dst, replace: dict | None = None) -> None:
     """A GGUF file's metadata and tensors written again to `dst`, with `replace` mapping a
-    tensor's name to a float array in its place, or to None to leave the tensor out (a damaged
-    file for the bad-input tests)."""
+    tensor's name to a float array in its place, a (bytes [rows, row bytes], GGMLQuantization
+    Type) pair (blocks of another type), or None to leave the tensor out (a damaged file for the
+    bad-input tests)."""
     import gguf
 
     replace = replace or {}
@@ -499,6 +500,9 @@ def copy_gguf(src, dst, replace: dict | None = None) -> None:
     for tensor in reader.tensors:
         if tensor.name not in replace:
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        elif isinstance(replace[tensor.name], tuple):
+            data, kind = replace[tensor.name]
+            writer.add_tensor(tensor.name, data, raw_dtype=kind)
         elif replace[tensor.name] is not None:
             writer.add_tensor(tensor.name, replace[tensor.name])
     writer.write_header_to_file()
@@ -603,7 +607,9 @@ def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
 # ---- tiny checkpoints saved by HF transformers ------------------------------------------------
 def randomise_norms(hf_model) -> None:
     """Every norm weight drawn at random (HF initialises Gemma's to zero and the others' to one,
-    which would hide a norm applied without its weight, or with the wrong offset)."""
+    which would hide a norm applied without its weight, or with the wrong offset), and every
+    bias (HF's are zero, which would hide one not added, or added by every tensor-parallel
+    rank)."""
     import torch
 
     with torch.no_grad():
@@ -611,6 +617,8 @@ def randomise_norms(hf_model) -> None:
             if name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5) if "gemma" in hf_model.config.model_type \
                     else param.uniform_(0.5, 1.5)
+            elif name.endswith(("bias", "_bias")):
+                param.uniform_(-0.1, 0.1)
 
 
 def write_sentencepiece_model(path) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from kvserve.kernels import reference
 from tests.helpers import assert_equals_linear_of_rounded_x
 
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 # byte offsets of each K-quant block's float16 scales (d, and dmin for Q4_K/Q5_K)
 _SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 

@@ -1,6 +1,7 @@
-"""Mixtures of experts (models/layers/moe.py, models/families/moe.py): Mixtral, Qwen2-MoE (a
-shared expert with its sigmoid gate, a dense layer beside the sparse ones), Qwen3-MoE (QK-norm,
-renormalised top-k) and OLMoE (QK-norm over whole projections, Q/K/V clamped), each a tiny
+"""Mixtures of experts (models/layers/moe.py, models/families/moe.py, gpt_oss.py): Mixtral,
+Qwen2-MoE (a shared expert with its sigmoid gate, a dense layer beside the sparse ones), Qwen3-MoE
+(QK-norm, renormalised top-k), OLMoE (QK-norm over whole projections, Q/K/V clamped) and gpt-oss
+(attention sinks, sliding and full layers, biases, the clamped SwiGLU, MXFP4 experts), each a tiny
 random checkpoint made by HF transformers' own config and model classes, against HF's forward
 pass in float32: logits within 1e-4 on each attention path, greedy tokens equal to HF's
 `generate` batched and alone, through the engine with chunked prefill and prefix hits, int8
@@ -11,6 +12,7 @@ test whose tokens all took one expert would not test routing)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +50,10 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
         norm_topk_prob=True),
+    # a window the 40- and 90-token prompts pass, sliding and full layers, YaRN (its default)
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **SHAPE, num_local_experts=6, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -76,7 +82,13 @@ def test_configs_read_as_hf_reads_them():
     stepped = FAMILIES["qwen3_moe"]().to_dict() | {"decoder_sparse_step": 2}
     assert [ModelConfig.from_hf_dict(stepped).is_moe_layer(i) for i in range(3)] == \
         [False, True, False]
-    for config in (mixtral, qwen2):
+    gpt_oss = ModelConfig.from_hf_dict(FAMILIES["gpt_oss"]().to_dict())
+    assert (gpt_oss.num_experts, gpt_oss.num_experts_per_tok, gpt_oss.hidden_act) == \
+        (6, 2, "swigluoai")
+    assert gpt_oss.attention_sinks and gpt_oss.attention_output_bias and gpt_oss.moe_expert_bias
+    assert gpt_oss.sliding_windows == (16, None, 16)
+    assert gpt_oss.rope_scaling["rope_type"] == "yarn" and not gpt_oss.rope_scaling["truncate"]
+    for config in (mixtral, qwen2, gpt_oss):
         assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
@@ -101,6 +113,34 @@ def test_the_olmoe_clamp_binds(family):
             module.clip_qkv = None
     with pytest.raises(AssertionError):
         assert_last_logits_match_hf(model, family, MAX_LEN, 1e-2)
+
+
+def test_the_gpt_oss_sinks_and_clamp_bind(family):
+    """The fixture's sinks (drawn at initializer_range) and swigluoai's clamp change HF's
+    logits, so matching them tests both: without either, ours differ."""
+    if family["name"] != "gpt_oss":
+        pytest.skip("gpt-oss only")
+    for undo in ("sinks", "clamp"):
+        model = _model(family)
+        for module in model.modules():
+            if undo == "sinks" and getattr(module, "sinks", None) is not None:
+                module.sinks.data.fill_(float("-inf"))  # a sink that never weighs
+            if undo == "clamp" and hasattr(module, "swiglu_limit"):
+                module.swiglu_limit = float("inf")
+            if hasattr(module, "reset_fused"):
+                module.reset_fused()
+        with pytest.raises(AssertionError):
+            assert_last_logits_match_hf(model, family, MAX_LEN, 1e-2)
+
+
+def test_gpt_oss_decodes_as_hf_on_the_other_attention_backends(family):
+    """The sinks on the reference and batched-SDPA backends' decode paths too (the paged
+    kernel's are every other test's): HF's greedy tokens batched and alone."""
+    if family["name"] != "gpt_oss":
+        pytest.skip("gpt-oss only")
+    for backend in ("torch_ref", "sdpa_batched"):
+        assert_greedy_batched_and_alone(_model(family, backend), family["prompts"],
+                                        family["tokens"], NEW_TOKENS, MAX_LEN)
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
@@ -169,7 +209,7 @@ GGUF_FAMILIES = dict(FAMILIES, qwen2_moe=lambda: transformers.Qwen2MoeConfig(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GGUF_FAMILIES))
-def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
+def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, monkeypatch):
     """llama.cpp's converter's file (Mixtral as "llama" with experts; qwen2moe, qwen3moe; each
     layer's experts as one [experts, rows, cols] tensor) gives the HF directory's config and
     logits: float32 to 1e-4; as Q8_0 blocks kept as stored (each expert's rows of the
@@ -178,6 +218,8 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
     from kvserve.models.paged_loop import PagedLoop
     from tests.helpers import convert_hf_to_gguf, save_hf_checkpoint
 
+    # the row limits set below stay (the background autotuner would set its own)
+    monkeypatch.setenv("KVSERVE_AUTOTUNE", "0")
     directory = tmp_path / name
     save_hf_checkpoint(GGUF_FAMILIES[name](), directory, tokenizer)
     hf_dir, _ = load_model(resolve_model(directory), "float32", attention_backend="paged")
@@ -193,6 +235,8 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer):
             got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
             _assert_damaged_gguf_fails(path, tmp_path)
+            if name == "gpt_oss":
+                _assert_mxfp4_experts_kept_as_stored(path, tmp_path, prompt)
             continue
         stored = [m for m in model.modules() if type(m).__name__ == "StoredLinear"]
         expert = next(m for m in model.modules() if type(m).__name__ == "GatedMLP")
@@ -284,7 +328,7 @@ def test_fused_layer_equals_the_python_loop(family, dtype, quantization, monkeyp
     """`KVSERVE_FUSED_MOE=0` (the switch) runs models/layers/moe.py's Python loop over the
     same projections: the same greedy tokens, logits within float32's summation order (the
     fused layer adds the weighted expert outputs with FMAs; measured up to 9e-4 after ten steps
-    on logits up to ~20, the compiled kernels' bound against HF in TOLERANCE)."""
+    on logits up to ~20, the compiled kernels' bound against HF in TOLERANCE; gpt-oss below)."""
     config = ModelConfig.from_hf_dict(family["hf_config"].to_dict())
     widths = (config.moe_intermediate_size, config.shared_expert_intermediate_size or 32)
     if quantization != "none" and any(width % 32 for width in widths):
@@ -298,7 +342,10 @@ def test_fused_layer_equals_the_python_loop(family, dtype, quantization, monkeyp
     loop = decode_logits(loop_model, prompts, NEW_TOKENS, True, MAX_LEN)
     assert _fused_layers(loop_model) == [None] * len(_fused_layers(loop_model))
     assert torch.equal(fused.argmax(-1), loop.argmax(-1))
-    torch.testing.assert_close(fused, loop, atol=TOLERANCE["paged"] if dtype == "float32" else 0.1, rtol=0)
+    # gpt-oss: 8e-5 on the prompt's logits, growing to 7e-3 by the tenth step (its sinks and
+    # biases drawn large; the same ops, summed in another order)
+    atol = 1e-2 if family["name"] == "gpt_oss" else TOLERANCE["paged"]
+    torch.testing.assert_close(fused, loop, atol=atol if dtype == "float32" else 0.1, rtol=0)
 
 
 def test_the_decode_stack_runs_the_moe_layers(family):
@@ -310,6 +357,41 @@ def test_the_decode_stack_runs_the_moe_layers(family):
     stacked = decode_logits(model, prompts, NEW_TOKENS, False, MAX_LEN)
     assert type(model.model._decode_stack).__name__ == "DecodeStack"
     assert torch.equal(stacked, decode_logits(model, prompts, NEW_TOKENS, True, MAX_LEN))
+
+
+def _assert_mxfp4_experts_kept_as_stored(path, tmp_path, prompt) -> None:
+    """gpt-oss's experts as MXFP4 blocks (what llama-quantize's MXFP4_MOE writes: gguf's own
+    quantizer here) stay MXFP4 (`--quantization gguf`): through the dequantizing GEMM the
+    logits of the same file dequantized to float32 (the values exact: the GEMM's inputs are
+    the file's numbers); through the integer-dot kernel (int8 activations, as llama.cpp's), the
+    same greedy token."""
+    import gguf
+
+    from kvserve.models.paged_loop import PagedLoop
+    from tests.helpers import copy_gguf
+
+    reader = gguf.GGUFReader(str(path))
+    mxfp4, q8_0 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q8_0
+    # the LM head in Q8_0 too (`gguf` would make a float32 one int8): the same values both ways
+    kinds = {t.name: mxfp4 if t.name.endswith("_exps.weight") else q8_0 for t in reader.tensors
+             if t.name.endswith("_exps.weight") or t.name == "output.weight"}
+    quantized = tmp_path / "gpt_oss-mxfp4.gguf"
+    copy_gguf(path, quantized, {t.name: (gguf.quants.quantize(np.asarray(t.data), kinds[t.name]),
+                                         kinds[t.name])
+                                for t in reader.tensors if t.name in kinds})
+    model, _ = load_model(resolve_model(quantized), "float32", attention_backend="paged",
+                          quantization="gguf")
+    expert = next(m for m in model.modules() if type(m).__name__ == "GatedMLP")
+    assert [segment.qtype for segment in expert.gate_up_proj.impl.segments] == ["MXFP4"]
+    dequantized, _ = load_model(resolve_model(quantized), "float32", attention_backend="paged")
+    reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    integer = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    assert integer.argmax() == reference.argmax()
+    for module in model.modules():
+        if type(module).__name__ == "StoredLinear":
+            module.max_rows = 0
+    got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 
 
 def _assert_damaged_gguf_fails(path, tmp_path) -> None:

@@ -187,6 +187,19 @@ def test_mixture_of_experts_shards_match_one_process(pool, tmp_path, tokenizer):
     _hf_checkpoint_shards_match_one_process(pool, tmp_path / "qwen2_moe", config, tokenizer)
 
 
+def test_gpt_oss_shards_match_one_process(pool, tmp_path, tokenizer):
+    """gpt-oss: each rank's heads' sinks, the output projection's and each expert's down
+    projection's bias added by one rank (their partial sums are all-reduced), the experts'
+    stacked, interleaved checkpoint tensors split per expert before each rank takes its rows,
+    the biased router replicated, sliding and full layers."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, **CONFIGS[pool.world_size], num_hidden_layers=2, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=16, initializer_range=0.2,
+        layer_types=["sliding_attention", "full_attention"])
+    _hf_checkpoint_shards_match_one_process(pool, tmp_path / "gpt_oss", config, tokenizer)
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 

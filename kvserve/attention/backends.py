@@ -6,7 +6,8 @@ the paged cache (`rope_and_cache_`), and names the op set its model's layers run
 SDPA. Fast backends must match it (tests/test_model_paged.py). A layer with a sliding window
 passes it on each call; a backend that can honour windows says so with
 `supports_sliding_window` (models with windowed layers refuse to load on any other), and one
-that soft-caps scores (Gemma 2's `softcap`) with `supports_softcap`.
+that soft-caps scores (Gemma 2's `softcap`) with `supports_softcap`, and one that adds learned
+per-head sink logits to the softmax (gpt-oss's `sinks`) with `supports_sinks`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class AttentionBackend(Protocol):
     name: str
     supports_sliding_window: bool
     supports_softcap: bool
+    supports_sinks: bool
     ops: object  # the op set the model's layers run with this backend (kvserve.kernels)
 
     def attend(
@@ -38,6 +40,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int = 0,  # > 0: keys with query position - key position < it
         softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
+        sinks: torch.Tensor | None = None,  # float32 [H]: each head's sink logit (gpt-oss)
     ) -> torch.Tensor:  # [T, H * D]
         ...
 
@@ -49,6 +52,7 @@ class TorchReferenceBackend:
     name = "torch_ref"
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self):
         from kvserve.kernels import get_ops
@@ -56,14 +60,14 @@ class TorchReferenceBackend:
         self.ops = get_ops(False)
 
     def attend(self, qkv, kv_cache, metadata, num_heads, num_kv_heads, head_dim, scale,
-               sliding_window=0, softcap=0.0):
+               sliding_window=0, softcap=0.0, sinks=None):
         query = split_heads(qkv, num_heads, num_kv_heads, head_dim)[0]
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
         for i in range(metadata.num_seqs):
             start, end = starts[i], starts[i + 1]
             output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata, i,
-                                                     scale, sliding_window, softcap)
+                                                     scale, sliding_window, softcap, sinks)
         return output.view(qkv.shape[0], -1)
 
 
@@ -76,6 +80,7 @@ class BatchedSDPABackend:
     name = "sdpa_batched"
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self):
         from kvserve.kernels import get_ops
@@ -83,7 +88,7 @@ class BatchedSDPABackend:
         self.ops = get_ops(False)
 
     def attend(self, qkv, kv_cache, metadata, num_heads, num_kv_heads, head_dim, scale,
-               sliding_window=0, softcap=0.0):
+               sliding_window=0, softcap=0.0, sinks=None):
         query, key, value = split_heads(qkv, num_heads, num_kv_heads, head_dim)
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_host
@@ -92,7 +97,7 @@ class BatchedSDPABackend:
             (decode_rows if starts[i + 1] - starts[i] == 1 else other_rows).append(i)
         if decode_rows:
             self._decode(query, kv_cache, metadata, decode_rows, scale, output, sliding_window,
-                         softcap)
+                         softcap, sinks)
         for i in other_rows:
             start, end = starts[i], starts[i + 1]
             seq_len = metadata.seq_lens_host[i]
@@ -100,15 +105,17 @@ class BatchedSDPABackend:
                 attended = attend_fresh(query[start:end].transpose(0, 1),
                                         as_stored(key[start:end], kv_cache.dtype).transpose(0, 1),
                                         as_stored(value[start:end], kv_cache.dtype).transpose(0, 1),
-                                        scale, sliding_window, softcap)
+                                        scale, sliding_window, softcap, sinks)
                 output[start:end] = attended.transpose(0, 1)
             else:
                 output[start:end] = _attend_one_gathered(query[start:end], kv_cache, metadata,
-                                                         i, scale, sliding_window, softcap)
+                                                         i, scale, sliding_window, softcap,
+                                                         sinks)
         return output.view(qkv.shape[0], -1)
 
     @staticmethod
-    def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window, softcap):
+    def _decode(query, kv_cache, metadata, rows, scale, output, sliding_window, softcap,
+                sinks=None):
         """All one-token queries at once as two batched matmuls. Query heads are grouped under
         their KV head ([B, KVH, G, D] x [B, KVH, D, L]) so K/V are never repeated for GQA;
         softmax runs in float32. (CPU SDPA took ~4 ms per layer here: its flash kernel is slow
@@ -141,7 +148,13 @@ class BatchedSDPABackend:
         else:
             valid = positions < lengths
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        if sinks is not None:  # one more column per head that weighs no value
+            sink_column = sinks.float().view(1, num_kv_heads, -1, 1).expand(batch, -1, -1, 1)
+            scores = torch.cat([scores, sink_column], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        probs = probs.to(query.dtype)
         values = kv_as(kv_cache[1].index_select(0, flat_tables).view(
             batch, -1, num_kv_heads, row), query.dtype).transpose(1, 2)  # [B, KVH, L, D]
         output[token_index] = torch.matmul(probs, values).reshape(batch, -1, head_dim)
@@ -166,9 +179,10 @@ def _window_blocks(metadata, rows, rows_t, sliding_window):
     return tables, first_t * block_size
 
 
-def _attend_one_gathered(query, kv_cache, metadata, i, scale, sliding_window, softcap=0.0):
+def _attend_one_gathered(query, kv_cache, metadata, i, scale, sliding_window, softcap=0.0,
+                         sinks=None):
     return attend_gathered(query, kv_cache, metadata.block_tables[i], metadata.seq_lens_host[i],
-                           scale, sliding_window, softcap)
+                           scale, sliding_window, softcap, sinks)
 
 
 def _paged_backend(use_cpu_kernels: bool):

@@ -19,7 +19,7 @@ import torch
 
 from kvserve.attention.heads import split_heads
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.reference import as_stored, attend_fresh, dequantize_kv_rows
+from kvserve.kernels.reference import as_stored, attend_fresh, dequantize_kv_rows, plain_scores
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
 # Sequences with up to this many new tokens take the paged kernel: measured ~2x faster than
@@ -68,20 +68,24 @@ class PagedBackend:
     name = "paged"
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self, ops):
         self.ops = ops
 
     def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-               sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+               sliding_window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) * D], rotated, its K/V already in the cache -> [T, H * D].
         sliding_window > 0: each query sees the keys less than that many positions back.
         softcap > 0 (Gemma 2): scores soft-capped, by the paged kernel (the flash kernel has no
-        capping: such models never plan it)."""
+        capping: such models never plan it). sinks (gpt-oss): each head's learned logit joins
+        its softmax, likewise by the paged kernel."""
         plan = metadata.plan  # the first layer of a step plans it; the rest reuse it
         if plan is None:  # the torch reference ops report no flash kernel
-            plan = plan_step(metadata, qkv.dtype == torch.bfloat16 and not softcap
+            plan = plan_step(metadata, qkv.dtype == torch.bfloat16
+                             and plain_scores(softcap, sinks)
                              and self.ops.flash_attention_supported(head_dim))
         out = torch.empty(qkv.shape[0], num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
         for kernel, seq_ids in ((self.ops.paged_attention_, plan.paged_seq_ids),
@@ -91,8 +95,9 @@ class PagedBackend:
             cache, tables = kv_cache, metadata.block_tables
             if kernel is self.ops.flash_attention_ and kv_cache.dtype == torch.int8:
                 cache, tables = dequantized_blocks(kv_cache, metadata, seq_ids, qkv.dtype)
+            extra = {} if sinks is None else {"sinks": sinks}  # the flash kernel has none
             kernel(qkv, cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens, tables,
-                   num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
+                   num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap, **extra)
         starts = metadata.query_start_loc_host
         for i in plan.fresh:
             start, end = starts[i], starts[i + 1]
@@ -100,13 +105,13 @@ class PagedBackend:
                 qkv[start:end], num_heads, num_kv_heads, head_dim))
             # attend over the K/V as stored, as every other path
             key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
-            attended = attend_fresh(query, key, value, scale, sliding_window, softcap)
+            attended = attend_fresh(query, key, value, scale, sliding_window, softcap, sinks)
             out[start:end] = attended.transpose(0, 1).reshape(end - start, -1)
         if plan.gathered:
             ids = torch.tensor(plan.gathered, dtype=torch.int32)
             gathered_attention_(qkv, kv_cache, out, ids, plan.query_start_loc, metadata.seq_lens,
                                 metadata.block_tables, num_heads, num_kv_heads, head_dim, scale,
-                                sliding_window, softcap)
+                                sliding_window, softcap, sinks)
         return out
 
 

@@ -296,5 +296,56 @@ class Olmoe(FamilyRules):
         return {"qk_norm": False, "clip_qkv": None if clamp is None else float(clamp)}
 
 
+class GptOss(FamilyRules):
+    """gpt-oss: biases on Q/K/V and the output projection (`attention_bias`), learned attention
+    sinks, sliding and full layers alternating (`layer_types`), YaRN; every layer a mixture of
+    `num_local_experts` with a biased router whose top k are softmaxed (renormalised top-k),
+    experts with biases and the clamped "swigluoai" activation."""
+
+    architecture = "gpt_oss"
+    hf_class_name = "GptOssForCausalLM"
+    is_moe = True
+    attention_bias_by_default = True
+    window_pattern = 2  # sliding first (HF's default layer_types; llama.cpp's swa pattern)
+    gguf_architecture = "gpt-oss"
+    gguf_norm_topk_prob = True  # llama.cpp softmaxes the top k's logits
+    gguf_layer_names = dict(_expert_names("mlp", "gate_proj", "up_proj", "down_proj"), **{
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.bias": "mlp.gate.bias",
+        "ffn_gate_exps.bias": "mlp.experts.{}.gate_proj.bias",
+        "ffn_up_exps.bias": "mlp.experts.{}.up_proj.bias",
+        "ffn_down_exps.bias": "mlp.experts.{}.down_proj.bias"})
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        fields = super().from_hf(hf)
+        return dict(fields, num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf.get("num_experts_per_tok",
+                                               hf.get("experts_per_token")),
+                    moe_intermediate_size=hf["intermediate_size"],
+                    **self._gpt_oss_fields(fields["attention_bias"], hf))
+
+    def gguf_fields(self, meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's gpt-oss graph fixes rather than stores: the activation's constants
+        (HF's defaults), sinks, biases; YaRN's ramp not truncated (GptOssConfig's)."""
+        scaling = fields.get("rope_scaling")
+        return dict(self._gpt_oss_fields(fields["attention_bias"], meta),
+                    rope_scaling=None if scaling is None else dict(scaling, truncate=False))
+
+    def _gpt_oss_fields(self, attention_bias: bool, hf: dict[str, Any]) -> dict[str, Any]:
+        return {"norm_topk_prob": True, "hidden_act": "swigluoai",
+                "attention_output_bias": attention_bias, "attention_sinks": True,
+                "moe_router_bias": True, "moe_expert_bias": True,
+                "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+                "swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
+
+    def to_hf(self, config) -> dict[str, Any]:
+        return dict(super().to_hf(config), hidden_act="silu", hidden_activation="silu",
+                    num_local_experts=config.num_experts,
+                    num_experts_per_tok=config.num_experts_per_tok,
+                    swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+
+
 BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3(),
-                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe())
+                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe(), GptOss())

@@ -59,6 +59,13 @@ class FamilyRules:
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         """ModelConfig's fields from the HF config dict (KeyError: a required field missing)."""
+        quantized = hf.get("quantization_config")
+        if quantized:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise UnsupportedArchitectureError(
+                f"this checkpoint's weights are quantized ({method!r} quantization_config), "
+                "which kvserve does not read from HF directories: load a float checkpoint (and "
+                "--quantization), or a GGUF conversion of the model")
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):

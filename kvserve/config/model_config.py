@@ -12,7 +12,8 @@ from typing import Any
 from kvserve.config.registry import architecture_of_hf_model_type, family_rules
 from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# gated MLP activations: SwiGLU, GeGLU, and gpt-oss's clamped SwiGLU (vLLM's "swigluoai")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swigluoai")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,16 @@ class ModelConfig:
     # OLMoE: queries, keys and values clamped to [-clip_qkv, clip_qkv] after the projections
     # (and its QK-norm); None: not clamped
     clip_qkv: float | None = None
+    # gpt-oss: a bias on the attention output projection too (attention_bias is Q/K/V's), a
+    # learned sink logit per query head joining each attention softmax, a bias on the router
+    # and on every expert projection, and the "swigluoai" activation's constants: gate clamped
+    # above at swiglu_limit, up to +-swiglu_limit, out = (up + 1) * gate * sigmoid(alpha * gate)
+    attention_output_bias: bool = False
+    attention_sinks: bool = False
+    moe_router_bias: bool = False
+    moe_expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
     # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
     max_model_len: int | None = field(default=None, compare=False)

@@ -137,30 +137,55 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     return visible
 
 
-def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with Gemma 2's score soft-capping, as HF's eager path computes it: scores
-    scaled, then cap * tanh(scores / cap), masked, softmax in float32. query [H, n, D], key and
-    value [KVH, L, D], mask bool [n, L] -> [H, n, D]."""
+def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: torch.Tensor, scale: float, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention written out, as HF's eager paths compute what SDPA cannot: scores scaled, then
+    (softcap > 0, Gemma 2) cap * tanh(scores / cap), masked; `sinks` (gpt-oss, [H]) adds each
+    head's learned logit as one more softmax column that weighs no value; softmax in float32.
+    query [H, n, D], key and value [KVH, L, D], mask bool [n, L] -> [H, n, D]."""
     group = query.shape[0] // key.shape[0]
     key, value = key.repeat_interleave(group, 0), value.repeat_interleave(group, 0)
     scores = torch.matmul(query, key.transpose(1, 2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value)
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(query.dtype), value)
+
+
+def swigluoai_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over [T, 2I] rows [gate | up] (HF's GptOssExperts._apply_gate,
+    after the checkpoint's interleaved gate/up columns are split at load): the gate clamped
+    above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate), in float32
+    and rounded once (as the fused MoE's kernel; HF rounds each step in bfloat16)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).to(gate_up.dtype)
+
+
+def plain_scores(softcap: float, sinks: torch.Tensor | None) -> bool:
+    """Whether attention is SDPA's (no soft cap, no sinks): the fused kernels' fast paths."""
+    return softcap <= 0 and sinks is None
 
 
 def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                 sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
+                 sliding_window: int, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A prompt with nothing cached before it over its own K/V: query [H, n, D], key and value
     [KVH, n, D] -> [H, n, D]. Plain causal SDPA unless a window cuts the prompt (then banded);
-    softcap > 0: soft-capped scores (`softcapped_attention`)."""
+    soft-capped scores or sinks: `eager_attention`."""
     length = query.shape[1]
-    if softcap > 0:
+    if not plain_scores(softcap, sinks):
         positions = torch.arange(length, device=query.device)
         mask = attention_mask(positions, positions, sliding_window)
-        return softcapped_attention(query, key, value, mask, scale, softcap)
+        return eager_attention(query, key, value, mask, scale, softcap, sinks)
     if 0 < sliding_window < length:
         positions = torch.arange(length, device=query.device)
         mask = attention_mask(positions, positions, sliding_window)
@@ -174,7 +199,7 @@ def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
 
 def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_len: int, scale: float, sliding_window: int,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's new queries [n, H, D] (the last n of its seq_len tokens) against its cached
     K/V, gathered from its blocks; causal, within the window if any. Blocks wholly before the
     first query's window are never read (their table entries may be stale). The reference
@@ -189,9 +214,10 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
     key_positions = torch.arange(first_key, seq_len, device=query.device)
     mask = attention_mask(query_positions, key_positions, sliding_window)
-    if softcap > 0:
-        return softcapped_attention(query.transpose(0, 1), keys.transpose(0, 1),
-                                    values.transpose(0, 1), mask, scale, softcap).transpose(0, 1)
+    if not plain_scores(softcap, sinks):
+        return eager_attention(query.transpose(0, 1), keys.transpose(0, 1),
+                               values.transpose(0, 1), mask, scale, softcap,
+                               sinks).transpose(0, 1)
     attended = F.scaled_dot_product_attention(  # 4-D inputs: 3-D ones take a slow CPU path
         query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, scale=scale, enable_gqa=True)[0]
@@ -200,13 +226,15 @@ def attend_gathered(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 
 def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
                      num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                     sliding_window: int, softcap: float = 0.0) -> None:
-    """sliding_window <= 0: full causal attention; softcap > 0: Gemma 2's score capping."""
+                     sliding_window: int, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> None:
+    """sliding_window <= 0: full causal attention; softcap > 0: Gemma 2's score capping;
+    sinks: gpt-oss's learned per-head sink logits."""
     for seq in seq_ids.tolist():
         start, end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         query = qkv[start:end, : num_heads * head_dim].reshape(end - start, num_heads, head_dim)
         attended = attend_gathered(query, kv_cache, block_tables[seq], int(seq_lens[seq]), scale,
-                                   sliding_window, softcap)
+                                   sliding_window, softcap, sinks)
         out[start:end] = attended.reshape(end - start, -1)
 
 
@@ -477,7 +505,10 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 # name: (values a file block, bytes a file block, bytes a (panel, file block) of the layout)
 GGUF_FORMATS = {"Q4_0": (32, 18, 320), "Q4_1": (32, 20, 320), "Q5_0": (32, 22, 352),
                 "Q5_1": (32, 24, 384), "Q8_0": (32, 34, 576), "Q4_K": (256, 144, 2368),
-                "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360)}
+                "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360), "MXFP4": (32, 17, 576)}
+# MXFP4's e2m1 codes as the integers they are in halves of the block's scale (ggml's table)
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                             dtype=torch.int8)
 # bits above the low 4 a code, kept in bit planes
 _HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}
 
@@ -519,6 +550,11 @@ def _gguf_decode(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, dict[str,
     blocks = raw.view(rows, row_bytes // size, size)
     if qtype == "Q8_0":
         return blocks[..., 2:].reshape(rows, -1), {"d": _halves(blocks, 0)}
+    if qtype == "MXFP4":  # its values as int8 codes, its E8M0 scale 2^(e - 128) as float32
+        qs = blocks[..., 1:]
+        codes = _MXFP4_VALUES[torch.cat([qs & 15, qs >> 4], -1).long()]
+        scale = torch.ldexp(torch.ones(()), blocks[..., 0].float() - 128)
+        return codes.view(torch.uint8).reshape(rows, -1), {"d": scale}
     if qtype == "Q6_K":
         ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [N, B, h, s % 2, l]
         low = torch.stack([ql & 15, ql >> 4], 3)          # [N, B, h, s // 2, s % 2, l]
@@ -600,7 +636,7 @@ def _gguf_pack(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     codes, meta = _gguf_decode(raw, qtype)
     rows, cols = codes.shape
     panels, blocks = -(-rows // INT4_PANEL), raw.shape[1] // GGUF_FORMATS[qtype][1]
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "MXFP4"):
         return pack_int8(codes.view(torch.int8), meta["d"].float())
     if qtype in ("Q4_0", "Q4_1"):
         low = meta["m"] if qtype == "Q4_1" else (-8 * meta["d"].float()).half()
@@ -621,7 +657,7 @@ def _gguf_weights(panels: torch.Tensor, qtype: str) -> torch.Tensor:
     float operations in its order."""
     values, _, block_bytes = _gguf_format(qtype)
     count, blocks, _ = panels.shape
-    if qtype == "Q8_0":
+    if qtype in ("Q8_0", "MXFP4"):
         return unpack_int8(panels, count * INT4_PANEL)
     if qtype in ("Q4_0", "Q4_1"):
         q, d, m = _unpack_int4_parts(panels, torch.float16)

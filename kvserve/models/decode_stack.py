@@ -78,7 +78,9 @@ class Recorder:
     def add_(self, x: Value, other: Value) -> None:
         self._emit(ADD, x, other, produces=False)
 
-    def act_and_mul(self, gate_up: Value, activation: str) -> Value:
+    def act_and_mul(self, gate_up: Value, activation: str, mlp: nn.Module | None = None) -> Value:
+        if activation == "swigluoai":
+            raise Unsupported("gpt-oss's activation outside its fused mixture of experts")
         return self._emit(SILU_AND_MUL if activation == "silu" else GELU_AND_MUL, gate_up)
 
     def norm_heads_(self, qkv: Value, attention: nn.Module) -> None:
@@ -93,7 +95,7 @@ class Recorder:
         return self._emit(ATTENTION, qkv, kv_cache=attention.kv_cache,
                           cos_sin=attention.rotary.cos_sin, scale=attention.scale,
                           sliding_window=attention.sliding_window, softcap=attention.softcap,
-                          **_head_settings(attention))
+                          sinks=attention.sink_logits, **_head_settings(attention))
 
     def norm_projections_(self, qkv: Value, attention: nn.Module) -> None:
         q_norm, k_norm = attention.q_norm, attention.k_norm

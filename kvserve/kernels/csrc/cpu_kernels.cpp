@@ -415,6 +415,9 @@ struct PagedArgs {
   float scale;
   int64_t window;  // > 0: a query at p sees keys k with p - k < window; else every k <= p
   float softcap;   // > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2), else as they are
+  // [num_heads] or null: each query head's learned sink logit (gpt-oss), one more term of its
+  // softmax's denominator that weighs no value
+  const float* sinks;
 };
 
 #if KVSERVE_VEC
@@ -759,7 +762,13 @@ void attend_seq_head(const PagedArgs& a, const T* qkv, int64_t qkv_stride, const
   for (int64_t r = 0; r < rows; ++r) {
     const auto [lo, hi] = visible(r);
     float* s = scores + r * span + lo;
-    inv_sum[r] = 1.f / exp_shifted_sum(s, hi - lo, max_of(s, hi - lo));
+    float shift = max_of(s, hi - lo), sink_term = 0.f;
+    if (a.sinks) {  // HF's eager path: the sink joins the max and the sum
+      const float sink = a.sinks[kvh * group + (row_begin + r) % group];
+      shift = std::max(shift, sink);
+      sink_term = std::exp(sink - shift);
+    }
+    inv_sum[r] = 1.f / (exp_shifted_sum(s, hi - lo, shift) + sink_term);
   }
   // Keys a query may not see weigh zero (the register-blocked pass visits them all).
   for (int64_t r = 0; r < rows; ++r) {
@@ -805,7 +814,8 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
   // bf16 on AVX512-BF16: the dot-product-instruction version (decode_attention.cpp)
   bool bf16_fast = false;
   if constexpr (std::is_same<T, BFloat16>::value && std::is_same<C, BFloat16>::value) {
-    bf16_fast = kvserve::decode_attention_supported(a.head_dim) && a.softcap == 0.f;
+    bf16_fast = kvserve::decode_attention_supported(a.head_dim) && a.softcap == 0.f &&
+                a.sinks == nullptr;
   }
   const int64_t group = a.num_heads / a.num_kv_heads;
   int64_t max_rows = 0;
@@ -847,11 +857,16 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
 // cache. qkv [T, (H + 2 KVH) * D] holds the rotated queries; out [T, H * D] gets their rows.
 // sliding_window > 0: a query at position p sees keys k with p - k < sliding_window only.
 // softcap > 0 (Gemma 2): each scaled score becomes softcap * tanh(score / softcap).
+// sinks (gpt-oss): float32 [num_heads], each head's learned logit added to its softmax.
 void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Tensor& out,
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window, double softcap) {
+                      int64_t sliding_window, double softcap,
+                      const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->numel() == num_heads),
+              "paged_attention_: sinks must be contiguous float32 [num_heads]");
   TORCH_CHECK(seq_ids.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kLong,
@@ -861,7 +876,8 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
   PagedArgs args{seq_ids.data_ptr<int32_t>(), query_start_loc.data_ptr<int64_t>(),
                  seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
                  block_tables.size(1), kv_cache.size(2), num_heads, num_kv_heads, head_dim,
-                 static_cast<float>(scale), sliding_window, static_cast<float>(softcap)};
+                 static_cast<float>(scale), sliding_window, static_cast<float>(softcap),
+                 sinks ? sinks->data_ptr<float>() : nullptr};
   check_cache_dtype(qkv, kv_cache, "paged_attention_");
   TORCH_CHECK(out.scalar_type() == qkv.scalar_type(),
               "paged_attention_: out must be in qkv's dtype");
@@ -1055,9 +1071,10 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window, double softcap) {
+                      int64_t sliding_window, double softcap,
+                      const c10::optional<at::Tensor>& sinks) {
   ::paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, block_tables,
-                     num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap);
+                     num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap, sinks);
 }
 
 }  // namespace kvserve::layer_ops
@@ -1079,13 +1096,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "tanh-GELU(gate) * up of [T, 2I] rows",
         py::call_guard<py::gil_scoped_release>());
+  m.def("swigluoai_and_mul", &kvserve::swigluoai_and_mul,
+        "gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)",
+        py::arg("gate_up"), py::arg("alpha"), py::arg("limit"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rope_and_cache_", &rope_and_cache_, "RoPE on Q/K in place + write K/V to the cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_", &paged_attention_, "causal attention over paged K/V, in place",
         py::arg("qkv"), py::arg("kv_cache"), py::arg("out"), py::arg("seq_ids"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
-        py::arg("sliding_window"), py::arg("softcap") = 0.0,
+        py::arg("sliding_window"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention_", &kvserve::flash_attention_,
         "tiled causal attention over paged bf16 K/V (sequences with many new tokens), in place",
@@ -1178,15 +1199,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("segments") = std::vector<kvserve::StackLinear>());
   py::class_<kvserve::MoeLayer, std::shared_ptr<kvserve::MoeLayer>>(m, "MoeLayer",
                                                                     py::module_local())
-      .def(py::init([](at::Tensor router, int64_t top_k, bool normalize_top_k, bool gelu,
-                       std::vector<kvserve::StackLinear> gate_up,
+      .def(py::init([](at::Tensor router, int64_t top_k, bool normalize_top_k,
+                       std::string activation, std::vector<kvserve::StackLinear> gate_up,
                        std::vector<kvserve::StackLinear> down, at::Tensor routed_tokens,
                        c10::optional<kvserve::StackLinear> shared_gate_up,
                        c10::optional<kvserve::StackLinear> shared_down,
-                       c10::optional<at::Tensor> shared_gate) {
+                       c10::optional<at::Tensor> shared_gate,
+                       c10::optional<at::Tensor> router_bias, double swiglu_alpha,
+                       double swiglu_limit) {
              auto layer = std::make_shared<kvserve::MoeLayer>();
              layer->router = std::move(router);
-             layer->top_k = top_k, layer->normalize_top_k = normalize_top_k, layer->gelu = gelu;
+             layer->router_bias = std::move(router_bias);
+             layer->top_k = top_k, layer->normalize_top_k = normalize_top_k;
+             layer->activation = std::move(activation);
+             layer->swiglu_alpha = swiglu_alpha, layer->swiglu_limit = swiglu_limit;
              layer->gate_up = std::move(gate_up), layer->down = std::move(down);
              layer->routed_tokens = std::move(routed_tokens);
              layer->shared_gate_up = std::move(shared_gate_up);
@@ -1197,10 +1223,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            "a mixture-of-experts layer: float32 router [E, H], top k, each expert's gate_up and "
            "down StackLinear, the int64 [E] routed-token counters it adds to, a shared expert",
-           py::arg("router"), py::arg("top_k"), py::arg("normalize_top_k"), py::arg("gelu"),
-           py::arg("gate_up"), py::arg("down"), py::arg("routed_tokens"),
+           py::arg("router"), py::arg("top_k"), py::arg("normalize_top_k"),
+           py::arg("activation"), py::arg("gate_up"), py::arg("down"), py::arg("routed_tokens"),
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
-           py::arg("shared_gate") = py::none())
+           py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(),
+           py::arg("swiglu_alpha") = 1.702, py::arg("swiglu_limit") = 7.0)
       .def("forward", &kvserve::MoeLayer::forward,
            "routing, the active experts over their tokens, the weighted sum: [T, H] -> [T, H]",
            py::call_guard<py::gil_scoped_release>());
@@ -1212,7 +1239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<at::Tensor> kv_cache, c10::optional<at::Tensor> cos_sin,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t sliding_window, double scale, double softcap, double limit,
-                       std::shared_ptr<kvserve::MoeLayer> moe) {
+                       std::shared_ptr<kvserve::MoeLayer> moe, c10::optional<at::Tensor> sinks) {
              TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kMoe),
                          "decode stack: unknown op ", op);
              kvserve::StackInstruction in;
@@ -1227,6 +1254,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              in.num_heads = num_heads, in.num_kv_heads = num_kv_heads, in.head_dim = head_dim;
              in.sliding_window = sliding_window, in.scale = scale, in.softcap = softcap;
              in.limit = limit, in.moe = std::move(moe);
+             if (sinks) in.sinks = *sinks;
              return in;
            }),
            "one op of a recorded layer program (models/decode_stack.py)", py::arg("op"),
@@ -1237,7 +1265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos_sin") = py::none(), py::arg("num_heads") = 0,
            py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
            py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0,
-           py::arg("limit") = 0.0, py::arg("moe") = py::none());
+           py::arg("limit") = 0.0, py::arg("moe") = py::none(), py::arg("sinks") = py::none());
   py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<kvserve::StackInstruction>, int64_t, int64_t>(),
            py::arg("program"), py::arg("num_registers"), py::arg("output"))

@@ -32,7 +32,9 @@ at::Tensor attend(const StackInstruction& in, at::Tensor& qkv, const StepArgs& s
     layer_ops::paged_attention_(qkv, kv_cache, out, step.seq_ids, step.query_start_loc,
                                 step.seq_lens, step.block_tables, in.num_heads,
                                 in.num_kv_heads, in.head_dim, in.scale, in.sliding_window,
-                                in.softcap);
+                                in.softcap,
+                                in.sinks.defined() ? c10::optional<at::Tensor>(in.sinks)
+                                                   : c10::nullopt);
   }
   if (step.flash_seq_ids.numel()) {
     flash_attention_(qkv, kv_cache, out, step.flash_seq_ids, step.query_start_loc,

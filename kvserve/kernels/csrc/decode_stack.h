@@ -39,6 +39,7 @@ struct StackInstruction {
   at::Tensor kv_cache, cos_sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;
   double scale = 1.0, softcap = 0.0;
+  at::Tensor sinks;  // undefined, or each query head's learned sink logit (gpt-oss)
   double limit = 0.0;  // kClamp's
   std::shared_ptr<MoeLayer> moe;
 };

@@ -375,7 +375,8 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const s
   check_linear(format, x, panels, bias, out_features, "gguf_linear_q8");
   if (format.type == GgufType::kQ4_0 || format.type == GgufType::kQ4_1)
     return int4_linear_q8(x, panels, bias, out_features);
-  if (format.type == GgufType::kQ8_0) return int8_linear_q8(x, panels, bias, out_features);
+  if (format.type == GgufType::kQ8_0 || format.type == GgufType::kMXFP4)
+    return int8_linear_q8(x, panels, bias, out_features);
   return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes,
                              integer_kernel(format.type), panels);
 }

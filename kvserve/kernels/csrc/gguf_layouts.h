@@ -29,6 +29,9 @@
 //         scales [16][16] i8 (one per sub-block of 16)                      3360 B 6.5625 (6.5625)
 // Q4_0 and Q4_1 are int4_linear_q8's layout with float16 (scale, low) = (d, -8d) and (d, m)
 // (320 B, 5.0 bits), Q8_0 is int8_linear_q8's (576 B, 9.0 bits): the same kernels serve them.
+// MXFP4 (gpt-oss's experts: e2m1 codes, a power-of-two scale per 32) is int8_linear_q8's too, its
+// codes' values (-12..12 in halves of the scale) as int8 and the scale as float32: exact, at 9.0
+// bits a weight against the file's 4.25 (a nibble-table kernel would keep its size).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -129,7 +132,7 @@ template <typename L> int code_at(const uint8_t* block, int s, int64_t n, int k)
 }
 
 // The GGUF types with panel layouts: the file's block (values, bytes) and the panel block's bytes.
-enum class GgufType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+enum class GgufType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kMXFP4 };
 
 struct GgufFormat {
   const char* name;  // gguf's GGMLQuantizationType name

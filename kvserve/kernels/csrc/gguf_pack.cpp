@@ -336,6 +336,25 @@ struct Q8_0Format {
   }
 };
 
+// MXFP4: e (an E8M0 exponent), qs[16] (element j < 16 in qs[j]'s low nibble, j >= 16 in
+// qs[j - 16]'s high one); w = kMxfp4Values[q] * 2^(e - 128) (ggml's e8m0 half-scale, denormal
+// for e < 2). Kept in Q8_0's int8 layout: each value an int8 code, the scale float32.
+struct Mxfp4Format {
+  static constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
+    for (int k = 0; k < 32; ++k) {
+      const int q = k < 16 ? raw[1 + k] & 0x0F : raw[1 + k - 16] >> 4;
+      block[(k / 4) * 64 + 4 * n + k % 4] = static_cast<uint8_t>(kValues[q]);
+    }
+    const float d = std::ldexp(1.f, static_cast<int>(raw[0]) - 128);
+    std::memcpy(block + kInt8CodeBytes + 4 * n, &d, sizeof(d));
+    return true;
+  }
+  static void dequantize(const uint8_t* block, int64_t n, float* out) {
+    Q8_0Format::dequantize(block, n, out);
+  }
+};
+
 // Q4_K and Q5_K: d f16, dmin f16, 12 bytes of 6-bit scales and mins (gguf's get_scale_min), then
 // Q5_K's qh[32] (bit s of qh[l]: element l of sub-block s), then qs[128] (sub-block s: the
 // nibbles s % 2 of qs[32 (s / 2) ..]); w = (d * sc) * q - (dmin * m).
@@ -419,6 +438,7 @@ template <typename Fn> void with_format(GgufType type, Fn fn) {
     case GgufType::kQ4_K: return fn(KFormat<0>());
     case GgufType::kQ5_K: return fn(KFormat<1>());
     case GgufType::kQ6_K: return fn(Q6_KFormat());
+    case GgufType::kMXFP4: return fn(Mxfp4Format());
   }
 }
 
@@ -431,6 +451,7 @@ constexpr GgufFormat kFormats[] = {
     {"Q4_K", GgufType::kQ4_K, 256, 144, Q4_KLayout::kBytes},
     {"Q5_K", GgufType::kQ5_K, 256, 176, Q5_KLayout::kBytes},
     {"Q6_K", GgufType::kQ6_K, 256, 210, Q6_KLayout::kBytes},
+    {"MXFP4", GgufType::kMXFP4, 32, 17, kInt8BlockBytes},
 };
 
 // The file's rows into panels (parallel over panels); false if a block does not fit the layout.
@@ -467,7 +488,7 @@ const GgufFormat& gguf_format(const std::string& qtype) {
   for (const GgufFormat& format : kFormats)
     if (qtype == format.name) return format;
   TORCH_CHECK_VALUE(false, "GGUF type ", qtype, " has no panel layout; supported: Q4_0, Q4_1, "
-                    "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
+                    "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4");
 }
 
 void dequantize_panel_rows(const GgufFormat& format, const at::Tensor& panels,

@@ -22,6 +22,7 @@ void paged_attention_(const at::Tensor& qkv, const at::Tensor& kv_cache, at::Ten
                       const at::Tensor& seq_ids, const at::Tensor& query_start_loc,
                       const at::Tensor& seq_lens, const at::Tensor& block_tables,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                      int64_t sliding_window, double softcap);
+                      int64_t sliding_window, double softcap,
+                      const c10::optional<at::Tensor>& sinks = c10::nullopt);
 
 }  // namespace kvserve::layer_ops

@@ -40,8 +40,10 @@ void route_rows(const MoeLayer& moe, const at::Tensor& x, int64_t begin, int64_t
   for (int64_t t = begin; t < end; ++t) {
     const T* row = x.data_ptr<T>() + t * x.stride(0);
     float peak = -INFINITY;
+    const float* bias = moe.router_bias ? moe.router_bias->data_ptr<float>() : nullptr;
     for (int64_t e = 0; e < experts; ++e) {
-      probabilities[e] = as_dtype(dot(row, router + e * hidden, hidden), x.scalar_type());
+      const float logit = dot(row, router + e * hidden, hidden) + (bias ? bias[e] : 0.f);
+      probabilities[e] = as_dtype(logit, x.scalar_type());
       peak = std::max(peak, probabilities[e]);
     }
     float sum = 0.f;
@@ -74,10 +76,30 @@ Routes route(const MoeLayer& moe, const at::Tensor& x) {
   return routes;
 }
 
-at::Tensor expert_mlp(const StackLinear& gate_up, const StackLinear& down, bool gelu,
+// gpt-oss's activation over [T, 2I] rows [gate | up] -> [T, I], in float32 per element.
+template <typename T>
+void swigluoai_rows(const at::Tensor& h, at::Tensor& out, float alpha, float limit) {
+  const int64_t width = out.size(1);
+  for (int64_t t = 0; t < h.size(0); ++t) {
+    const T* gate = h.data_ptr<T>() + t * h.stride(0);
+    const T* up = gate + width;
+    T* dst = out.data_ptr<T>() + t * out.stride(0);
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = std::min(static_cast<float>(gate[i]), limit);
+      const float u = std::clamp(static_cast<float>(up[i]), -limit, limit);
+      dst[i] = static_cast<T>((u + 1.f) * (g / (1.f + std::exp(-alpha * g))));
+    }
+  }
+}
+
+at::Tensor expert_mlp(const MoeLayer& moe, const StackLinear& gate_up, const StackLinear& down,
                       const at::Tensor& x) {
   const at::Tensor h = gate_up(x);
-  return down(gelu ? layer_ops::gelu_tanh_and_mul(h) : layer_ops::silu_and_mul(h));
+  if (moe.activation == "swigluoai") {
+    return down(swigluoai_and_mul(h, moe.swiglu_alpha, moe.swiglu_limit));
+  }
+  return down(moe.activation == "gelu_pytorch_tanh" ? layer_ops::gelu_tanh_and_mul(h)
+                                                   : layer_ops::silu_and_mul(h));
 }
 
 // out[rows[i]] += weights[i] * y[i] over [R, H] rows of y (x's dtype) into float32 out.
@@ -116,10 +138,29 @@ std::vector<float> shared_gates(const at::Tensor& x, const at::Tensor& gate) {
 
 }  // namespace
 
+at::Tensor swigluoai_and_mul(const at::Tensor& h, double alpha, double limit) {
+  TORCH_CHECK(h.dim() == 2 && h.size(1) % 2 == 0 && h.stride(1) == 1 &&
+                  (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16),
+              "swigluoai_and_mul: float32 or bfloat16 [T, 2I] rows expected");
+  at::Tensor out = at::empty({h.size(0), h.size(1) / 2}, h.options());
+  if (h.scalar_type() == at::kFloat) {
+    swigluoai_rows<float>(h, out, static_cast<float>(alpha), static_cast<float>(limit));
+  } else {
+    swigluoai_rows<c10::BFloat16>(h, out, static_cast<float>(alpha), static_cast<float>(limit));
+  }
+  return out;
+}
+
 void MoeLayer::check() const {
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous(),
               "moe: the router must be contiguous float32 [E, H]");
   const int64_t experts = router.size(0);
+  TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh" ||
+                  activation == "swigluoai",
+              "moe: unknown activation ", activation);
+  TORCH_CHECK(!router_bias || (router_bias->scalar_type() == at::kFloat &&
+                               router_bias->is_contiguous() && router_bias->numel() == experts),
+              "moe: the router bias must be contiguous float32 [E]");
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe: top_k ", top_k, " of ", experts, " experts");
   TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == experts &&
                   static_cast<int64_t>(down.size()) == experts,
@@ -163,12 +204,12 @@ at::Tensor MoeLayer::forward(const at::Tensor& x) const {
     const at::Tensor input = every_token
         ? x
         : x.index_select(0, at::tensor(rows[e], at::TensorOptions().dtype(at::kLong)));
-    add_weighted(sum, expert_mlp(gate_up[e], down[e], gelu, input), rows[e], weights[e]);
+    add_weighted(sum, expert_mlp(*this, gate_up[e], down[e], input), rows[e], weights[e]);
   }
   if (shared_gate_up) {
     std::vector<int64_t> all(tokens);
     std::iota(all.begin(), all.end(), 0);
-    add_weighted(sum, expert_mlp(*shared_gate_up, *shared_down, gelu, x), all,
+    add_weighted(sum, expert_mlp(*this, *shared_gate_up, *shared_down, x), all,
                  shared_gates(x, *shared_gate));
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 #include "stack_linear.h"
@@ -13,9 +14,14 @@ namespace kvserve {
 
 struct MoeLayer {
   at::Tensor router;  // float32 [E, H]: the router's weights (a row an expert)
+  c10::optional<at::Tensor> router_bias;  // float32 [E] (gpt-oss)
   int64_t top_k = 1;
   bool normalize_top_k = false;  // the top k weights renormalised to sum to 1
-  bool gelu = false;             // experts' activation: tanh-GELU (GeGLU), else SiLU
+  // experts' activation over [gate | up]: "silu" (SwiGLU), "gelu_pytorch_tanh" (GeGLU) or
+  // "swigluoai" (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+  // (up + 1) * gate * sigmoid(swiglu_alpha * gate))
+  std::string activation = "silu";
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;
   std::vector<StackLinear> gate_up, down;  // expert e's projections
   // a shared expert every token takes, scaled by sigmoid(x . shared_gate) (Qwen2-MoE)
   c10::optional<StackLinear> shared_gate_up, shared_down;
@@ -29,5 +35,9 @@ struct MoeLayer {
   at::Tensor forward(const at::Tensor& x) const;
   void check() const;
 };
+
+// gpt-oss's activation over [T, 2I] rows [gate | up] -> [T, I] (see `activation`), each element
+// in float32 and rounded once to h's dtype.
+at::Tensor swigluoai_and_mul(const at::Tensor& h, double alpha, double limit);
 
 }  // namespace kvserve

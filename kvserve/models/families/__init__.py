@@ -18,6 +18,7 @@ BUILTIN_FAMILIES = {
     "qwen2_moe": "moe:Qwen2MoeForCausalLM",
     "qwen3_moe": "moe:Qwen3MoeForCausalLM",
     "olmoe": "moe:OlmoeForCausalLM",
+    "gpt_oss": "gpt_oss:GptOssForCausalLM",
 }
 
 for _architecture, _where in BUILTIN_FAMILIES.items():

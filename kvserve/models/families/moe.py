@@ -38,7 +38,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                          config.moe_intermediate_size, config.hidden_act, self.quant, prefix,
                          self.parallel, normalize_top_k=config.norm_topk_prob,
                          shared_intermediate_size=config.shared_expert_intermediate_size,
-                         expert_names=self.expert_names)
+                         expert_names=self.expert_names, router_bias=config.moe_router_bias,
+                         expert_bias=config.moe_expert_bias,
+                         swiglu=(config.swiglu_alpha, config.swiglu_limit))
 
 
 class MixtralForCausalLM(MoEForCausalLM):

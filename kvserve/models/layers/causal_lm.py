@@ -68,6 +68,12 @@ class CausalLM(nn.Module):
         """What the token embeddings are multiplied by (Gemma: sqrt(hidden)); None: 1."""
         return None
 
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterable:
+        """The checkpoint's tensors as this model's loaders name them: a family whose HF
+        checkpoints stack or interleave what the model holds apart (gpt-oss's experts) splits
+        them here; others pass them through."""
+        return weights
+
     def _make_layer(self, index: int, prefix: str, rotary: RotaryEmbedding) -> nn.Module:
         return self.decoder_layer(self.full_config, index, prefix, rotary)
 
@@ -192,7 +198,7 @@ class CausalLM(nn.Module):
         the tied LM head is built from the embedding's tensor as it passes."""
         loaders = self.checkpoint_loaders()
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             if name == "rope_freqs.weight":  # a GGUF's Llama 3 scaling: the global table's
                 self.model.rotary_emb.freq_factors.copy_(_whole(tensor))
                 continue
@@ -345,3 +351,7 @@ def check_backend_support(config: ModelConfig, backend: AttentionBackend) -> Non
         raise UnsupportedArchitectureError(
             f"this {config.architecture} model soft-caps attention scores ({cap}), which the "
             f"attention backend {name!r} cannot do")
+    if config.attention_sinks and not getattr(backend, "supports_sinks", False):
+        raise UnsupportedArchitectureError(
+            f"this {config.architecture} model adds learned sink logits to each head's "
+            f"attention softmax, which the attention backend {name!r} cannot do")

@@ -29,6 +29,7 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend
 from kvserve.attention.paged import plan_step
+from kvserve.kernels.reference import plain_scores
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import ParallelContext, active, stage_of
 from kvserve.distributed.sharding import stage_layer_counts, stage_layer_range
@@ -189,7 +190,8 @@ class DecoderModel(nn.Module):
             # and whether the stack can run them (an int8 cache is dequantized for flash)
             attention = self.stage_layers[0].self_attn
             self._stack_plans_flash = self.layer_dtype == torch.bfloat16 and \
-                not attention.softcap and self.ops.flash_attention_supported(attention.head_dim)
+                plain_scores(attention.softcap, attention.sinks) and \
+                self.ops.flash_attention_supported(attention.head_dim)
             self._stack_runs_flash = self._stack_plans_flash and \
                 attention.kv_cache.dtype == torch.bfloat16
         if self._decode_stack is False:

@@ -68,6 +68,7 @@ class PartitionedLinear(nn.Module):
         self.export_fused = export_fused
         self.method = method
         self.tp: ParallelContext | None = None  # row-parallel layers all-reduce their output
+        self.adds_bias = True  # a row-parallel layer's bias is added by its first rank only
         self._pending = self._expected()
         method.create_weights(self)
 
@@ -105,6 +106,8 @@ class PartitionedLinear(nn.Module):
         tensor = take_shard(tensor, None if spec.rows is None else ShardRule(0, spec.rows))
         if kind == "weight":
             tensor = take_shard(tensor, self.input_rule)
+        elif not self.adds_bias:  # the ranks' partial sums are added up: one rank's bias
+            tensor = torch.zeros(spec.local_rows)
         self.method.load_part(self, part, kind, tensor)
         self._pending.discard((part, kind))
         if not self._pending:
@@ -211,6 +214,7 @@ def row_parallel(in_features: int, out_features: int, name: str, bias: bool,
                               input_rule=None if columns is None else ShardRule(1, columns),
                               full_in_features=in_features)
     layer.tp = parallel
+    layer.adds_bias = parallel is None or parallel.tp_rank == 0
     return layer
 
 

@@ -31,13 +31,14 @@ from kvserve.quant import QuantPolicy
 
 
 class GateWeight(nn.Module):
-    """A gate's weights [rows, hidden], replicated on every rank: the router's (a row an
-    expert, checkpoint `<moe>.gate.weight`) or the shared expert's scalar gate
-    (`<moe>.shared_expert_gate.weight`, one row)."""
+    """A gate's weights [rows, hidden] (and bias [rows], gpt-oss's router), replicated on every
+    rank: the router's (a row an expert, checkpoint `<moe>.gate.weight`) or the shared expert's
+    scalar gate (`<moe>.shared_expert_gate.weight`, one row)."""
 
-    def __init__(self, rows: int, hidden_size: int):
+    def __init__(self, rows: int, hidden_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows), requires_grad=False) if bias else None
 
 
 class SparseMoE(nn.Module):
@@ -45,17 +46,22 @@ class SparseMoE(nn.Module):
                  activation: str, quant: QuantPolicy, prefix: str,
                  parallel: ParallelContext | None = None, normalize_top_k: bool = False,
                  shared_intermediate_size: int = 0,
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 router_bias: bool = False, expert_bias: bool = False,
+                 swiglu: tuple[float, float] = (1.702, 7.0)):
         """`intermediate_size`: each expert's (the whole model's); `prefix`: the module's
-        checkpoint name; `expert_names`: an expert's gate, up and down projections'."""
+        checkpoint name; `expert_names`: an expert's gate, up and down projections';
+        `router_bias`, `expert_bias`: the router and each expert projection have biases
+        (gpt-oss); `swiglu`: the swigluoai activation's (alpha, limit)."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.normalize_top_k = normalize_top_k
         self.tp = active(parallel)
-        self.gate = GateWeight(num_experts, hidden_size)
+        self.gate = GateWeight(num_experts, hidden_size, router_bias)
         self.experts = nn.ModuleList(
             self._expert(hidden_size, intermediate_size, activation, quant,
-                         f"{prefix}.experts.{index}", parallel, expert_names)
+                         f"{prefix}.experts.{index}", parallel, expert_names, expert_bias,
+                         swiglu)
             for index in range(num_experts))
         # tokens routed to each expert since the model was built (top-k slots: a token counts
         # once per expert it takes); /metrics reads them (`expert_counts`). Made on the first
@@ -70,9 +76,10 @@ class SparseMoE(nn.Module):
 
     @staticmethod
     def _expert(hidden_size, intermediate_size, activation, quant, prefix, parallel,
-                names=("gate_proj", "up_proj", "down_proj")) -> GatedMLP:
+                names=("gate_proj", "up_proj", "down_proj"), bias=False,
+                swiglu=(1.702, 7.0)) -> GatedMLP:
         expert = GatedMLP(hidden_size, intermediate_size, activation, quant, prefix, parallel,
-                          names=names)
+                          names=names, bias=bias, swiglu=swiglu)
         expert.down_proj.tp = None  # the layer all-reduces the sum of every expert's, once
         return expert
 
@@ -90,7 +97,8 @@ class SparseMoE(nn.Module):
         the router's logits, the k largest (ties: the lower expert, as the fused layer; bf16
         logits tie often, and torch's topk breaks ties in no set order), renormalised to sum to
         1 where the family does."""
-        probabilities = F.linear(hidden, self.gate.weight).float().softmax(dim=-1)
+        logits = F.linear(hidden, self.gate.weight, self.gate.bias)
+        probabilities = logits.float().softmax(dim=-1)
         weights, experts = probabilities.sort(dim=-1, descending=True, stable=True)
         weights, experts = weights[:, :self.top_k], experts[:, :self.top_k]
         if self.normalize_top_k:
@@ -130,12 +138,15 @@ class SparseMoE(nn.Module):
         if any(linear is None for pair in needed for linear in pair):
             return None
         self._counters()
+        first = self.experts[0]
         return kernels.MoeLayer(
             self.gate.weight.float().contiguous(), self.top_k, self.normalize_top_k,
-            self.experts[0].hidden_act != "silu", [gate_up for gate_up, _ in experts],
+            first.hidden_act, [gate_up for gate_up, _ in experts],
             [down for _, down in experts], self.routed_tokens, *shared,
             None if self.shared_expert_gate is None else
-            self.shared_expert_gate.weight.float().reshape(-1).contiguous())
+            self.shared_expert_gate.weight.float().reshape(-1).contiguous(),
+            None if self.gate.bias is None else self.gate.bias.float().contiguous(),
+            first.swiglu_alpha, first.swiglu_limit)
 
     @staticmethod
     def _stack_linears(expert: GatedMLP, kernels) -> tuple:

@@ -39,10 +39,14 @@ class LayerOps:
         # .forward, not __call__: the hook checks cost ~1 us, ~120 times a step
         return layer.forward(x)
 
-    def act_and_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-        """act(gate) * up over [T, 2I] rows: SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+    def act_and_mul(self, gate_up: torch.Tensor, activation: str,
+                    mlp: nn.Module | None = None) -> torch.Tensor:
+        """act(gate) * up over [T, 2I] rows: SiLU (SwiGLU), tanh GELU (GeGLU), or gpt-oss's
+        clamped SwiGLU with the `mlp`'s constants."""
         if activation == "silu":
             return self.kernels.silu_and_mul(gate_up)
+        if activation == "swigluoai":
+            return self.kernels.swigluoai_and_mul(gate_up, mlp.swiglu_alpha, mlp.swiglu_limit)
         return self.kernels.gelu_tanh_and_mul(gate_up)
 
     def norm_heads_(self, qkv: torch.Tensor, attention: nn.Module) -> None:
@@ -77,7 +81,8 @@ class LayerOps:
         self.kernels.rope_and_cache_(qkv, positions, attention.rotary.cos_sin, attention.kv_cache,
                                      metadata.slot_mapping, heads, kv_heads, head_dim)
         return self.backend.attend(qkv, attention.kv_cache, metadata, heads, kv_heads, head_dim,
-                                   attention.scale, attention.sliding_window, attention.softcap)
+                                   attention.scale, attention.sliding_window, attention.softcap,
+                                   attention.sink_logits)
 
     def moe(self, moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """A mixture of experts (models/layers/moe.py): routing, each active expert's
