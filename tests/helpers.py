@@ -559,25 +559,17 @@ def llama_cpp_converter_tree():
     """The `convert_hf_to_gguf.py` of llama.cpp's tree (with its `conversion` package and
     `gguf-py`), from the llama-cpp-python source distribution on PyPI: extracted once into
     kvserve's cache directory (the peers' download is reused when present)."""
-    import subprocess
-    import sys
     import tarfile
-    from pathlib import Path
 
     from kvserve.paths import cache_dir
 
     tree = cache_dir() / f"llama-cpp-convert-{LLAMA_CPP_SDIST.split('==')[1]}"
     if (tree / "convert_hf_to_gguf.py").is_file():
         return tree
-    sdists = Path(__file__).parent.parent / "benchmarks" / "peers" / "work" / "sdist"
-    name = f"llama_cpp_python-{LLAMA_CPP_SDIST.split('==')[1]}.tar.gz"
-    if not (sdists / name).is_file():
-        sdists = cache_dir() / "sdist"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--no-binary", ":all:", LLAMA_CPP_SDIST, "-d", str(sdists)],
-                       check=True, timeout=600)
+    sdist = _llama_cpp_sdist()
+    name = sdist.name
     partial = tree.with_suffix(".partial")
-    with tarfile.open(sdists / name) as archive:
+    with tarfile.open(sdist) as archive:
         prefix = f"{name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
         members = []
         for member in archive.getmembers():
@@ -588,6 +580,47 @@ def llama_cpp_converter_tree():
         archive.extractall(partial, members=members, filter="data")
     partial.rename(tree)
     return tree
+
+
+def _llama_cpp_sdist():
+    """The llama-cpp-python source distribution (the peers' download, else pip's, cached)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvserve.paths import cache_dir
+
+    name = f"llama_cpp_python-{LLAMA_CPP_SDIST.split('==')[1]}.tar.gz"
+    sdists = Path(__file__).parent.parent / "benchmarks" / "peers" / "work" / "sdist"
+    if not (sdists / name).is_file():
+        sdists = cache_dir() / "sdist"
+        if not (sdists / name).is_file():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                            "--no-binary", ":all:", LLAMA_CPP_SDIST, "-d", str(sdists)],
+                           check=True, timeout=600)
+    return sdists / name
+
+
+def llama_cpp_chat_template(name: str) -> str:
+    """A model's own chat template as llama.cpp's tree keeps it (models/templates/<name>.jinja,
+    e.g. "openai-gpt-oss-120b": the template of gpt-oss's Hugging Face repository), extracted
+    once from the llama-cpp-python sdist into kvserve's cache directory."""
+    import tarfile
+
+    from kvserve.paths import cache_dir
+
+    path = cache_dir() / f"llama-cpp-templates-{LLAMA_CPP_SDIST.split('==')[1]}" / f"{name}.jinja"
+    if not path.is_file():
+        sdist = _llama_cpp_sdist()
+        member = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/models/templates/" \
+                 f"{name}.jinja"
+        with tarfile.open(sdist) as archive:
+            text = archive.extractfile(member).read().decode()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(text)
+        partial.rename(path)
+    return path.read_text()
 
 
 def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):

@@ -12,6 +12,14 @@ from kvserve.sample.logits_processor import AddedRow, PerRowProcessor, Processor
 from kvserve.sampling_params import SamplingParams
 
 
+def _check_token_ids(params: SamplingParams, key: str) -> None:
+    """extra_args[key], where given, must be a list of token ids."""
+    ids = (params.extra_args or {}).get(key)
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise ValueError(f"{key} must be a list of token ids")
+
+
 class BanTokens(PerRowProcessor):
     """Never lets a request draw the token ids in its extra_args["ban_tokens"]."""
 
@@ -21,10 +29,7 @@ class BanTokens(PerRowProcessor):
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
-        banned = (params.extra_args or {}).get("ban_tokens")
-        if banned is not None and not (isinstance(banned, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in banned)):
-            raise ValueError("ban_tokens must be a list of token ids")
+        _check_token_ids(params, "ban_tokens")
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -80,4 +85,30 @@ class RecordRows(PerRowProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[0] != self.batch_size or set(self.rows) != set(range(self.batch_size)):
             self.size_mismatches.append((self.batch_size, logits.shape[0]))
+        return logits
+
+
+class ForceTokens(PerRowProcessor):
+    """Makes a request write exactly the token ids in its extra_args["force_tokens"] (then
+    anything): the model still runs every step, but this row's k-th token is the list's k-th.
+    For end-to-end tests of what reads a model's reply (tool calls, reasoning channels) on
+    random-weight models."""
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        _check_token_ids(params, "force_tokens")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def row_state(self, row: AddedRow) -> tuple[list[int], list[int]] | None:
+        forced = (row.params.extra_args or {}).get("force_tokens")
+        return (forced, row.output_token_ids) if forced else None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, (forced, written) in self.rows.items():
+            if len(written) < len(forced) and forced[len(written)] < logits.shape[1]:
+                token = forced[len(written)]
+                logits[row] = float("-inf")
+                logits[row, token] = 0.0
         return logits

@@ -366,6 +366,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning models' effort; the chat template reads it (gpt-oss's harmony system
+    # message), as chat_template_kwargs' reasoning_effort
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI's metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     store: bool | None = None

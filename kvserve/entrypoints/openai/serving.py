@@ -23,6 +23,7 @@ from kvserve.engine.llm_engine import PreparedRequest
 from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.tools.formats import ToolFormat
+from kvserve.entrypoints.openai.harmony import StreamingHarmonyParser, parse_reply
 from kvserve.entrypoints.openai.tools.parser import StreamingToolParser, parse_tool_calls
 from kvserve.outputs import CompletionOutput, RequestOutput
 
@@ -42,7 +43,8 @@ class ChoiceCursor:
     text_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
-    tools: StreamingToolParser | None = None  # when the request offered tools
+    # when the request offered tools, or the model speaks harmony (its channels)
+    tools: StreamingToolParser | StreamingHarmonyParser | None = None
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Job:
     log_requests: bool = True
     num_top: int = 0  # top logprobs per token asked for
     tool_format: ToolFormat | None = None  # the model's tool-call format, when tools were offered
+    harmony: bool = False  # gpt-oss: the reply's channels are reasoning, calls and content
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -213,6 +216,8 @@ def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
 def _chat_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
     """The choice's message and finish reason: its text, or with tools its calls (and the text
     around them, None when there is none)."""
+    if job.harmony:
+        return _harmony_message(sample)
     if job.tool_format is None:
         return {"message": {"role": "assistant", "content": sample.text},
                 "finish_reason": sample.finish_reason}
@@ -222,6 +227,22 @@ def _chat_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
         message["tool_calls"] = parsed.calls
     return {"message": message,
             "finish_reason": _tool_finish_reason(sample, bool(parsed.calls))}
+
+
+def _harmony_message(sample: CompletionOutput) -> dict[str, Any]:
+    reply = parse_reply(sample.text)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content,
+                               "reasoning_content": reply.reasoning_content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    return {"message": message,
+            "finish_reason": _tool_finish_reason(sample, bool(reply.tool_calls))}
+
+
+def _stream_parser(job: Job) -> StreamingToolParser | StreamingHarmonyParser | None:
+    if job.harmony:
+        return StreamingHarmonyParser()
+    return StreamingToolParser(job.tool_format) if job.tool_format else None
 
 
 def _with_kv_handle(body: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -256,8 +277,7 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
                 finals[prompt_index] = output
             for sample in output.outputs:
                 index = job.choice_index(prompt_index, sample.index)
-                cursor = cursors.setdefault(index, ChoiceCursor(tools=(
-                    StreamingToolParser(job.tool_format) if job.tool_format else None)))
+                cursor = cursors.setdefault(index, ChoiceCursor(tools=_stream_parser(job)))
                 for chunk in _delta_chunks(job, prompt_index, sample, cursor):
                     yield _sse({**base, "choices": [chunk]})
         if include_usage:

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.entrypoints.openai import serving
+from kvserve.entrypoints.openai.harmony import speaks_harmony, turn_end_token_ids
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.routes.context import (
     cache_salt,
@@ -21,7 +22,7 @@ from kvserve.entrypoints.openai.routes.context import (
 )
 from kvserve.entrypoints.openai.tools.formats import choose_format, template_takes_tools
 from kvserve.entrypoints.openai.tools.grammar import tool_structural_tag
-from kvserve.entrypoints.openai.tools.prompt import template_messages
+from kvserve.entrypoints.openai.tools.prompt import for_template, template_messages
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
 
@@ -71,8 +72,17 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     params = body.sampling_params(body.requested_max_tokens(), num_top)
     messages = [m.as_template_message() for m in body.messages]
     template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        template_kwargs["reasoning_effort"] = body.reasoning_effort
     tool_format = None
-    if body.offered_tools():
+    harmony = speaks_harmony(engine.inputs.tokenizer.chat_template)
+    if harmony:  # its channels are special tokens: the reply is read with them
+        params.skip_special_tokens = False
+        params.stop_token_ids = [*(params.stop_token_ids or ()), *turn_end_token_ids(
+            engine.inputs.tokenizer)]
+        messages, extra = _harmony_tools(body, messages, config_of(raw))
+        template_kwargs.update(extra)
+    elif body.offered_tools():
         tool_format, messages, extra = await _plan_tools(engine, body, config_of(raw), params,
                                                          messages)
         template_kwargs.update(extra)
@@ -83,7 +93,28 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     job.tool_format = tool_format
+    job.harmony = harmony
     return job
+
+
+def _harmony_tools(body: ChatCompletionRequest, messages: list[dict], config):
+    """(messages, template variables) for a harmony model: its template renders the tools
+    itself and the reply's channels say what is a call, so nothing constrains the output, and
+    a tool_choice that would need that is refused."""
+    tools = body.offered_tools()
+    if not tools:
+        return messages, {}
+    choice = body.effective_tool_choice()
+    if choice not in ("auto", "none"):
+        raise InvalidRequestError("this model's tool calls are harmony messages, which kvserve "
+                                  "does not constrain yet: tool_choice must be auto or none",
+                                  param="tool_choice")
+    if choice == "none":
+        return messages, {}
+    if not config.enable_auto_tool_choice:
+        raise InvalidRequestError('tool_choice "auto" needs a server started with '
+                                  "--enable-auto-tool-choice", param="tool_choice")
+    return [for_template(m) for m in messages], {"tools": tools}
 
 
 async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, params,

@@ -99,9 +99,14 @@ async def _prepare(body: ResponsesRequest, conversation: list[InputItem], raw: R
     """The chat path's job for this request; its errors name the Responses fields."""
     chat = body.chat_request(chat_messages(body.instructions, conversation))
     try:
-        return await prepare_chat_job(chat, raw, response_id)
+        job = await prepare_chat_job(chat, raw, response_id)
     except InvalidRequestError as exc:
         message = str(exc)
         for chat_word, word in _WORDS.items():
             message = message.replace(chat_word, word)
         raise type(exc)(message, param=_PARAMS.get(exc.param, exc.param)) from exc
+    if job.harmony:
+        raise InvalidRequestError("this model replies in harmony channels, which /v1/responses "
+                                  "does not map to output items yet: use /v1/chat/completions "
+                                  "(reasoning_content, tool_calls, content)", param="model")
+    return job

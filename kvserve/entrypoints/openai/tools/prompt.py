@@ -32,7 +32,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables) for a request that offers `tools`."""
     if template_takes_tools:
-        return [_for_template(m) for m in messages], {"tools": tools}
+        return [for_template(m) for m in messages], {"tools": tools}
     system = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
     rendered: list[dict[str, Any]] = []
     for message in messages:
@@ -65,7 +65,7 @@ def _call_block(call: dict[str, Any], tool_format: ToolFormat) -> str:
     return f"{tool_format.begin}\n{body}\n{tool_format.end}" if tool_format.begin else body
 
 
-def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+def for_template(message: dict[str, Any]) -> dict[str, Any]:
     """Hugging Face templates read a call's arguments as a mapping."""
     if not message.get("tool_calls"):
         return message
