@@ -651,7 +651,7 @@ def randomise_norms(hf_model) -> None:
                 param.uniform_(-0.5, 0.5) if "gemma" in hf_model.config.model_type \
                     else param.uniform_(0.5, 1.5)
             elif name.endswith(("bias", "_bias")):
-                param.uniform_(-0.1, 0.1)
+                param.uniform_(-0.05, 0.05)
 
 
 def write_sentencepiece_model(path) -> None:
