@@ -505,10 +505,10 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 # name: (values a file block, bytes a file block, bytes a (panel, file block) of the layout)
 GGUF_FORMATS = {"Q4_0": (32, 18, 320), "Q4_1": (32, 20, 320), "Q5_0": (32, 22, 352),
                 "Q5_1": (32, 24, 384), "Q8_0": (32, 34, 576), "Q4_K": (256, 144, 2368),
-                "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360), "MXFP4": (32, 17, 576)}
+                "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360), "MXFP4": (32, 17, 320)}
 # MXFP4's e2m1 codes as the integers they are in halves of the block's scale (ggml's table)
 _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
-                             dtype=torch.int8)
+                             dtype=torch.float32)
 # bits above the low 4 a code, kept in bit planes
 _HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}
 
@@ -550,11 +550,10 @@ def _gguf_decode(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, dict[str,
     blocks = raw.view(rows, row_bytes // size, size)
     if qtype == "Q8_0":
         return blocks[..., 2:].reshape(rows, -1), {"d": _halves(blocks, 0)}
-    if qtype == "MXFP4":  # its values as int8 codes, its E8M0 scale 2^(e - 128) as float32
+    if qtype == "MXFP4":  # Q4_0's nibble order, the E8M0 scale 2^(e - 128) as float32
         qs = blocks[..., 1:]
-        codes = _MXFP4_VALUES[torch.cat([qs & 15, qs >> 4], -1).long()]
         scale = torch.ldexp(torch.ones(()), blocks[..., 0].float() - 128)
-        return codes.view(torch.uint8).reshape(rows, -1), {"d": scale}
+        return torch.cat([qs & 15, qs >> 4], -1).reshape(rows, -1), {"d": scale}
     if qtype == "Q6_K":
         ql = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [N, B, h, s % 2, l]
         low = torch.stack([ql & 15, ql >> 4], 3)          # [N, B, h, s // 2, s % 2, l]
@@ -636,7 +635,7 @@ def _gguf_pack(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     codes, meta = _gguf_decode(raw, qtype)
     rows, cols = codes.shape
     panels, blocks = -(-rows // INT4_PANEL), raw.shape[1] // GGUF_FORMATS[qtype][1]
-    if qtype in ("Q8_0", "MXFP4"):
+    if qtype == "Q8_0":
         return pack_int8(codes.view(torch.int8), meta["d"].float())
     if qtype in ("Q4_0", "Q4_1"):
         low = meta["m"] if qtype == "Q4_1" else (-8 * meta["d"].float()).half()
@@ -657,7 +656,7 @@ def _gguf_weights(panels: torch.Tensor, qtype: str) -> torch.Tensor:
     float operations in its order."""
     values, _, block_bytes = _gguf_format(qtype)
     count, blocks, _ = panels.shape
-    if qtype in ("Q8_0", "MXFP4"):
+    if qtype == "Q8_0":
         return unpack_int8(panels, count * INT4_PANEL)
     if qtype in ("Q4_0", "Q4_1"):
         q, d, m = _unpack_int4_parts(panels, torch.float16)
@@ -681,6 +680,9 @@ def _gguf_weights(panels: torch.Tensor, qtype: str) -> torch.Tensor:
         part = part.view(count, blocks, *shape, INT4_PANEL).movedim(-1, 1)
         return part.reshape(count * INT4_PANEL, blocks, *shape).float()
 
+    if qtype == "MXFP4":  # the codes index the e2m1 values; d float32
+        d = rows_of(64, torch.float32)[..., None, None]
+        return (d * _MXFP4_VALUES[q.long()]).reshape(count * INT4_PANEL, -1)
     d = rows_of(32, torch.float16)[..., None, None]
     if qtype == "Q5_0":
         weight = d * (q - 16)

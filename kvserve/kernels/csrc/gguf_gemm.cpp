@@ -13,7 +13,10 @@
 // - gguf_linear_dequant: float activations and the exact weights, slabs of rows dequantized into
 //   a scratch buffer in x's dtype and multiplied by at::linear (prefill-sized batches, the
 //   exact mode).
-// Q4_0, Q4_1 and Q8_0 are int4_linear_q8's and int8_linear_q8's own layouts and kernels.
+// Q4_0, Q4_1 and Q8_0 are int4_linear_q8's and int8_linear_q8's own layouts and kernels. MXFP4's
+// codes go through a 16-entry byte table (one vpshufb a code vector) to e2m1 value + 12, then
+// the affine path (scale d, low -12 d): 2x fewer bytes than its values as int8 (5760 x 2880 at
+// one row: 0.34 ms against 0.58, Emerald Rapids).
 #include "gguf_gemm.h"
 
 #include <algorithm>
@@ -56,7 +59,15 @@ struct YmmHalf {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
+  F floats(const uint8_t* p) const {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
+  }
   void store(float* out, F v) const { _mm256_storeu_ps(out + 8 * half, v); }
+  // each byte (a 4-bit code) replaced by table[byte] (16 entries)
+  static I lookup(I v, const uint8_t* table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
 
   static I set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static I set32(int v) { return _mm256_set1_epi32(v); }
@@ -107,7 +118,12 @@ struct ZmmPanel {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
   }
+  F floats(const uint8_t* p) const { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
   void store(float* out, F v) const { _mm512_storeu_ps(out, v); }
+  static I lookup(I v, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
 
   static I set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static I set32(int v) { return _mm512_set1_epi32(v); }
@@ -244,6 +260,24 @@ struct Q6_KKernel {
   }
 };
 
+// MXFP4: w = d * value(q) = d * u - 12 d with u = kMxfp4Offset[q] (the unpacked codes are
+// looked up into u: unpack_group), an affine group as Q4_0's.
+struct Mxfp4Kernel {
+  using Layout = Mxfp4Layout;
+#if KVSERVE_VEC
+  template <typename W> static AffineGroup<W, 5> group(const W& w, const uint8_t* block, int) {
+    const auto d = w.floats(Layout::d(block));
+    return {d, W::mul(d, W::set1(-12.f))};
+  }
+#endif
+  static float scalar(const uint8_t* block, int, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    float d;
+    std::memcpy(&d, Layout::d(block) + 4 * (n % kInt4Panel), sizeof(d));
+    return affine_scalar(d, -12.f * d, dots, xq, m, g);
+  }
+};
+
 // ---- the panels
 
 template <typename L> void prefetch_group(const uint8_t* block, int s) {
@@ -268,6 +302,9 @@ template <typename L, typename W>
     const auto words = w.bytes(L::codes(block, s) + c * kInt4ChunkBytes);
     codes[2 * c] = W::and_(words, low4);
     codes[2 * c + 1] = W::and_(W::shift(words, -4), low4);
+  }
+  if constexpr (L::kTable) {
+    for (int v = 0; v < 8; ++v) codes[v] = W::lookup(codes[v], kMxfp4Offset);
   }
   if constexpr (L::kHighBits > 0) {
     typename W::I planes[L::kHighBits];
@@ -311,8 +348,11 @@ float gguf_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, 
     const int s = static_cast<int>(g % L::kGroups);
     const int8_t* x = xq.group_codes(m, g);
     int dots[2] = {0, 0};
-    for (int k = 0; k < 32; ++k)
-      dots[k / 16] += code_at<L>(block, s, n, k) * x[stored_position(k, CodeOrder::kInt4Lanes)];
+    for (int k = 0; k < 32; ++k) {
+      int code = code_at<L>(block, s, n, k);
+      if constexpr (L::kTable) code = kMxfp4Offset[code];
+      dots[k / 16] += code * x[stored_position(k, CodeOrder::kInt4Lanes)];
+    }
     acc += Kernel::scalar(block, s, n, dots, xq, m, g);
   }
   return acc;
@@ -347,6 +387,7 @@ PanelKernel integer_kernel(GgufType type) {
     case GgufType::kQ4_K: return gguf_q8<KKernel<0>>;
     case GgufType::kQ5_K: return gguf_q8<KKernel<1>>;
     case GgufType::kQ6_K: return gguf_q8<Q6_KKernel>;
+    case GgufType::kMXFP4: return gguf_q8<Mxfp4Kernel>;
     default: return nullptr;  // the int4 and int8 layouts' own kernels
   }
 }
@@ -375,8 +416,7 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const s
   check_linear(format, x, panels, bias, out_features, "gguf_linear_q8");
   if (format.type == GgufType::kQ4_0 || format.type == GgufType::kQ4_1)
     return int4_linear_q8(x, panels, bias, out_features);
-  if (format.type == GgufType::kQ8_0 || format.type == GgufType::kMXFP4)
-    return int8_linear_q8(x, panels, bias, out_features);
+  if (format.type == GgufType::kQ8_0) return int8_linear_q8(x, panels, bias, out_features);
   return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes,
                              integer_kernel(format.type), panels);
 }

@@ -29,9 +29,11 @@
 //         scales [16][16] i8 (one per sub-block of 16)                      3360 B 6.5625 (6.5625)
 // Q4_0 and Q4_1 are int4_linear_q8's layout with float16 (scale, low) = (d, -8d) and (d, m)
 // (320 B, 5.0 bits), Q8_0 is int8_linear_q8's (576 B, 9.0 bits): the same kernels serve them.
-// MXFP4 (gpt-oss's experts: e2m1 codes, a power-of-two scale per 32) is int8_linear_q8's too, its
-// codes' values (-12..12 in halves of the scale) as int8 and the scale as float32: exact, at 9.0
-// bits a weight against the file's 4.25 (a nibble-table kernel would keep its size).
+// - MXFP4 (gpt-oss's experts: e2m1 codes, a power-of-two scale per 32)
+//         codes [256] | d [16] f32 (the scale 2^(e - 128), any e)                 320 B  5.0 (4.25)
+//   Its 4-bit codes index the e2m1 values (-12..12 in halves of the scale); the kernels turn a
+//   code vector into value + 12 (0..24, kMxfp4Offset) with one byte shuffle, so w = d * u - 12 d
+//   is an affine format like Q4_0's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,6 +53,7 @@ namespace kvserve {
 template <int Groups, int HighBits, int64_t MetaBytes> struct PlaneBlock {
   static constexpr int kGroups = Groups;
   static constexpr int kHighBits = HighBits;
+  static constexpr bool kTable = false;  // the codes index kMxfp4Offset (MXFP4)
   static constexpr int64_t kPlaneBytes = 64 * HighBits;  // per group
   static constexpr int64_t kPlanes = Groups * kInt4CodeBytes;
   static constexpr int64_t kMeta = kPlanes + Groups * kPlaneBytes;
@@ -96,6 +99,16 @@ struct Q6_KLayout : PlaneBlock<8, 2, 32 + 16 * 16> {
   template <typename B> static B* d(B* block) { return halves(block, 0); }
   // sub-block j's (16 values, half a group) 16 int8 scales
   template <typename B> static B* scales(B* block, int j) { return block + kMeta + 32 + 16 * j; }
+};
+
+// MXFP4: code q's e2m1 value (in halves of the block's scale) plus 12, ggml's table shifted to
+// be unsigned (the integer dots multiply unsigned weight bytes by signed activation codes).
+constexpr uint8_t kMxfp4Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                      12, 11, 10, 9, 8, 6, 4, 0};
+
+struct Mxfp4Layout : PlaneBlock<1, 0, 64> {
+  static constexpr bool kTable = true;
+  template <typename B> static B* d(B* block) { return block + kMeta; }  // 16 float32
 };
 
 // Entry n of a float16 array given as bytes, as float.

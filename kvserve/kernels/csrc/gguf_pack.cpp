@@ -337,21 +337,23 @@ struct Q8_0Format {
 };
 
 // MXFP4: e (an E8M0 exponent), qs[16] (element j < 16 in qs[j]'s low nibble, j >= 16 in
-// qs[j - 16]'s high one); w = kMxfp4Values[q] * 2^(e - 128) (ggml's e8m0 half-scale, denormal
-// for e < 2). Kept in Q8_0's int8 layout: each value an int8 code, the scale float32.
+// qs[j - 16]'s high one, as Q4_0); w = value(q) * 2^(e - 128) (ggml's e8m0 half-scale,
+// denormal for e < 2), value(q) = kMxfp4Offset[q] - 12. The codes as stored, d as float32.
 struct Mxfp4Format {
-  static constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  using Layout = Mxfp4Layout;
   static bool pack(const uint8_t* raw, uint8_t* block, int64_t n) {
-    for (int k = 0; k < 32; ++k) {
-      const int q = k < 16 ? raw[1 + k] & 0x0F : raw[1 + k - 16] >> 4;
-      block[(k / 4) * 64 + 4 * n + k % 4] = static_cast<uint8_t>(kValues[q]);
-    }
+    put_group<Layout>(block, 0, n, split_nibbles(raw + 1));
     const float d = std::ldexp(1.f, static_cast<int>(raw[0]) - 128);
-    std::memcpy(block + kInt8CodeBytes + 4 * n, &d, sizeof(d));
+    std::memcpy(Layout::d(block) + 4 * (n % kInt4Panel), &d, sizeof(d));
     return true;
   }
   static void dequantize(const uint8_t* block, int64_t n, float* out) {
-    Q8_0Format::dequantize(block, n, out);
+    uint8_t q[32];
+    row_codes<Layout>(block, 0, n, q);
+    float d;
+    std::memcpy(&d, Layout::d(block) + 4 * (n % kInt4Panel), sizeof(d));
+    for (int k = 0; k < 32; ++k)
+      out[k] = d * static_cast<float>(static_cast<int>(kMxfp4Offset[q[k]]) - 12);
   }
 };
 
@@ -451,7 +453,7 @@ constexpr GgufFormat kFormats[] = {
     {"Q4_K", GgufType::kQ4_K, 256, 144, Q4_KLayout::kBytes},
     {"Q5_K", GgufType::kQ5_K, 256, 176, Q5_KLayout::kBytes},
     {"Q6_K", GgufType::kQ6_K, 256, 210, Q6_KLayout::kBytes},
-    {"MXFP4", GgufType::kMXFP4, 32, 17, kInt8BlockBytes},
+    {"MXFP4", GgufType::kMXFP4, 32, 17, Mxfp4Layout::kBytes},
 };
 
 // The file's rows into panels (parallel over panels); false if a block does not fit the layout.
