@@ -1,4 +1,4 @@
-"""Write a random-weight HF Llama (or OLMoE, Qwen3-MoE: mixtures of experts) checkpoint of a real shape,
+"""Write a random-weight HF Llama (or OLMoE, Qwen3-MoE, gpt-oss: mixtures of experts) checkpoint of a real shape,
 for memory, start-up and speed benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
 Llama weights can be downloaded here, so the weights are random (normal(0, 0.02) matrices, ones
 for the norms) and the tokenizer is the bundled SmolLM2 one (49152 tokens, the vocabulary padded to
@@ -7,7 +7,8 @@ generated at a time into safetensors shards of about 2 GB (bfloat16), so the pea
 shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generator(seed + i).
 
 Usage: make_random_llama.py SHAPE OUTDIR
-       (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l)
+       (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l |
+               gpt-oss-4l)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -47,10 +48,19 @@ SHAPES = {
                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                          norm_topk_prob=True, tie_word_embeddings=False, vocab_size=49152,
                          rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # gpt-oss-20b's layer (32 experts of 2880, 4 a token, 64 query / 8 KV heads of 64, sinks,
+    # biases, a 128-token window on every other layer) for 4 of its 24 layers: 3.6B parameters
+    "gpt-oss-4l": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                       num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                       layer_types=["sliding_attention", "full_attention"] * 2,
+                       tie_word_embeddings=False, vocab_size=49152, attention_bias=True,
+                       rope_theta=150000.0, rms_norm_eps=1e-5),
 }
 # (config class, architecture) of the mixtures of experts; the rest are Llamas
 MOE_FAMILIES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-                "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+                "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                "gpt-oss": ("GptOssConfig", "GptOssForCausalLM")}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
               rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -62,6 +72,8 @@ CHUNK = 1 << 24  # elements generated in float32 at a time
 
 
 def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    if cfg.model_type == "gpt_oss":
+        return gpt_oss_plan(cfg)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -91,6 +103,30 @@ def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     plan.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         plan.append(("lm_head.weight", (v, h)))
+    return plan
+
+
+def gpt_oss_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss's checkpoint layout: biases, sinks, the router, each layer's experts stacked
+    ([E, in, out], gate and up interleaved)."""
+    h, i, v, e = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_local_experts
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    plan = [("model.embed_tokens.weight", (v, h))]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        for name, rows, cols in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h),
+                                 ("o_proj", h, q)):
+            plan += [(f"{p}self_attn.{name}.weight", (rows, cols)),
+                     (f"{p}self_attn.{name}.bias", (rows,))]
+        plan += [(p + "input_layernorm.weight", (h,)),
+                 (p + "self_attn.sinks", (cfg.num_attention_heads,)),
+                 (p + "post_attention_layernorm.weight", (h,)),
+                 (p + "mlp.router.weight", (e, h)), (p + "mlp.router.bias", (e,)),
+                 (p + "mlp.experts.gate_up_proj", (e, h, 2 * i)),
+                 (p + "mlp.experts.gate_up_proj_bias", (e, 2 * i)),
+                 (p + "mlp.experts.down_proj", (e, i, h)),
+                 (p + "mlp.experts.down_proj_bias", (e, h))]
+    plan += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     return plan
 
 

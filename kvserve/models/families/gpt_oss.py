@@ -35,6 +35,8 @@ class GptOssForCausalLM(MoEForCausalLM):
             match = _STACKED.match(name)
             if match is None:
                 yield name, tensor
+            elif not self.holds(name):  # another pipeline stage's layer: not read at all
+                continue
             elif match[5] is not None:  # the router
                 yield f"{match[1]}.gate.{match[5]}", tensor
             else:
