@@ -61,7 +61,12 @@ class HarmonyMessage:
 
 def parse_messages(text: str) -> list[HarmonyMessage]:
     """The messages written so far; the last may be unfinished (its header complete)."""
-    messages, position = [], 0
+    return [message for message, _ in _messages_from(text, 0)]
+
+
+def _messages_from(text: str, position: int) -> list[tuple[HarmonyMessage, int]]:
+    """The messages from `position` (a message's start) on, each with where the next starts."""
+    messages = []
     while position < len(text):
         header_end = text.find(MESSAGE, position)
         if header_end < 0:
@@ -69,13 +74,15 @@ def parse_messages(text: str) -> list[HarmonyMessage]:
         header = text[position:header_end]
         body_start = header_end + len(MESSAGE)
         end, marker = _first_end(text, body_start)
-        messages.append(HarmonyMessage(_channel(header), _recipient(header),
-                                       text[body_start:end], marker is not None))
+        message = HarmonyMessage(_channel(header), _recipient(header), text[body_start:end],
+                                 marker is not None)
         if marker is None:
+            messages.append((message, end))
             break
         position = end + len(marker)
         if text.startswith(START, position):
             position += len(START)
+        messages.append((message, position))
     return messages
 
 
@@ -119,22 +126,26 @@ def parse_reply(text: str) -> HarmonyReply:
 
 @dataclass
 class StreamingHarmonyParser:
-    """One choice's stream: `feed(text so far, finished)` -> the deltas to send now."""
+    """One choice's stream: `feed(text so far, finished)` -> the deltas to send now. Each step
+    parses from the first message not yet complete (the ones before never change)."""
 
-    sent: list[int] = field(default_factory=list)  # per message, how much of its body went out
+    completed: int = 0  # messages whose end marker was seen (and whose body all went out)
+    resume: int = 0  # where the first incomplete message starts in the text
+    sent: int = 0  # how much of that message's body went out
     call_ids: dict[int, tuple[int, str]] = field(default_factory=dict)  # message -> (index, id)
 
     def feed(self, text: str, finished: bool = False) -> list[dict[str, Any]]:
         deltas = []
-        for number, message in enumerate(parse_messages(text)):
-            if number == len(self.sent):
-                self.sent.append(0)
-            piece = message.body[self.sent[number]:]
+        for message, next_start in _messages_from(text, self.resume):
+            number = self.completed
+            piece = message.body[self.sent:]
             if message.field == "tool_calls":
                 deltas += self._call_deltas(number, message, piece)
             elif piece:
                 deltas.append({message.field: piece})
-            self.sent[number] = len(message.body)
+            self.sent = len(message.body)
+            if message.complete:
+                self.completed, self.resume, self.sent = number + 1, next_start, 0
         return deltas
 
     @property
