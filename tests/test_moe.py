@@ -348,6 +348,36 @@ def test_fused_layer_equals_the_python_loop(family, dtype, quantization, monkeyp
     torch.testing.assert_close(fused, loop, atol=atol if dtype == "float32" else 0.1, rtol=0)
 
 
+def test_grouped_experts_give_the_bits_of_their_own_calls(family, monkeypatch):
+    """Every active expert's projections in one parallel region each (x quantized once, the
+    panels of every expert split over the threads) against `KVSERVE_GROUPED_MOE=0`, each
+    expert's own projection calls: the same logits to the bit, through prefill (up to ~70 rows
+    an expert) and decode. With int8 activations (w4a8: the integer-dot kernels the grouping
+    schedules), also with every other expert's gate_up limited to 2 rows, so that in prefill
+    some experts run grouped and the others through their own (dense) calls."""
+    config = ModelConfig.from_hf_dict(family["hf_config"].to_dict())
+    widths = (config.moe_intermediate_size, config.shared_expert_intermediate_size or 32)
+    if any(width % 32 for width in widths):
+        pytest.skip("4-bit groups of 32: this family's expert widths are not multiples")
+    monkeypatch.setenv("KVSERVE_AUTOTUNE", "0")  # the row limits set below stay
+
+    def logits(limit_some: bool):
+        model = _model(family, dtype="bfloat16", quantization="w4a8")
+        if limit_some:
+            for moe in (m for m in model.modules() if type(m).__name__ == "SparseMoE"):
+                for expert in moe.experts[::2]:
+                    expert.gate_up_proj.impl.max_rows = 2
+        result = decode_logits(model, family["prompts"], 3, True, MAX_LEN)
+        assert _fused_layers(model) and None not in _fused_layers(model)
+        return result
+
+    for limit_some in (False, True):
+        monkeypatch.delenv("KVSERVE_GROUPED_MOE", raising=False)
+        grouped = logits(limit_some)
+        monkeypatch.setenv("KVSERVE_GROUPED_MOE", "0")
+        assert torch.equal(grouped, logits(limit_some))
+
+
 def test_the_decode_stack_runs_the_moe_layers(family):
     """Decode steps run the layers as one C++ program with the fused MoE as one instruction
     (and OLMoE's whole-projection QK-norm and clamp as two more): logits equal to the Python

@@ -1206,8 +1206,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<kvserve::StackLinear> shared_down,
                        c10::optional<at::Tensor> shared_gate,
                        c10::optional<at::Tensor> router_bias, double swiglu_alpha,
-                       double swiglu_limit) {
+                       double swiglu_limit, bool grouped) {
              auto layer = std::make_shared<kvserve::MoeLayer>();
+             layer->grouped = grouped;
              layer->router = std::move(router);
              layer->router_bias = std::move(router_bias);
              layer->top_k = top_k, layer->normalize_top_k = normalize_top_k;
@@ -1222,12 +1223,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return layer;
            }),
            "a mixture-of-experts layer: float32 router [E, H], top k, each expert's gate_up and "
-           "down StackLinear, the int64 [E] routed-token counters it adds to, a shared expert",
+           "down StackLinear, the int64 [E] routed-token counters it adds to, a shared expert; "
+           "grouped: every active expert's projections in one parallel region each",
            py::arg("router"), py::arg("top_k"), py::arg("normalize_top_k"),
            py::arg("activation"), py::arg("gate_up"), py::arg("down"), py::arg("routed_tokens"),
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
            py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(),
-           py::arg("swiglu_alpha") = 1.702, py::arg("swiglu_limit") = 7.0)
+           py::arg("swiglu_alpha") = 1.702, py::arg("swiglu_limit") = 7.0,
+           py::arg("grouped") = true)
       .def("forward", &kvserve::MoeLayer::forward,
            "routing, the active experts over their tokens, the weighted sum: [T, H] -> [T, H]",
            py::call_guard<py::gil_scoped_release>());

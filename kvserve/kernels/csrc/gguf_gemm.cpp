@@ -120,6 +120,7 @@ struct ZmmPanel {
   }
   F floats(const uint8_t* p) const { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
   void store(float* out, F v) const { _mm512_storeu_ps(out, v); }
+  static void store_lanes(float* out, F v) { _mm512_storeu_ps(out, v); }
   static I lookup(I v, const uint8_t* table) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), v);
@@ -140,9 +141,7 @@ struct ZmmPanel {
 
   // vpdpbusd accumulates in int32: no saturation whatever the bits
   template <int Bits, int Count> static I dot(I init, const I* codes, const int8_t* x) {
-    I acc = init;
-    for (int i = 0; i < Count; ++i) acc = dot_add_broadcast(acc, codes[i], x + 4 * i);
-    return acc;
+    return dot_codes<Count>(init, codes, x);
   }
 };
 #endif
@@ -161,6 +160,8 @@ template <typename W, int Bits> struct AffineGroup {
     total = W::fma(W::cvt(dot), W::mul(scale, W::set1(xq.step_at(m, g))), total);
     total = W::fma(low, W::set1(xq.sum_at(m, g)), total);
   }
+  // the terms' 16 lanes (scale, low) into a[16], b[16]
+  void lanes(float* a, float* b) const { W::store_lanes(a, scale), W::store_lanes(b, low); }
 };
 
 // Q6_K: w = scale_j * (q - 32) on sub-block j (16 values) of the group: per sub-block the dot
@@ -177,6 +178,8 @@ template <typename W> struct Q6Group {
     const auto sum = W::fma(W::cvt(b), second, W::mul(W::cvt(a), first));
     total = W::fma(sum, W::set1(xq.step_at(m, g)), total);
   }
+  // the terms' 16 lanes (the sub-blocks' scales) into a[16], b[16]
+  void lanes(float* a, float* b) const { W::store_lanes(a, first), W::store_lanes(b, second); }
 };
 #endif
 
@@ -230,6 +233,16 @@ template <int HighBits> struct KKernel {
     return {scale, low};
   }
 #endif
+#if KVSERVE_Q8_ZMM
+  // dequantize_slab's values of a row: gguf's scale * q - dmin * m (a: scale, b: -(dmin * m),
+  // the group terms' lanes; x - y and x + (-y) are the same float)
+  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(a)),
+                                        _mm512_set1_ps(b)));
+    _mm512_storeu_ps(out + 16, _mm512_add_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(a)), _mm512_set1_ps(b)));
+  }
+#endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
                       const QuantizedRows& xq, int64_t m, int64_t g) {
     const int64_t row = n % kInt4Panel;
@@ -246,6 +259,16 @@ struct Q6_KKernel {
     const auto d = w.halves(Layout::d(block));
     return {W::mul(d, w.i8s(Layout::scales(block, 2 * s))),
             W::mul(d, w.i8s(Layout::scales(block, 2 * s + 1)))};
+  }
+#endif
+#if KVSERVE_Q8_ZMM
+  // dequantize_slab's values of a row: gguf's (d * scale_j) * (q - 32) (a, b: the sub-blocks')
+  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
+    const __m512i offset = _mm512_set1_epi32(32);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a),
+                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, offset))));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(b),
+                                             _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, offset))));
   }
 #endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
@@ -359,8 +382,8 @@ float gguf_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, 
 }
 
 template <typename Kernel>
-void gguf_q8(const QuantizedRows& xq, int64_t rows, const at::Tensor& packed,
-             int64_t out_features, const OutputRows& y, const QuantizeRange& quantize) {
+void gguf_q8(const QuantizedRows& xq, const PanelSpan& span, const at::Tensor& packed,
+             int64_t out_features, const OutputRows& y) {
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
     with_row_count(block_rows, [&](auto r) {
@@ -376,8 +399,7 @@ void gguf_q8(const QuantizedRows& xq, int64_t rows, const at::Tensor& packed,
     return gguf_dot_scalar<Kernel>(xq, m, panel, n);
   };
   const int64_t panel_bytes = packed.size(1) * Kernel::Layout::kBytes;
-  run_panels(xq, rows, out_features, panel_bytes, packed.data_ptr<uint8_t>(), y, quantize,
-             kRowBlock, tile, scalar);
+  run_span(xq, span, out_features, panel_bytes, packed.data_ptr<uint8_t>(), y, tile, scalar);
 }
 
 PanelKernel integer_kernel(GgufType type) {
@@ -401,6 +423,96 @@ void check_linear(const GgufFormat& format, const at::Tensor& x, const at::Tenso
   TORCH_CHECK_VALUE(!bias || bias->numel() == out_features, op, ": bias must be [N]");
 }
 
+#if KVSERVE_Q8_ZMM
+// The 8 code vectors (vector v: lane n = row n's codes at stored positions 4v..4v+3) as rows:
+// dword-wise 8 x 16 -> 16 x 8 by in-lane unpacks (a gather a row was slower than the loop it
+// replaced: Intel's gather mitigation). 128-bit lane L of halves[r] holds row 4L + r's stored
+// positions 0..15, of halves[4 + r] its 16..31.
+inline void transpose_rows(const __m512i codes[8], uint8_t (*halves)[64]) {
+  __m512i pairs[8];
+  for (int i = 0; i < 4; ++i) {
+    pairs[2 * i] = _mm512_unpacklo_epi32(codes[2 * i], codes[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_epi32(codes[2 * i], codes[2 * i + 1]);
+  }
+  for (int half = 0; half < 2; ++half) {
+    const __m512i* t = pairs + 4 * half;  // vectors 4 half .. 4 half + 3
+    _mm512_store_si512(halves[4 * half + 0], _mm512_unpacklo_epi64(t[0], t[2]));
+    _mm512_store_si512(halves[4 * half + 1], _mm512_unpackhi_epi64(t[0], t[2]));
+    _mm512_store_si512(halves[4 * half + 2], _mm512_unpacklo_epi64(t[1], t[3]));
+    _mm512_store_si512(halves[4 * half + 3], _mm512_unpackhi_epi64(t[1], t[3]));
+  }
+}
+
+// Rows [first, first + out.size(0)) of W (first a multiple of 16) into out (float32 or
+// bfloat16), gguf's float32 values to the bit, from the integer kernel's unpacked code vectors.
+// Why: the per-row loop (gguf_pack.cpp's dequantize_panel_rows, bit by bit out of the panel
+// layout) ran at ~0.5 G weights a second a core, ~15% of a 256-token Qwen3-30B-shaped prefill
+// (its attention projections take this path). Per (panel, group): the 8 code vectors (lane n
+// = row n's codes for 4 stored positions) are transposed into rows, each row's 32 codes put in
+// k order (one byte shuffle), widened and scaled per the format.
+template <typename Kernel>
+void dequantize_slab(const at::Tensor& panels, int64_t first, at::Tensor& out) {
+  using L = typename Kernel::Layout;
+  const int64_t count = out.size(0), groups = out.size(1) / 32;
+  const int64_t panel_bytes = panels.size(1) * L::kBytes;
+  const uint8_t* data = panels.data_ptr<uint8_t>() + (first / kInt4Panel) * panel_bytes;
+  const bool to_float = out.scalar_type() == at::kFloat;
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  at::parallel_for(0, (count + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    const ZmmPanel w;
+    alignas(64) uint8_t halves[8][64];
+    alignas(64) float a[16], b[16], values[32];
+    // stored position of k in its chunk of 8: (k0, k4, k1, k5, k2, k6, k3, k7)
+    const __m256i natural = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                             0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = data + p * panel_bytes;
+      const int64_t rows = std::min<int64_t>(16, count - p * 16);
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = panel + (g / L::kGroups) * L::kBytes;
+        const int s = static_cast<int>(g % L::kGroups);
+        typename ZmmPanel::I codes[8];
+        unpack_group<L>(w, block, s, codes);
+        transpose_rows(codes, halves);
+        Kernel::group(w, block, s).lanes(a, b);
+        for (int64_t n = 0; n < rows; ++n) {
+          // row n = 4 lane + r: stored positions 0..15 in halves[r], 16..31 in halves[4 + r]
+          const int64_t lane = 16 * (n / 4), r = n % 4;
+          const __m256i stored = _mm256_loadu2_m128i(
+              reinterpret_cast<const __m128i*>(halves[4 + r] + lane),
+              reinterpret_cast<const __m128i*>(halves[r] + lane));
+          const __m256i q = _mm256_shuffle_epi8(stored, natural);
+          Kernel::row_values(a[n], b[n], _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)),
+                             _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), values);
+          uint8_t* row = dst + (p * 16 + n) * row_bytes;
+          if (to_float) {
+            std::memcpy(reinterpret_cast<float*>(row) + 32 * g, values, sizeof(values));
+          } else {
+            to_bf16_bits(values, reinterpret_cast<uint16_t*>(row) + 32 * g, 32);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Rows [first, first + out.size(0)) of W into out: the vector path for the K-quants, the per-row
+// loop for the other formats (and builds).
+void dequantize_slab(const GgufFormat& format, const at::Tensor& panels, int64_t first,
+                     at::Tensor& out) {
+#if KVSERVE_Q8_ZMM
+  switch (format.type) {
+    case GgufType::kQ4_K: return dequantize_slab<KKernel<0>>(panels, first, out);
+    case GgufType::kQ5_K: return dequantize_slab<KKernel<1>>(panels, first, out);
+    case GgufType::kQ6_K: return dequantize_slab<Q6_KKernel>(panels, first, out);
+    default: break;
+  }
+#endif
+  dequantize_panel_rows(format, panels, nullptr, first, out);
+}
+
 // Rows of W dequantized a slab at a time: ~4 MB of scratch, read back from cache by the GEMM,
 // and 64 to 512 rows, so at::linear still gets a wide GEMM.
 int64_t slab_rows(int64_t cols, int64_t element_size) {
@@ -421,6 +533,13 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const s
                              integer_kernel(format.type), panels);
 }
 
+SpanKernel gguf_span_kernel(const std::string& qtype) {
+  const GgufType type = gguf_format(qtype).type;
+  if (type == GgufType::kQ4_0 || type == GgufType::kQ4_1) return {int4_q8_kernel()};
+  if (type == GgufType::kQ8_0) return {int8_q8_kernel(), CodeOrder::kNatural};
+  return {integer_kernel(type)};
+}
+
 at::Tensor gguf_linear_dequant(const at::Tensor& x, const at::Tensor& panels,
                                const std::string& qtype, const c10::optional<at::Tensor>& bias,
                                int64_t out_features) {
@@ -438,7 +557,7 @@ at::Tensor gguf_linear_dequant(const at::Tensor& x, const at::Tensor& panels,
   for (int64_t first = 0; first < out_features; first += slab) {
     const int64_t rows = std::min(slab, out_features - first);
     at::Tensor weight = scratch.narrow(0, 0, rows);
-    dequantize_panel_rows(format, panels, nullptr, first, weight);
+    dequantize_slab(format, panels, first, weight);
     const at::Tensor part = at::linear(x, weight, bias ? own_bias.narrow(0, first, rows)
                                                        : at::Tensor());
     out.narrow(1, first, rows).copy_(part);

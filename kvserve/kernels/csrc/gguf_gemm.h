@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "q8_rows.h"
+
 namespace kvserve {
 
 // raw: uint8 [N, row_bytes], a GGUF tensor's bytes (rows possibly reordered by the caller) ->
@@ -25,6 +27,14 @@ at::Tensor gguf_dequantize_range(const at::Tensor& panels, const std::string& qt
 // dot products with the file's codes; x float32 or bfloat16 [M, K], y in x's dtype.
 at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const std::string& qtype,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// gguf_linear_q8's kernel for qtype over a span of rows and panels, with the code order its x
+// needs: for callers that run their own parallel region (moe.cpp).
+struct SpanKernel {
+  q8::PanelKernel run = nullptr;
+  q8::CodeOrder order = q8::CodeOrder::kInt4Lanes;
+};
+SpanKernel gguf_span_kernel(const std::string& qtype);
 
 // y = x W.T (+ bias) with the file's exact weights in x's dtype: slabs of rows dequantized into a
 // scratch buffer and multiplied by at::linear (oneDNN / MKL), never the whole matrix at once.

@@ -13,7 +13,10 @@
 #include <cmath>
 #include <numeric>
 
+#include <omp.h>
+
 #include "layer_ops.h"
+#include "q8_rows.h"
 #include "vec.h"
 
 namespace kvserve {
@@ -92,14 +95,16 @@ void swigluoai_rows(const at::Tensor& h, at::Tensor& out, float alpha, float lim
   }
 }
 
+// The experts' activation over [T, 2I] rows [gate | up] -> [T, I].
+at::Tensor activate(const MoeLayer& moe, const at::Tensor& h) {
+  if (moe.activation == "swigluoai") return swigluoai_and_mul(h, moe.swiglu_alpha, moe.swiglu_limit);
+  return moe.activation == "gelu_pytorch_tanh" ? layer_ops::gelu_tanh_and_mul(h)
+                                               : layer_ops::silu_and_mul(h);
+}
+
 at::Tensor expert_mlp(const MoeLayer& moe, const StackLinear& gate_up, const StackLinear& down,
                       const at::Tensor& x) {
-  const at::Tensor h = gate_up(x);
-  if (moe.activation == "swigluoai") {
-    return down(swigluoai_and_mul(h, moe.swiglu_alpha, moe.swiglu_limit));
-  }
-  return down(moe.activation == "gelu_pytorch_tanh" ? layer_ops::gelu_tanh_and_mul(h)
-                                                   : layer_ops::silu_and_mul(h));
+  return down(activate(moe, gate_up(x)));
 }
 
 // out[rows[i]] += weights[i] * y[i] over [R, H] rows of y (x's dtype) into float32 out.
@@ -134,6 +139,256 @@ std::vector<float> shared_gates(const at::Tensor& x, const at::Tensor& gate) {
     gates[t] = 1.f / (1.f + std::exp(-as_dtype(logit, x.scalar_type())));
   }
   return gates;
+}
+
+// ---- every active expert at once (prefill: a 256-token prompt gives each of 128 experts ~16
+// rows). One projection call an expert cost a parallel region, x quantized again and an output
+// allocated each: 1,536 calls a Qwen3-30B-shaped prefill, ~40% of the MoE's time beside its
+// kernels (Emerald Rapids). Here the (token, slot) pairs are sorted by expert, x is quantized
+// once, and each projection is one parallel region over every expert's panels; experts whose
+// rows exceed their kernel's row limit (or whose projections have no span kernel) run their
+// projections' own calls, as the loop did.
+
+// The (token, slot) pairs sorted by expert: expert e's rows are [first[e], first[e + 1]), its
+// tokens in order (the loop's order); slots[t k + j]: token t's rows, experts ascending.
+struct Grouping {
+  std::vector<int64_t> first, token, slots;
+  std::vector<float> weight;
+
+  int64_t rows(int64_t e) const { return first[e + 1] - first[e]; }
+};
+
+Grouping group_by_expert(const Routes& routes, int64_t tokens, int64_t experts, int64_t k) {
+  Grouping g;
+  g.first.assign(experts + 1, 0);
+  for (int64_t e : routes.expert) ++g.first[e + 1];
+  std::partial_sum(g.first.begin(), g.first.end(), g.first.begin());
+  std::vector<int64_t> next(g.first.begin(), g.first.end() - 1);
+  g.token.resize(tokens * k);
+  g.weight.resize(tokens * k);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t row = next[routes.expert[t * k + j]]++;
+      g.token[row] = t;
+      g.weight[row] = routes.weight[t * k + j];
+    }
+  }
+  std::vector<int64_t> filled(tokens, 0);
+  g.slots.resize(tokens * k);
+  for (int64_t row = 0; row < tokens * k; ++row) {
+    const int64_t t = g.token[row];
+    g.slots[t * k + filled[t]++] = row;
+  }
+  return g;
+}
+
+// One projection of the grouped experts: each expert's span kernel over its rows, outputs into
+// the sorted rows of `out` (bias added in float, x's dtype), the panels of every expert split
+// over the threads by cost (an expert's panel costs its rows plus one for the unpacking).
+struct GroupedProjection {
+  const std::vector<StackLinear>& linears;
+  const std::vector<int64_t>& grouped;  // the experts, ascending
+  const Grouping& grouping;
+  std::vector<at::Tensor> biases;  // float32, per grouped expert (undefined: none)
+
+  GroupedProjection(const std::vector<StackLinear>& linears, const std::vector<int64_t>& grouped,
+                    const Grouping& grouping)
+      : linears(linears), grouped(grouped), grouping(grouping) {
+    for (int64_t e : grouped)
+      biases.push_back(linears[e].bias ? linears[e].bias->to(at::kFloat).contiguous()
+                                       : at::Tensor());
+  }
+
+  int64_t panels(int64_t e) const { return (linears[e].out_features + 15) / 16; }
+  int64_t panel_cost(int64_t e) const { return grouping.rows(e) + 1; }
+
+  int64_t total_cost() const {
+    int64_t total = 0;
+    for (int64_t e : grouped) total += panels(e) * panel_cost(e);
+    return total;
+  }
+
+  // Thread `thread` of `team`: the panels whose cost starts in its share.
+  void run_share(const q8::QuantizedRows& xq, at::Tensor& out, int64_t thread, int64_t team,
+                 int64_t total) const {
+    const int64_t low = total * thread / team, high = total * (thread + 1) / team;
+    int64_t start = 0;
+    for (size_t i = 0; i < grouped.size(); ++i) {
+      const int64_t e = grouped[i], cost = panel_cost(e), count = panels(e);
+      auto first_at = [&](int64_t bound) {
+        return std::clamp<int64_t>((bound - start + cost - 1) / cost, 0, count);
+      };
+      const int64_t begin = first_at(low), end = first_at(high);
+      start += count * cost;
+      if (begin >= end) continue;
+      q8::OutputRows y;
+      y.ld = out.size(1);
+      if (biases[i].defined()) y.bias = biases[i].data_ptr<float>();
+      if (out.scalar_type() == at::kFloat) {
+        y.f32 = out.data_ptr<float>();
+      } else {
+        y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+      }
+      const StackLinear& linear = linears[e];
+      linear.span_kernel().run(
+          xq, q8::PanelSpan{grouping.first[e], grouping.first[e + 1], begin, end}, linear.panels,
+          linear.out_features, y);
+    }
+  }
+};
+
+template <typename T>
+void quantize_rows(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder order,
+                   int64_t begin, int64_t end) {
+  q8::quantize_groups(q, x.data_ptr<T>(), x.stride(0), order, begin, end);
+}
+
+void quantize_share(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder order,
+                    int64_t thread, int64_t team) {
+  const int64_t groups = x.size(0) * q.groups;
+  const int64_t begin = groups * thread / team, end = groups * (thread + 1) / team;
+  x.scalar_type() == at::kFloat ? quantize_rows<float>(q, x, order, begin, end)
+                                : quantize_rows<c10::BFloat16>(q, x, order, begin, end);
+}
+
+// Sorted row `row` of `dst` = token `token`'s row of `src` (codes and per-group terms).
+void copy_row(q8::QuantizedRows& dst, int64_t row, const q8::QuantizedRows& src, int64_t token) {
+  std::memcpy(dst.codes.data() + row * dst.cols, src.codes.data() + token * src.cols, src.cols);
+  const int64_t g = src.groups;
+  std::copy_n(src.step.data() + token * g, g, dst.step.data() + row * g);
+  std::copy_n(src.sum.data() + token * g, g, dst.sum.data() + row * g);
+  std::copy_n(src.code_sum.data() + token * g, g, dst.code_sum.data() + row * g);
+  std::copy_n(src.half_sum.data() + token * g, g, dst.half_sum.data() + row * g);
+}
+
+// The experts that run grouped: active, both projections with a span kernel (one code order
+// per projection across them, one width) and no more rows than their row limits.
+std::vector<int64_t> grouped_experts(const MoeLayer& moe, const Grouping& grouping,
+                                     SpanKernel& gate_up_kernel, SpanKernel& down_kernel) {
+  std::vector<int64_t> grouped;
+  if (!moe.grouped) return grouped;
+  for (int64_t e = 0; e < static_cast<int64_t>(moe.gate_up.size()); ++e) {
+    const int64_t rows = grouping.rows(e);
+    const StackLinear &gate_up = moe.gate_up[e], &down = moe.down[e];
+    const SpanKernel first = gate_up.span_kernel(), second = down.span_kernel();
+    if (rows == 0 || !first.run || !second.run || rows > gate_up.max_rows ||
+        rows > down.max_rows)
+      continue;
+    if (grouped.empty()) {
+      gate_up_kernel = first, down_kernel = second;
+    } else if (first.order != gate_up_kernel.order || second.order != down_kernel.order ||
+               gate_up.out_features != moe.gate_up[grouped[0]].out_features ||
+               down.out_features != moe.down[grouped[0]].out_features) {
+      continue;
+    }
+    grouped.push_back(e);
+  }
+  return grouped;
+}
+
+// body(thread, team) on a team of up to at::get_num_threads() threads (no more than `work`).
+template <typename Body>
+void in_parallel(int64_t work, Body body) {
+  at::internal::lazy_init_num_threads();
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work));
+#pragma omp parallel num_threads(threads)
+  body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// The grouped experts' gate_up outputs [T k, 2I] in x's dtype: x's tokens quantized once, their
+// rows copied to the grouped experts' sorted rows, every expert's panels in one region. Rows of
+// the other experts are zero.
+at::Tensor grouped_gate_up(const MoeLayer& moe, const at::Tensor& x, const Grouping& grouping,
+                           const std::vector<int64_t>& grouped, const SpanKernel& kernel) {
+  const int64_t sorted = static_cast<int64_t>(grouping.token.size());
+  thread_local q8::QuantizedRows by_token, by_row;
+  q8::QuantizedRows &xq = by_token, &rows = by_row;
+  q8::size_rows(xq, x.size(0), x.size(1));
+  q8::size_rows(rows, sorted, x.size(1));
+  at::Tensor h = at::empty({sorted, moe.gate_up[grouped[0]].out_features}, x.options());
+  if (grouped.size() < moe.gate_up.size()) h.zero_();
+  std::vector<int64_t> copied;  // the grouped experts' sorted rows
+  for (int64_t e : grouped)
+    for (int64_t row = grouping.first[e]; row < grouping.first[e + 1]; ++row) copied.push_back(row);
+  const GroupedProjection gate_up{moe.gate_up, grouped, grouping};
+  const int64_t cost = gate_up.total_cost(), count = static_cast<int64_t>(copied.size());
+  in_parallel(cost, [&](int64_t thread, int64_t team) {
+    quantize_share(xq, x, kernel.order, thread, team);
+#pragma omp barrier
+    for (int64_t i = count * thread / team; i < count * (thread + 1) / team; ++i)
+      copy_row(rows, copied[i], xq, grouping.token[copied[i]]);
+#pragma omp barrier
+    gate_up.run_share(rows, h, thread, team, cost);
+  });
+  return h;
+}
+
+// The grouped experts' down outputs into their sorted rows of y, from the activations.
+void grouped_down(const MoeLayer& moe, const at::Tensor& activated, const Grouping& grouping,
+                  const std::vector<int64_t>& grouped, const SpanKernel& kernel, at::Tensor& y) {
+  thread_local q8::QuantizedRows hidden_rows;
+  q8::QuantizedRows& hq = hidden_rows;
+  q8::size_rows(hq, activated.size(0), activated.size(1));
+  const GroupedProjection down{moe.down, grouped, grouping};
+  const int64_t cost = down.total_cost();
+  in_parallel(cost, [&](int64_t thread, int64_t team) {
+    quantize_share(hq, activated, kernel.order, thread, team);
+#pragma omp barrier
+    down.run_share(hq, y, thread, team, cost);
+  });
+}
+
+// Every sorted row's expert output [T k, H] in x's dtype: the grouped experts' in two parallel
+// regions (gate_up; down), the others' through their projections' own calls.
+at::Tensor expert_outputs(const MoeLayer& moe, const at::Tensor& x, const Grouping& grouping) {
+  const int64_t experts = static_cast<int64_t>(moe.gate_up.size());
+  at::Tensor y = at::empty({static_cast<int64_t>(grouping.token.size()), x.size(1)}, x.options());
+  SpanKernel gate_up_kernel, down_kernel;
+  const std::vector<int64_t> grouped = grouped_experts(moe, grouping, gate_up_kernel, down_kernel);
+  if (!grouped.empty()) {
+    const at::Tensor h = grouped_gate_up(moe, x, grouping, grouped, gate_up_kernel);
+    grouped_down(moe, activate(moe, h), grouping, grouped, down_kernel, y);
+  }
+  size_t next = 0;  // the others, through their own calls
+  for (int64_t e = 0; e < experts; ++e) {
+    if (next < grouped.size() && grouped[next] == e) {
+      ++next;
+      continue;
+    }
+    const int64_t begin = grouping.first[e], end = grouping.first[e + 1];
+    if (begin == end) continue;
+    const bool every_token = end - begin == x.size(0);
+    const at::Tensor input = every_token
+        ? x
+        : x.index_select(0, at::tensor(std::vector<int64_t>(grouping.token.begin() + begin,
+                                                            grouping.token.begin() + end),
+                                       at::TensorOptions().dtype(at::kLong)));
+    y.narrow(0, begin, end - begin).copy_(expert_mlp(moe, moe.gate_up[e], moe.down[e], input));
+  }
+  return y;
+}
+
+// out[t] += weight * y[row] over token t's rows, its experts in ascending order (the loop's
+// order of the float32 sums), tokens split over the threads.
+template <typename T>
+void combine_rows(float* out, const at::Tensor& y, const Grouping& grouping, int64_t k) {
+  const int64_t hidden = y.size(1), tokens = static_cast<int64_t>(grouping.slots.size()) / k;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* dst = out + t * hidden;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = grouping.slots[t * k + j];
+        const T* src = y.data_ptr<T>() + row * hidden;
+        const float w = grouping.weight[row];
+        for (int64_t h = 0; h < hidden; ++h) dst[h] += w * static_cast<float>(src[h]);
+      }
+    }
+  });
+}
+
+void combine(float* out, const at::Tensor& y, const Grouping& grouping, int64_t k) {
+  y.scalar_type() == at::kFloat ? combine_rows<float>(out, y, grouping, k)
+                                : combine_rows<c10::BFloat16>(out, y, grouping, k);
 }
 
 }  // namespace
@@ -182,34 +437,18 @@ at::Tensor MoeLayer::forward(const at::Tensor& x) const {
               "moe: x must be [T, ", router.size(1), "] rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "moe: x must be float32 or bfloat16");
-  const int64_t tokens = x.size(0), experts = router.size(0), k = top_k;
+  const int64_t tokens = x.size(0), experts = router.size(0);
   at::Tensor out = at::zeros({tokens, x.size(1)}, x.options().dtype(at::kFloat));
   if (tokens == 0) return out.to(x.scalar_type());
-  const Routes routes = route(*this, x);
-  // (token, weight) lists per expert, tokens in order
-  std::vector<std::vector<int64_t>> rows(experts);
-  std::vector<std::vector<float>> weights(experts);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      rows[routes.expert[t * k + j]].push_back(t);
-      weights[routes.expert[t * k + j]].push_back(routes.weight[t * k + j]);
-    }
-  }
+  const Grouping grouping = group_by_expert(route(*this, x), tokens, experts, top_k);
   int64_t* counts = routed_tokens.data_ptr<int64_t>();
-  float* sum = out.data_ptr<float>();
-  for (int64_t e = 0; e < experts; ++e) {
-    if (rows[e].empty()) continue;
-    counts[e] += static_cast<int64_t>(rows[e].size());
-    const bool every_token = static_cast<int64_t>(rows[e].size()) == tokens;
-    const at::Tensor input = every_token
-        ? x
-        : x.index_select(0, at::tensor(rows[e], at::TensorOptions().dtype(at::kLong)));
-    add_weighted(sum, expert_mlp(*this, gate_up[e], down[e], input), rows[e], weights[e]);
-  }
+  for (int64_t e = 0; e < experts; ++e) counts[e] += grouping.rows(e);
+  const at::Tensor y = expert_outputs(*this, x, grouping);
+  combine(out.data_ptr<float>(), y, grouping, top_k);
   if (shared_gate_up) {
     std::vector<int64_t> all(tokens);
     std::iota(all.begin(), all.end(), 0);
-    add_weighted(sum, expert_mlp(*this, *shared_gate_up, *shared_down, x), all,
+    add_weighted(out.data_ptr<float>(), expert_mlp(*this, *shared_gate_up, *shared_down, x), all,
                  shared_gates(x, *shared_gate));
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

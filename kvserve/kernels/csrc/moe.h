@@ -27,6 +27,10 @@ struct MoeLayer {
   c10::optional<StackLinear> shared_gate_up, shared_down;
   c10::optional<at::Tensor> shared_gate;  // float32 [H]
   at::Tensor routed_tokens;  // int64 [E]: += each call's tokens routed to each expert
+  // the active experts' projections with span kernels run in one parallel region each (x
+  // quantized once); false: each expert's own projection calls (KVSERVE_GROUPED_MOE=0). The
+  // same kernels on the same rows, summed in the same order: the same bits either way.
+  bool grouped = true;
 
   // x [T, H] (float32 or bfloat16) -> [T, H] in x's dtype. The router's logits are float dot
   // products rounded to x's dtype (as the Python path's linear in that dtype), softmax in

@@ -169,8 +169,7 @@ void int4_full_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
     const __m512 low = load16(Int4Block<S>::zeros(block));
     for (int m = 0; m < R; ++m) {
       const int8_t* x = xq.group_codes(m0 + m, g);
-      __m512i dot = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) dot = dot_add_broadcast(dot, codes[i], x + 4 * i);
+      const __m512i dot = dot_codes<8>(_mm512_setzero_si512(), codes, x);
       const __m512 step_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xq.step_at(m0 + m, g)));
       total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step_scale, total[m]);
       total[m] = _mm512_fmadd_ps(low, _mm512_set1_ps(xq.sum_at(m0 + m, g)), total[m]);
@@ -197,9 +196,8 @@ void int8_full_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
     const __m512 scale = _mm512_loadu_ps(int8_block_scales(block));
     for (int m = 0; m < R; ++m) {
       const int8_t* x = xq.group_codes(m0 + m, g);
-      __m512i dot = _mm512_set1_epi32(-128 * xq.code_sum_at(m0 + m, g));
-      for (int chunk = 0; chunk < 8; ++chunk)
-        dot = dot_add_broadcast(dot, biased[chunk], x + 4 * chunk);
+      const __m512i dot = dot_codes<8>(_mm512_set1_epi32(-128 * xq.code_sum_at(m0 + m, g)),
+                                       biased, x);
       const __m512 step_scale = _mm512_mul_ps(scale, _mm512_set1_ps(xq.step_at(m0 + m, g)));
       total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), step_scale, total[m]);
     }
@@ -238,8 +236,8 @@ void int8_half_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, 
 #endif  // KVSERVE_VEC
 
 template <typename S>
-void int4_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
-             const OutputRows& y, const QuantizeRange& quantize) {
+void int4_span(const QuantizedRows& xq, const PanelSpan& span, const uint8_t* packed,
+               int64_t out_features, const OutputRows& y) {
   const int64_t panel_bytes = xq.groups * Int4Block<S>::kBytes;
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
@@ -255,11 +253,19 @@ void int4_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
   auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
     return int4_dot_scalar<S>(xq, m, panel, n);
   };
-  run_panels(xq, rows, out_features, panel_bytes, packed, y, quantize, kRowBlock, tile, scalar);
+  run_span(xq, span, out_features, panel_bytes, packed, y, tile, scalar);
 }
 
-void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64_t out_features,
-             const OutputRows& y, const QuantizeRange& quantize) {
+// int4 panels with float16 (320-byte blocks) or float32 (384) metadata
+void int4_q8(const QuantizedRows& xq, const PanelSpan& span, const at::Tensor& packed,
+             int64_t out_features, const OutputRows& y) {
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  packed.size(2) == Int4Block<Half>::kBytes ? int4_span<Half>(xq, span, data, out_features, y)
+                                            : int4_span<float>(xq, span, data, out_features, y);
+}
+
+void int8_q8(const QuantizedRows& xq, const PanelSpan& span, const at::Tensor& packed,
+             int64_t out_features, const OutputRows& y) {
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
     with_row_count(block_rows, [&](auto r) {
@@ -274,10 +280,9 @@ void int8_q8(const QuantizedRows& xq, int64_t rows, const uint8_t* packed, int64
   auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
     return int8_dot_scalar(xq, m, panel, n);
   };
-  run_panels(xq, rows, out_features, xq.groups * kInt8BlockBytes, packed, y, quantize, kRowBlock,
-             tile, scalar);
+  run_span(xq, span, out_features, xq.groups * kInt8BlockBytes, packed.data_ptr<uint8_t>(), y,
+           tile, scalar);
 }
-
 
 }  // namespace
 
@@ -291,13 +296,7 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                    packed.size(2) == Int4Block<float>::kBytes),
               "int4_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 320 or 384]");
   TORCH_CHECK(!bias || bias->numel() == out_features, "int4_linear_q8: bias must be [N]");
-  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n,
-                const OutputRows& y, const QuantizeRange& quantize) {
-    const uint8_t* data = w.data_ptr<uint8_t>();
-    w.size(2) == Int4Block<Half>::kBytes ? int4_q8<Half>(xq, rows, data, n, y, quantize)
-                                         : int4_q8<float>(xq, rows, data, n, y, quantize);
-  };
-  return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes, run, packed);
+  return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes, int4_q8, packed);
 }
 
 at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
@@ -308,13 +307,12 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
                   packed.size(1) == x.size(1) / 32 && packed.size(2) == kInt8BlockBytes,
               "int8_linear_q8: packed must be uint8 [ceil(N / 16), K / 32, 576]");
   TORCH_CHECK(!bias || bias->numel() == out_features, "int8_linear_q8: bias must be [N]");
-  auto run = [](const QuantizedRows& xq, int64_t rows, const at::Tensor& w, int64_t n,
-                const OutputRows& y, const QuantizeRange& quantize) {
-    int8_q8(xq, rows, w.data_ptr<uint8_t>(), n, y, quantize);
-  };
-  return with_quantized_rows(x, bias, out_features, CodeOrder::kNatural, run, packed);
+  return with_quantized_rows(x, bias, out_features, CodeOrder::kNatural, int8_q8, packed);
 }
 
 bool q8_dot_wide() { return KVSERVE_Q8_ZMM; }
+
+q8::PanelKernel int4_q8_kernel() { return int4_q8; }
+q8::PanelKernel int8_q8_kernel() { return int8_q8; }
 
 }  // namespace kvserve

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "q8_rows.h"
+
 namespace kvserve {
 
 // y = x' @ W.T (+ bias) with x' = x rounded per group of 32 along K to int8 steps of its absmax
@@ -21,5 +23,10 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed,
 // integer dot products do twice the multiply-adds of bf16 ones: `--quantization auto` then picks
 // w4a8 over int4 in bfloat16 (quant/linear.py::resolve_quantization).
 bool q8_dot_wide();
+
+// The span kernels behind int4_linear_q8 (x's codes in CodeOrder::kInt4Lanes) and
+// int8_linear_q8 (kNatural), for callers that run their own parallel region (moe.cpp).
+q8::PanelKernel int4_q8_kernel();
+q8::PanelKernel int8_q8_kernel();
 
 }  // namespace kvserve

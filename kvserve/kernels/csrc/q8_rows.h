@@ -188,10 +188,6 @@ struct OutputRows {
   }
 };
 
-// Quantizes x's groups [begin, end) (see quantize_groups); run by every thread of the kernel's
-// parallel region on its share, before the panels.
-using QuantizeRange = std::function<void(int64_t, int64_t)>;
-
 inline float widen(float v) { return v; }
 inline float widen(Half v) { return static_cast<float>(v); }
 
@@ -222,6 +218,21 @@ inline __m512i dot_add_broadcast(__m512i acc, __m512i w, const int8_t* x) {
       : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
 }
+
+// init + the dot products of Count (even) code vectors with x's codes (4 a vector, in order),
+// in two chains added at the end (exact): one chain of 8 dependent vpdpbusd (5 cycles each) a
+// row kept ~10 rows' chains waiting in the scheduler to fill both ports; two chains made the
+// Q4_K kernel 10-15% faster at 8-32 rows, four no faster than two (Emerald Rapids, A/B in one
+// process).
+template <int Count>
+inline __m512i dot_codes(__m512i init, const __m512i* codes, const int8_t* x) {
+  __m512i even = init, odd = _mm512_setzero_si512();
+  for (int i = 0; i < Count; i += 2) {
+    even = dot_add_broadcast(even, codes[i], x + 4 * i);
+    odd = dot_add_broadcast(odd, codes[i + 1], x + 4 * i + 4);
+  }
+  return _mm512_add_epi32(even, odd);
+}
 #endif
 
 #if KVSERVE_VEC
@@ -250,19 +261,57 @@ void panel_rows(int rows, Kernel kernel) {
 
 #endif  // KVSERVE_VEC
 
+// A share of a call's work: rows [m_begin, m_end) of x against panels [p_begin, p_end) of W.
+struct PanelSpan {
+  int64_t m_begin, m_end, p_begin, p_end;
+};
+
+// y[m, n] over a span on the calling thread: per panel, the rows in passes of equal size (each
+// pays the panel's unpacking), outputs stored (bias, bf16) as they come. `tile(rows, m0, panel,
+// out)` fills out[m][16] for a row block of at most kRowBlock rows; the scalar build calls
+// `scalar(m, panel, n)` per output.
+template <typename Tile, typename Scalar>
+void run_span(const QuantizedRows& xq, const PanelSpan& span, int64_t out_features,
+              int64_t panel_bytes, const uint8_t* packed, const OutputRows& y, Tile tile,
+              Scalar scalar) {
+  const int64_t pass = rows_per_pass(span.m_end - span.m_begin, kRowBlock);
+  float out[kRowBlock * 16];
+  for (int64_t p = span.p_begin; p < span.p_end; ++p) {
+    const uint8_t* panel = packed + p * panel_bytes;
+    const int64_t count = std::min<int64_t>(16, out_features - p * 16);
+    for (int64_t m0 = span.m_begin; m0 < span.m_end; m0 += pass) {
+      const int block_rows = static_cast<int>(std::min<int64_t>(pass, span.m_end - m0));
+#if KVSERVE_VEC
+      tile(block_rows, m0, panel, out);
+#else
+      for (int m = 0; m < block_rows; ++m)
+        for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
+#endif
+      for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
+    }
+  }
+}
+
+// A weight format's kernel over a span of a projection (packed: its panels, uint8 [panels, ...])
+// on the calling thread: the callers own the parallel region (with_quantized_rows for one
+// projection, moe.cpp for every active expert's at once).
+using PanelKernel = void (*)(const QuantizedRows& xq, const PanelSpan& span,
+                             const at::Tensor& packed, int64_t out_features,
+                             const OutputRows& y);
+
+// Quantizes x's groups [begin, end) (see quantize_groups); run by every thread of the kernel's
+// parallel region on its share, before the panels.
+using QuantizeRange = std::function<void(int64_t, int64_t)>;
+
 // y[m, n] for every row and output, in one parallel region: the threads first quantize x (each
 // a share of its groups), meet at a barrier, then each takes one contiguous run of panels (one
-// stream of blocks) and stores its outputs (bias, bf16) as they come. Why one region: x's
-// quantization and y's conversion ran serially around the kernel, the other core spinning;
-// at a 9-token verification that was ~6% of the step's samples (perf, Zen 4). `tile(rows, m0,
-// panel, out)` fills out[m][16] for a row block of at most `max_rows` rows (passes of equal
-// size: each pays the panel's unpacking).
-template <typename Tile, typename Scalar>
-void run_panels(const QuantizedRows& xq, int64_t rows, int64_t out_features, int64_t panel_bytes,
-                const uint8_t* packed, const OutputRows& y, const QuantizeRange& quantize,
-                int64_t max_rows, Tile tile, Scalar scalar) {
+// stream of blocks). Why one region: x's quantization and y's conversion ran serially around
+// the kernel, the other core spinning; at a 9-token verification that was ~6% of the step's
+// samples (perf, Zen 4).
+inline void run_panels(const QuantizedRows& xq, int64_t rows, const at::Tensor& packed,
+                       int64_t out_features, const OutputRows& y, const QuantizeRange& quantize,
+                       PanelKernel kernel) {
   const int64_t panels = (out_features + 15) / 16;
-  const int64_t pass = rows_per_pass(rows, max_rows);
   const int64_t groups = rows * xq.groups;
   at::internal::lazy_init_num_threads();
   // at least 4 panels a thread (at::parallel_for's grain before)
@@ -275,21 +324,7 @@ void run_panels(const QuantizedRows& xq, int64_t rows, int64_t out_features, int
 #pragma omp barrier
     const int64_t chunk = (panels + team - 1) / team;
     const int64_t begin = thread * chunk, end = std::min(panels, begin + chunk);
-    float out[kRowBlock * 16];
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = packed + p * panel_bytes;
-      const int64_t count = std::min<int64_t>(16, out_features - p * 16);
-      for (int64_t m0 = 0; m0 < rows; m0 += pass) {
-        const int block_rows = static_cast<int>(std::min<int64_t>(pass, rows - m0));
-#if KVSERVE_VEC
-        tile(block_rows, m0, panel, out);
-#else
-        for (int m = 0; m < block_rows; ++m)
-          for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
-#endif
-        for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
-      }
-    }
+    if (begin < end) kernel(xq, PanelSpan{0, rows, begin, end}, packed, out_features, y);
   }
 }
 
@@ -308,9 +343,6 @@ QuantizeRange quantize_range(QuantizedRows& xq, const at::Tensor& src, CodeOrder
 // dtype. Per call only the output is allocated: at one row, through the decode stack's 120
 // projections a step, torch conversions and per-call buffers cost more than the kernels saved
 // (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
-using PanelKernel = void (*)(const QuantizedRows&, int64_t, const at::Tensor&, int64_t,
-                             const OutputRows&, const QuantizeRange&);
-
 inline at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                                int64_t out_features, CodeOrder order, PanelKernel run,
                                const at::Tensor& packed) {
@@ -336,7 +368,7 @@ inline at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<a
     y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
     quantize = quantize_range<BFloat16>(xq, src, order);
   }
-  run(xq, rows, packed, out_features, y, quantize);
+  run_panels(xq, rows, packed, out_features, y, quantize, run);
   return out;
 }
 

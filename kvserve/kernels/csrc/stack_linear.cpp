@@ -13,6 +13,12 @@ bool StackLinear::known_kind(const std::string& kind) {
          kind == "gguf" || kind == "concat";
 }
 
+SpanKernel StackLinear::span_kernel() const {
+  if (kind == "gguf") return gguf_span_kernel(qtype);
+  if (kind == "int4_q8") return {int4_q8_kernel(), q8::CodeOrder::kInt4Lanes};
+  return {};
+}
+
 at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   if (kind == "concat") {
     std::vector<at::Tensor> outputs;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "gguf_gemm.h"
+
 namespace kvserve {
 
 // kind "dense": only `dense`; "int4", "int4_q8", "bf16": panels for up to max_rows rows, `dense`
@@ -22,6 +24,9 @@ struct StackLinear {
   std::vector<StackLinear> segments;
 
   at::Tensor operator()(const at::Tensor& x) const;
+  // The integer-dot kernel that serves calls of up to max_rows rows over `panels` (kinds "gguf"
+  // and "int4_q8"), for callers that schedule spans of it themselves; run is null otherwise.
+  SpanKernel span_kernel() const;
   static bool known_kind(const std::string& kind);
 };
 

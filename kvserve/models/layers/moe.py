@@ -118,7 +118,9 @@ class SparseMoE(nn.Module):
         """This layer as the op set's C++ MoeLayer (built on first use, after the weights are
         loaded), or None where it cannot run: kernels without it (the torch reference), an
         expert projection with no C++ kernel (its `stack_linear` is None), or the switch
-        `KVSERVE_FUSED_MOE=0` (read when the layer is first run)."""
+        `KVSERVE_FUSED_MOE=0` (read when the layer is first run). `KVSERVE_GROUPED_MOE=0`
+        keeps the fused layer but runs each expert's projections as their own calls rather
+        than every active expert's in one parallel region (the same bits either way)."""
         if self._fused is None or self._fused[0] is not kernels:
             self._fused = (kernels, self._build_fused(kernels))
         return self._fused[1]
@@ -146,7 +148,8 @@ class SparseMoE(nn.Module):
             None if self.shared_expert_gate is None else
             self.shared_expert_gate.weight.float().reshape(-1).contiguous(),
             None if self.gate.bias is None else self.gate.bias.float().contiguous(),
-            first.swiglu_alpha, first.swiglu_limit)
+            first.swiglu_alpha, first.swiglu_limit,
+            os.environ.get("KVSERVE_GROUPED_MOE", "1") != "0")
 
     @staticmethod
     def _stack_linears(expert: GatedMLP, kernels) -> tuple:
