@@ -15,15 +15,19 @@ from kvserve.errors import InsufficientMemoryError
 CHECK_ENV = "KVSERVE_MEMORY_CHECK"
 AVAILABLE_ENV = "KVSERVE_AVAILABLE_MEMORY_BYTES"
 CGROUP = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")  # which cgroup this process is in (v1: per controller)
 
 
 def available_memory_bytes() -> int | None:
     """The smaller of /proc/meminfo's MemAvailable and the cgroup's remaining allowance
-    (memory.max - memory.current, cgroup v2); None where neither can be read."""
+    (cgroup v2: memory.max - memory.current; v1: this process's memory cgroup's limit - usage
+    + its inactive file pages, which the kernel reclaims first); None where neither can be
+    read."""
     override = os.environ.get(AVAILABLE_ENV)
     if override:
         return int(override)
-    limits = [value for value in (_mem_available(), _cgroup_remaining()) if value is not None]
+    limits = [value for value in (_mem_available(), _cgroup_remaining(), _cgroup_v1_remaining())
+              if value is not None]
     return min(limits) if limits else None
 
 
@@ -44,6 +48,26 @@ def _cgroup_remaining() -> int | None:
             return None
         return int(limit) - int((CGROUP / "memory.current").read_text())
     except (OSError, ValueError):
+        return None
+
+
+# cgroup v1 reports "no limit" as a page-rounded 2^63 - 1
+_V1_UNLIMITED = 1 << 62
+
+
+def _cgroup_v1_remaining() -> int | None:
+    try:
+        path = next(line.split(":", 2)[2] for line in
+                    PROC_CGROUP.read_text().splitlines()
+                    if line.split(":", 2)[1] == "memory")
+        group = CGROUP / "memory" / path.lstrip("/")
+        limit = int((group / "memory.limit_in_bytes").read_text())
+        if limit >= _V1_UNLIMITED:
+            return None
+        usage = int((group / "memory.usage_in_bytes").read_text())
+        stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+        return limit - usage + int(stat.get("total_inactive_file", 0))
+    except (OSError, ValueError, IndexError, StopIteration):
         return None
 
 

@@ -117,3 +117,56 @@ def test_the_switch_turns_it_off(model_file, monkeypatch):
     _load(model_file)
     cache = PackCache(model_file)
     assert cache.mapped is None and not cache.data_path.exists()
+
+
+def test_weights_beyond_the_memory_available_are_served_from_the_cache_files_map(
+        model_file, monkeypatch, caplog):
+    """Less memory available than the weights need (`KVSERVE_AVAILABLE_MEMORY_BYTES`, as a
+    cgroup's limit would say): the load neither fails nor holds the panels in its memory; each
+    run goes to the cache file as it is packed and is served from the file's map (pages the
+    kernel may drop and read again), with the logits of a load in memory to the bit; the file
+    is then a complete cache a later load maps. Too little memory for the KV cache reserve
+    itself is still a typed error naming it."""
+    from kvserve.errors import InsufficientMemoryError
+
+    _, expected = _load(model_file)
+    PackCache(model_file).data_path.unlink()  # the next load packs again, beyond memory
+    PackCache(model_file).index_path.unlink()
+    monkeypatch.setenv("KVSERVE_AVAILABLE_MEMORY_BYTES", str(64 << 10))
+    with caplog.at_level(logging.WARNING, logger="kvserve.models.loader"):
+        model, logits = _load(model_file)
+    assert "served from a map of the packed-panel cache" in caplog.text
+    assert "slower" in caplog.text
+    assert torch.equal(logits, expected)
+    cache = PackCache(model_file)
+    panels = _panels(model)
+    assert cache.mapped is not None and len(cache.entries) == len(panels) > 0
+    assert {_mapped_path(p) for p in panels} == {str(cache.data_path)}
+    assert not list(cache.data_path.parent.glob("*.partial-*"))
+    monkeypatch.delenv("KVSERVE_AVAILABLE_MEMORY_BYTES")
+    again, logits = _load(model_file)
+    assert torch.equal(logits, expected) and cache.data_path.exists()
+    monkeypatch.setenv("KVSERVE_AVAILABLE_MEMORY_BYTES", str(64 << 10))
+    with pytest.raises(InsufficientMemoryError, match="KV cache"):
+        load_model(resolve_model(model_file), "float32", attention_backend="paged",
+                   quantization="gguf", reserve_bytes=1 << 20)
+
+
+def test_weights_beyond_memory_with_a_full_disk_fail_typed_and_leave_nothing(
+        model_file, monkeypatch):
+    """The weights fit neither in memory nor on the cache's disk (a write fails, ENOSPC): a
+    typed error naming the file, and no partial copy left behind."""
+    import errno
+
+    from kvserve.errors import InsufficientMemoryError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pack_cache.os, "fdatasync", full)
+    monkeypatch.setenv("KVSERVE_AVAILABLE_MEMORY_BYTES", str(64 << 10))
+    with pytest.raises(InsufficientMemoryError, match="No space left on device"):
+        _load(model_file)
+    cache = PackCache(model_file)
+    assert not cache.data_path.exists()
+    assert not list(cache.data_path.parent.glob("*.partial-*"))

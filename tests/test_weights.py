@@ -209,7 +209,8 @@ def test_truncated_safetensors(tiny_model_dir, tmp_path):
 def test_a_model_that_cannot_fit_fails_naming_the_bytes(smollm_source, monkeypatch):
     """Weights plus the KV cache the engine will ask for, against the memory available (here
     set lower than SmolLM2's ~140 MB of stored weights): a typed error before anything is read,
-    never an OOM kill half-way."""
+    never an OOM kill half-way. The GGUF's blocks kept as stored can be served from a map of
+    their packed copy (tests/test_pack_cache.py), but the KV cache must still fit."""
     from kvserve.errors import InsufficientMemoryError
     from kvserve.memory import AVAILABLE_ENV, CHECK_ENV
 
@@ -217,10 +218,32 @@ def test_a_model_that_cannot_fit_fails_naming_the_bytes(smollm_source, monkeypat
     with pytest.raises(InsufficientMemoryError, match=r"needs about 0\.\d\d GiB \([\d,]+ bytes: "
                                                       r"weights as none in float32"):
         load_model(smollm_source, "float32")
-    with pytest.raises(InsufficientMemoryError, match="KV cache 0.05 GiB"):
-        load_model(smollm_source, "bfloat16", quantization="gguf", reserve_bytes=50 << 20)
+    with pytest.raises(InsufficientMemoryError, match="with its weights mapped .*KV cache 0.06"):
+        load_model(smollm_source, "bfloat16", quantization="gguf", reserve_bytes=60 << 20)
     monkeypatch.setenv(CHECK_ENV, "0")
     load_model(smollm_source, "bfloat16", quantization="gguf")
+
+
+def test_a_cgroup_v1_memory_limit_counts_as_the_memory_available(tmp_path, monkeypatch):
+    """Under cgroup v1 (this process's memory cgroup, named in /proc/self/cgroup) the memory
+    available is at most the limit less the usage, plus the inactive file pages the kernel
+    reclaims first; "no limit" (2^63 rounded down to a page) is no bound."""
+    from kvserve import memory
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpu:/\n4:memory:/jobs/a\n0::/\n")
+    group = tmp_path / "fs" / "memory" / "jobs" / "a"
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
+    (group / "memory.usage_in_bytes").write_text(f"{2 << 30}\n")
+    (group / "memory.stat").write_text(f"cache 100\ntotal_inactive_file {512 << 20}\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    monkeypatch.setattr(memory, "CGROUP", tmp_path / "fs")
+    monkeypatch.delenv(memory.AVAILABLE_ENV, raising=False)
+    assert memory._cgroup_v1_remaining() == (1 << 30) + (512 << 20)
+    assert memory.available_memory_bytes() <= (1 << 30) + (512 << 20)
+    (group / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert memory._cgroup_v1_remaining() is None
 
 
 def test_a_kv_cache_that_cannot_fit_fails_naming_the_bytes(tiny_model_dir, monkeypatch):

@@ -31,7 +31,8 @@ from kvserve.distributed.parallel_state import (
     is_distributed,
     with_layer_partition,
 )
-from kvserve.memory import check_fits
+from kvserve.errors import InsufficientMemoryError
+from kvserve.memory import available_memory_bytes, check_fits
 from kvserve.model_source import ModelSource
 from kvserve.models.registry import check_architecture, model_class_for
 from kvserve.quant import QuantPolicy, pack_cache, resolve_quantization
@@ -136,12 +137,14 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
         parallel = with_layer_partition(parallel, config, quantization)
     reader = gguf_file.open_gguf(source.path) if source.format == "gguf" else None
     source_types = _source_types(reader, config)
+    mapped = False
     if torch.device(device).type == "cpu":
         kernels = None if quantization == "none" else get_ops(use_cpu_kernels)  # as built
-        _check_weights_fit(source, config, QuantPolicy(quantization, torch_dtype, kernels,
-                                                       parallel, source_types),
-                           parallel, reserve_bytes)
-    cache = _pack_cache(source, quantization, parallel, device)
+        mapped = _check_weights_fit(
+            source, config, QuantPolicy(quantization, torch_dtype, kernels, parallel,
+                                        source_types),
+            parallel, reserve_bytes, _packs_stored_weights(source, quantization, parallel))
+    cache = _pack_cache(source, quantization, parallel, device, mapped)
     model = build_model(config, torch_dtype, device, attention_backend, use_cpu_kernels,
                         quantization, parallel, source_types, cache)
     built = time.perf_counter()
@@ -156,14 +159,25 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     return model, model.config
 
 
+def _packs_stored_weights(source: ModelSource, quantization: str,
+                          parallel: ParallelContext | None) -> bool:
+    """Whether this load packs a GGUF's blocks as stored in one process (what the packed-panel
+    cache holds, and what can be served from its map)."""
+    return source.format == "gguf" and quantization == "gguf" and not is_distributed(parallel)
+
+
 def _pack_cache(source: ModelSource, quantization: str, parallel: ParallelContext | None,
-                device) -> PackCache | None:
+                device, mapped: bool = False) -> PackCache | None:
     """The GGUF's packed-panel cache where a load packs them (one process holding the whole
-    model on the CPU; ranks pack their shards afresh)."""
-    if source.format != "gguf" or quantization != "gguf" or is_distributed(parallel) or \
-            torch.device(device).type != "cpu" or not pack_cache.enabled(source.path):
+    model on the CPU; ranks pack their shards afresh). `mapped`: the weights do not fit in
+    memory: every run is written at once and served from the file's map (whatever the file's
+    size or KVSERVE_PACK_CACHE)."""
+    if not _packs_stored_weights(source, quantization, parallel) or \
+            torch.device(device).type != "cpu":
         return None
-    return PackCache(source.path)
+    if mapped:
+        return PackCache(source.path, spill=True)
+    return PackCache(source.path) if pack_cache.enabled(source.path) else None
 
 
 def _pack_cache_note(cache: PackCache | None) -> str:
@@ -171,6 +185,8 @@ def _pack_cache_note(cache: PackCache | None) -> str:
         return ""
     if cache.hits:
         return f" ({cache.hits} packed runs mapped from {cache.data_path})"
+    if cache.spill is not None:
+        return f" (beyond memory: packed into {cache.data_path}, served from its map)"
     return f" (packed; being written to {cache.data_path})" if cache.packed else ""
 
 
@@ -192,12 +208,33 @@ def estimate_weight_bytes(config: ModelConfig, policy: QuantPolicy,
 
 
 def _check_weights_fit(source: ModelSource, config: ModelConfig, policy: QuantPolicy,
-                       parallel: ParallelContext | None, reserve_bytes: int) -> None:
+                       parallel: ParallelContext | None, reserve_bytes: int,
+                       can_map: bool = False) -> bool:
+    """InsufficientMemoryError where weights and reserve cannot fit; True where they do not fit
+    but the weights can be served from a map of the packed-panel cache (`can_map`: a GGUF
+    kept as stored), leaving the memory to the reserve (the KV cache)."""
     weights = estimate_weight_bytes(config, policy, parallel)
-    check_fits(weights + reserve_bytes, f"loading {source.name}",
-               {f"weights as {policy.mode} in {str(policy.dtype).removeprefix('torch.')}":
-                weights, "KV cache": reserve_bytes},
-               "choose a smaller model or --quantization, or lower --kv-cache-memory-bytes")
+    parts = {f"weights as {policy.mode} in {str(policy.dtype).removeprefix('torch.')}": weights,
+             "KV cache": reserve_bytes}
+    advice = "choose a smaller model or --quantization, or lower --kv-cache-memory-bytes"
+    if can_map:
+        try:
+            check_fits(weights + reserve_bytes, f"loading {source.name}", parts, advice)
+        except InsufficientMemoryError:
+            check_fits(reserve_bytes, f"loading {source.name} with its weights mapped",
+                       {"KV cache": reserve_bytes}, "lower --kv-cache-memory-bytes")
+            logger.warning(
+                "%s: its weights (%.2f GiB) and KV cache (%.2f GiB) exceed the memory "
+                "available (%.2f GiB): the weights are served from a map of the packed-panel "
+                "cache (written run by run as they load where it is not there yet), so steps "
+                "read whatever is not in the page cache from disk: expect decode steps many "
+                "times slower than in memory where they route to experts not read recently",
+                source.name, weights / 2**30, reserve_bytes / 2**30,
+                (available_memory_bytes() or 0) / 2**30)
+            return True
+        return False
+    check_fits(weights + reserve_bytes, f"loading {source.name}", parts, advice)
+    return False
 
 
 def _checkpoint_tensors(source: ModelSource, reader, config: ModelConfig,
