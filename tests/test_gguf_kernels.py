@@ -163,6 +163,59 @@ def test_dequantizing_kernel_multiplies_the_files_exact_values(qtype, dtype, ker
     assert torch.equal(got, expected.t())  # == : a weight's -0.0 comes out as 0.0 + -0.0
 
 
+@pytest.fixture
+def amx_switch(kernels):
+    """Sets the AMX switch of gguf_linear_dequant for a test and restores it (on) after."""
+    yield kernels.set_gguf_amx
+    kernels.set_gguf_amx(True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_amx_tiles_give_the_dequantizing_linear_of_the_same_weights(qtype, kernels, amx_switch):
+    """bfloat16 x through the AMX tiles against the same call with them switched off (oneDNN on
+    the same bfloat16 weights): 584 outputs (an odd panel count, the last panel partial), row
+    counts that leave partial tiles and odd row blocks, with and without bias; and x = the
+    identity reads back W.T's bfloat16 values to the bit."""
+    if not kernels.gguf_amx_usable():
+        pytest.skip("no AMX-BF16 tiles on this CPU or build")
+    rows, cols = 584, 512
+    raw = _file_rows(qtype, rows, cols, seed=11 * len(qtype))
+    panels = kernels.gguf_pack(raw, qtype)
+    weights = _file_values(raw, qtype).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(rows)
+    bias = torch.randn(rows, generator=generator)
+    for m in (1, 15, 16, 17, 48, 70):
+        x = torch.randn(m, cols, generator=generator).to(torch.bfloat16)
+        for b in (None, bias):
+            amx_switch(True)
+            got = kernels.gguf_linear_dequant(x, panels, qtype, b, rows)
+            amx_switch(False)
+            expected = kernels.gguf_linear_dequant(x, panels, qtype, b, rows)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
+            scale = expected.float().abs().max().item()
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7,
+                                       atol=2 ** -7 * scale)
+    amx_switch(True)
+    eye = torch.eye(cols, dtype=torch.bfloat16)
+    assert torch.equal(kernels.gguf_linear_amx(eye, panels, qtype, None, rows), weights.t())
+
+
+def test_amx_tiles_refuse_what_they_do_not_take(kernels, amx_switch):
+    """float32 x and formats without a tile path are named in the error; switched off, the
+    dequantizing linear does not use the tiles."""
+    if not kernels.gguf_amx_usable():
+        pytest.skip("no AMX-BF16 tiles on this CPU or build")
+    raw = _file_rows("Q4_K", 16, 256, seed=0)
+    panels = kernels.gguf_pack(raw, "Q4_K")
+    with pytest.raises(RuntimeError, match="not available for Q4_K with Float"):
+        kernels.gguf_linear_amx(torch.randn(4, 256), panels, "Q4_K", None, 16)
+    q8_panels = kernels.gguf_pack(_file_rows("Q8_0", 16, 256, seed=0), "Q8_0")
+    with pytest.raises(RuntimeError, match="not available for Q8_0"):
+        kernels.gguf_linear_amx(torch.randn(4, 256).bfloat16(), q8_panels, "Q8_0", None, 16)
+    amx_switch(False)
+    assert not kernels.gguf_amx_usable()
+
+
 @pytest.mark.parametrize("ops_name", ["kernels", "reference"])
 def test_malformed_inputs_are_clear_errors(ops_name, kernels):
     """A raw tensor whose rows are not whole blocks, panels of another K, an unknown type, and a

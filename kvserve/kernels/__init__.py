@@ -25,10 +25,11 @@ OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gel
             "apply_token_bitmask_", "int4_linear", "int4_linear_fast", "int8_linear",
             "bf16_linear", "int4_linear_q8", "int8_linear_q8", "q8_dot_wide", "gguf_pack",
             "gguf_dequantize", "gguf_linear_q8", "gguf_linear_dequant")
-# Compiled-only: the decoder layers as one C++ call (models/decode_stack.py) and the fused
-# mixture of experts (models/layers/moe.py); the torch reference op set has neither, and the
-# model then keeps its Python loops.
-COMPILED_ONLY_NAMES = ("DecodeStack", "StackInstruction", "StackLinear", "MoeLayer")
+# Compiled-only: the decoder layers as one C++ call (models/decode_stack.py), the fused
+# mixture of experts (models/layers/moe.py) and the AMX tiles under gguf_linear_dequant; the
+# torch reference op set has none of them, and the model then keeps its Python loops.
+COMPILED_ONLY_NAMES = ("DecodeStack", "StackInstruction", "StackLinear", "MoeLayer",
+                       "gguf_linear_amx", "gguf_amx_usable", "set_gguf_amx")
 KERNELS_ENV = "KVSERVE_KERNELS"
 KERNEL_CHOICES = ("compiled", "reference")
 

@@ -19,6 +19,7 @@
 #include "layer_ops.h"
 #include "flash_attention.h"
 #include "bf16_gemm.h"
+#include "gguf_amx.h"
 #include "gguf_gemm.h"
 #include "int4_gemm.h"
 #include "int8_gemm.h"
@@ -1179,6 +1180,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) with GGUF W's exact values, dequantized a slab of rows at a time",
         py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear_amx", &kvserve::gguf_linear_amx,
+        "x @ W.T (+ bias), x bfloat16, GGUF K-quant W dequantized into bfloat16 AMX tiles",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_amx_usable", &kvserve::gguf_amx_usable,
+        "whether gguf_linear_dequant runs bfloat16 x on AMX tiles here (KVSERVE_AMX=0: off)");
+  m.def("set_gguf_amx", &kvserve::set_gguf_amx,
+        "switch the AMX tiles of gguf_linear_dequant on or off (where the CPU has them)",
+        py::arg("enabled"));
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
   m.def("q8_dot_wide", &kvserve::q8_dot_wide,

@@ -1,0 +1,332 @@
+// The GGUF block formats' code vectors and per-group terms, shared by the integer-dot and
+// dequantizing kernels (gguf_gemm.cpp) and the AMX tile kernels (gguf_amx.cpp): a register width
+// (ymm halves of a panel, or a whole panel per zmm), each format's group terms (scale and low,
+// or Q6_K's two sub-block scales) and the unpacking of a group's 8 code vectors (lane n = output
+// row n's codes at 4 stored positions). Internal linkage: each including file gets its own.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "gguf_layouts.h"
+#include "q8_dot_gemm.h"
+#include "q8_rows.h"
+
+namespace kvserve {
+namespace {
+
+using namespace q8;
+
+// Bytes prefetched ahead of the group being read: int4_linear_q8's distance (~10 KB, measured
+// there), which each call's new streams need before the hardware prefetcher catches them.
+constexpr int64_t kPrefetchBytes = kInt4PrefetchBlocks * Int4Block<Half>::kBytes;
+
+#if KVSERVE_VEC
+// ---- one register width each: the same kernel source for ymm halves and whole-panel zmm
+
+// Half a panel per ymm (AVX2): 8 output rows, one 32-bit lane each; the 32 bytes at 32 * half of
+// each 64-byte vector and the metadata entries from 8 * half.
+struct YmmHalf {
+  using I = __m256i;
+  using F = __m256;
+  int half;
+
+  bool leads() const { return half == 0; }
+  I bytes(const uint8_t* p) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+  }
+  F halves(const uint8_t* p) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)));
+  }
+  F u8s(const uint8_t* p) const {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  }
+  F i8s(const uint8_t* p) const {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  }
+  F floats(const uint8_t* p) const {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
+  }
+  void store(float* out, F v) const { _mm256_storeu_ps(out + 8 * half, v); }
+  // each byte (a 4-bit code) replaced by table[byte] (16 entries)
+  static I lookup(I v, const uint8_t* table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
+
+  static I set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static I set32(int v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I shift(I v, int bits) {  // 16-bit lanes, left for bits > 0
+    return bits > 0 ? _mm256_slli_epi16(v, bits) : bits < 0 ? _mm256_srli_epi16(v, -bits) : v;
+  }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+
+  // init + the dot products of Count code vectors with x's codes (4 per vector, in order) in
+  // int32 lanes. vpmaddubsw's int16 pair sums reach 2 * (2^Bits - 1) * 127: runs of as many as
+  // stay within 32,767 (8, 4, 2 vectors for 4, 5, 6 bits) add in int16 before one widening.
+  template <int Bits, int Count> static I dot(I init, const I* codes, const int8_t* x) {
+    constexpr int kRun = 32767 / (2 * ((1 << Bits) - 1) * 127);
+    I acc = init;
+    for (int i = 0; i < Count; i += kRun) {
+      I run = _mm256_maddubs_epi16(codes[i], broadcast_code_word(x + 4 * i));
+      for (int j = i + 1; j < std::min(Count, i + kRun); ++j)
+        run = _mm256_add_epi16(run, _mm256_maddubs_epi16(codes[j], broadcast_code_word(x + 4 * j)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(run, _mm256_set1_epi16(1)));
+    }
+    return acc;
+  }
+};
+#endif
+
+#if KVSERVE_Q8_ZMM
+// A whole panel per zmm (AVX512-VNNI): lane n = output row n.
+struct ZmmPanel {
+  using I = __m512i;
+  using F = __m512;
+
+  bool leads() const { return true; }
+  I bytes(const uint8_t* p) const { return _mm512_loadu_si512(p); }
+  F halves(const uint8_t* p) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  F u8s(const uint8_t* p) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  }
+  F i8s(const uint8_t* p) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+  F floats(const uint8_t* p) const { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+  void store(float* out, F v) const { _mm512_storeu_ps(out, v); }
+  static void store_lanes(float* out, F v) { _mm512_storeu_ps(out, v); }
+  static I lookup(I v, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), v);
+  }
+
+  static I set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static I set32(int v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }  // with and_: one vpternlog
+  static I shift(I v, int bits) {
+    return bits > 0 ? _mm512_slli_epi16(v, bits) : bits < 0 ? _mm512_srli_epi16(v, -bits) : v;
+  }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+
+  // vpdpbusd accumulates in int32: no saturation whatever the bits
+  template <int Bits, int Count> static I dot(I init, const I* codes, const int8_t* x) {
+    return dot_codes<Count>(init, codes, x);
+  }
+};
+#endif
+
+// ---- per (row, group) terms of the formats, for a width W
+
+#if KVSERVE_VEC
+// w = q * scale + low on the whole group (Q5_0, Q5_1, Q4_K, Q5_K): as int4_linear_q8,
+// scale * d * sum(q xq) + low * d * sum(xq).
+template <typename W, int Bits> struct AffineGroup {
+  typename W::F scale, low;
+
+  void add_row(typename W::F& total, const typename W::I codes[8], const QuantizedRows& xq,
+               int64_t m, int64_t g) const {
+    const auto dot = W::template dot<Bits, 8>(W::set32(0), codes, xq.group_codes(m, g));
+    total = W::fma(W::cvt(dot), W::mul(scale, W::set1(xq.step_at(m, g))), total);
+    total = W::fma(low, W::set1(xq.sum_at(m, g)), total);
+  }
+  // the terms' 16 lanes (scale, low) into a[16], b[16]
+  void lanes(float* a, float* b) const { W::store_lanes(a, scale), W::store_lanes(b, low); }
+};
+
+// Q6_K: w = scale_j * (q - 32) on sub-block j (16 values) of the group: per sub-block the dot
+// starts at -32 sum(xq) over its 16 codes, so it is the exact integer sum((q - 32) xq).
+template <typename W> struct Q6Group {
+  typename W::F first, second;  // the two sub-blocks' d * scale
+
+  void add_row(typename W::F& total, const typename W::I codes[8], const QuantizedRows& xq,
+               int64_t m, int64_t g) const {
+    const int8_t* x = xq.group_codes(m, g);
+    const int32_t head = xq.half_sum_at(m, g), tail = xq.code_sum_at(m, g) - head;
+    const auto a = W::template dot<6, 4>(W::set32(-32 * head), codes, x);
+    const auto b = W::template dot<6, 4>(W::set32(-32 * tail), codes + 4, x + 16);
+    const auto sum = W::fma(W::cvt(b), second, W::mul(W::cvt(a), first));
+    total = W::fma(sum, W::set1(xq.step_at(m, g)), total);
+  }
+  // the terms' 16 lanes (the sub-blocks' scales) into a[16], b[16]
+  void lanes(float* a, float* b) const { W::store_lanes(a, first), W::store_lanes(b, second); }
+};
+#endif
+
+// The scalar build's group term of row n: affine formats' (scale, low), dots = the integer
+// sums over k < 16 and k >= 16.
+inline float affine_scalar(float scale, float low, const int dots[2], const QuantizedRows& xq,
+                           int64_t m, int64_t g) {
+  return scale * xq.step_at(m, g) * static_cast<float>(dots[0] + dots[1]) + low * xq.sum_at(m, g);
+}
+
+// ---- the formats: group(w, block, s) gives the vector kernels' group terms for 16 (or 8)
+// rows, scalar(block, s, n, dots, xq, m, g) the scalar loop's for row n.
+
+struct Q5_0Kernel {
+  using Layout = Q5_0Layout;  // w = d * (q - 16): scale d, low -16 d
+#if KVSERVE_VEC
+  template <typename W> static AffineGroup<W, 5> group(const W& w, const uint8_t* block, int) {
+    const auto d = w.halves(Layout::d(block));
+    return {d, W::mul(d, W::set1(-16.f))};
+  }
+#endif
+  static float scalar(const uint8_t* block, int, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    const float d = half_at(Layout::d(block), n);
+    return affine_scalar(d, -16.f * d, dots, xq, m, g);
+  }
+};
+
+struct Q5_1Kernel {
+  using Layout = Q5_1Layout;  // w = d * q + m
+#if KVSERVE_VEC
+  template <typename W> static AffineGroup<W, 5> group(const W& w, const uint8_t* block, int) {
+    return {w.halves(Layout::d(block)), w.halves(Layout::m(block))};
+  }
+#endif
+  static float scalar(const uint8_t* block, int, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    return affine_scalar(half_at(Layout::d(block), n), half_at(Layout::m(block), n), dots, xq,
+                         m, g);
+  }
+};
+
+template <int HighBits> struct KKernel {
+  using Layout = KLayout<HighBits>;  // w = (d * sc) * q - dmin * m
+#if KVSERVE_VEC
+  template <typename W>
+  static AffineGroup<W, 4 + HighBits> group(const W& w, const uint8_t* block, int s) {
+    const auto scale = W::mul(w.halves(Layout::d(block)), w.u8s(Layout::scales(block, s)));
+    const auto low = W::mul(w.halves(Layout::dmin(block)),
+                            W::mul(w.u8s(Layout::mins(block, s)), W::set1(-1.f)));
+    return {scale, low};
+  }
+#endif
+#if KVSERVE_Q8_ZMM
+  // dequantize_slab's values of a row: gguf's scale * q - dmin * m (a: scale, b: -(dmin * m),
+  // the group terms' lanes; x - y and x + (-y) are the same float)
+  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(a)),
+                                        _mm512_set1_ps(b)));
+    _mm512_storeu_ps(out + 16, _mm512_add_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(a)), _mm512_set1_ps(b)));
+  }
+#endif
+  static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    const int64_t row = n % kInt4Panel;
+    const float scale = half_at(Layout::d(block), n) * Layout::scales(block, s)[row];
+    const float low = half_at(Layout::dmin(block), n) * Layout::mins(block, s)[row];
+    return affine_scalar(scale, -low, dots, xq, m, g);
+  }
+};
+
+struct Q6_KKernel {
+  using Layout = Q6_KLayout;  // w = (d * sc_j) * (q - 32), sub-blocks j of 16
+#if KVSERVE_VEC
+  template <typename W> static Q6Group<W> group(const W& w, const uint8_t* block, int s) {
+    const auto d = w.halves(Layout::d(block));
+    return {W::mul(d, w.i8s(Layout::scales(block, 2 * s))),
+            W::mul(d, w.i8s(Layout::scales(block, 2 * s + 1)))};
+  }
+#endif
+#if KVSERVE_Q8_ZMM
+  // dequantize_slab's values of a row: gguf's (d * scale_j) * (q - 32) (a, b: the sub-blocks')
+  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
+    const __m512i offset = _mm512_set1_epi32(32);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a),
+                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, offset))));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(b),
+                                             _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, offset))));
+  }
+#endif
+  static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    const float d = half_at(Layout::d(block), n);
+    const int64_t row = n % kInt4Panel;
+    const auto first = static_cast<int8_t>(Layout::scales(block, 2 * s)[row]);
+    const auto second = static_cast<int8_t>(Layout::scales(block, 2 * s + 1)[row]);
+    const int32_t head = xq.half_sum_at(m, g), tail = xq.code_sum_at(m, g) - head;
+    return xq.step_at(m, g) * (d * first * static_cast<float>(dots[0] - 32 * head) +
+                               d * second * static_cast<float>(dots[1] - 32 * tail));
+  }
+};
+
+// MXFP4: w = d * value(q) = d * u - 12 d with u = kMxfp4Offset[q] (the unpacked codes are
+// looked up into u: unpack_group), an affine group as Q4_0's.
+struct Mxfp4Kernel {
+  using Layout = Mxfp4Layout;
+#if KVSERVE_VEC
+  template <typename W> static AffineGroup<W, 5> group(const W& w, const uint8_t* block, int) {
+    const auto d = w.floats(Layout::d(block));
+    return {d, W::mul(d, W::set1(-12.f))};
+  }
+#endif
+  static float scalar(const uint8_t* block, int, int64_t n, const int dots[2],
+                      const QuantizedRows& xq, int64_t m, int64_t g) {
+    float d;
+    std::memcpy(&d, Layout::d(block) + 4 * (n % kInt4Panel), sizeof(d));
+    return affine_scalar(d, -12.f * d, dots, xq, m, g);
+  }
+};
+
+// ---- reading a panel's groups
+
+template <typename L> void prefetch_group(const uint8_t* block, int s) {
+#if KVSERVE_VEC
+  constexpr int64_t kShare = L::kBytes / L::kGroups;  // the stream advances this much a group
+  const uint8_t* ahead = block + s * kShare + kPrefetchBytes;
+  for (int64_t line = 0; line < kShare; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+#endif
+}
+
+#if KVSERVE_VEC
+// Group s's 8 code vectors: the low 4 bits as int4_linear_q8 unpacks them (chunk c: 2c = & 0x0F,
+// 2c + 1 = >> 4 & 0x0F), then vector v's high bits from its plane bits (gguf_layouts.h) shifted
+// onto bit 4 (and 5), masked and merged. Always inlined: called, GCC passed the vectors through
+// memory (Q5_K at 64 rows: ~15% slower).
+template <typename L, typename W>
+[[gnu::always_inline]] inline void unpack_group(const W& w, const uint8_t* block, int s,
+                                                typename W::I codes[8]) {
+  const auto low4 = W::set8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const auto words = w.bytes(L::codes(block, s) + c * kInt4ChunkBytes);
+    codes[2 * c] = W::and_(words, low4);
+    codes[2 * c + 1] = W::and_(W::shift(words, -4), low4);
+  }
+  if constexpr (L::kTable) {
+    for (int v = 0; v < 8; ++v) codes[v] = W::lookup(codes[v], kMxfp4Offset);
+  }
+  if constexpr (L::kHighBits > 0) {
+    typename W::I planes[L::kHighBits];
+    for (int i = 0; i < L::kHighBits; ++i) planes[i] = w.bytes(L::planes(block, s) + 64 * i);
+    const auto high = W::set8(((1 << L::kHighBits) - 1) << 4);
+    for (int v = 0; v < 8; ++v) {  // unrolled: the shift counts are immediates
+      const int bit = v * L::kHighBits;  // vector v's first plane bit
+      codes[v] = W::or_(codes[v], W::and_(W::shift(planes[bit / 8], 4 - bit % 8), high));
+    }
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace kvserve
