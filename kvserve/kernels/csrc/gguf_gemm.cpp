@@ -12,7 +12,7 @@
 //   own scale and their -32 offset through x's per-16 code sums (computed with the codes).
 // - gguf_linear_dequant: float activations and the exact weights, slabs of rows dequantized into
 //   a scratch buffer in x's dtype and multiplied by at::linear (prefill-sized batches, the
-//   exact mode).
+//   exact mode); bfloat16 K-quant calls on a CPU with AMX tiles go to gguf_amx.cpp instead.
 // Q4_0, Q4_1 and Q8_0 are int4_linear_q8's and int8_linear_q8's own layouts and kernels. MXFP4's
 // codes go through a 16-entry byte table (one vpshufb a code vector) to e2m1 value + 12, then
 // the affine path (scale d, low -12 d): 2x fewer bytes than its values as int8 (5760 x 2880 at

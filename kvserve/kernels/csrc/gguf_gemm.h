@@ -37,7 +37,8 @@ struct SpanKernel {
 SpanKernel gguf_span_kernel(const std::string& qtype);
 
 // y = x W.T (+ bias) with the file's exact weights in x's dtype: slabs of rows dequantized into a
-// scratch buffer and multiplied by at::linear (oneDNN / MKL), never the whole matrix at once.
+// scratch buffer and multiplied by at::linear (oneDNN / MKL), never the whole matrix at once; or,
+// for bfloat16 x and Q4_K/Q5_K/Q6_K where gguf_amx_takes, on AMX tiles (gguf_amx.h).
 at::Tensor gguf_linear_dequant(const at::Tensor& x, const at::Tensor& panels,
                                const std::string& qtype, const c10::optional<at::Tensor>& bias,
                                int64_t out_features);
