@@ -110,18 +110,6 @@ void stage_rows(const at::Tensor& x, uint16_t* dst, int64_t begin, int64_t end) 
   }
 }
 
-// A group's values for code vector v (lane n: output n, one stored position): dequantize_slab's
-// float operations (gguf's values to the bit).
-template <typename W, int Bits>
-__m512 vector_values(const AffineGroup<W, Bits>& terms, int, __m512i q) {
-  return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), terms.scale), terms.low);
-}
-template <typename W>
-__m512 vector_values(const Q6Group<W>& terms, int v, __m512i q) {
-  const __m512 scale = v < 4 ? terms.first : terms.second;  // vectors 0-3: positions 0..15
-  return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
-}
-
 // Two float vectors as one tile row: lane n = (bf16(a[n]), bf16(b[n])), rounded as
 // to_bf16_bits rounds (vcvtne2ps2bf16).
 inline __m512i pair_row(__m512 a, __m512 b) {
@@ -147,10 +135,13 @@ void dequantize_panel(const uint8_t* panel, int64_t groups, uint8_t* tiles, int6
     __m512i* rows = reinterpret_cast<__m512i*>(tiles + g * stride);
     for (int v = 0; v < 8; ++v) {  // stored positions 4v .. 4v + 3: tile rows 2v, 2v + 1
       const __m512i c = codes[v];
-      const __m512 p0 = vector_values(terms, v, _mm512_and_si512(c, byte));
-      const __m512 p1 = vector_values(terms, v, _mm512_and_si512(_mm512_srli_epi32(c, 8), byte));
-      const __m512 p2 = vector_values(terms, v, _mm512_and_si512(_mm512_srli_epi32(c, 16), byte));
-      const __m512 p3 = vector_values(terms, v, _mm512_srli_epi32(c, 24));
+      const bool second = v >= 4;  // positions 16..31
+      const __m512 p0 = group_values(terms, second, _mm512_and_si512(c, byte));
+      const __m512 p1 = group_values(terms, second,
+                                     _mm512_and_si512(_mm512_srli_epi32(c, 8), byte));
+      const __m512 p2 = group_values(terms, second,
+                                     _mm512_and_si512(_mm512_srli_epi32(c, 16), byte));
+      const __m512 p3 = group_values(terms, second, _mm512_srli_epi32(c, 24));
       _mm512_store_si512(rows + 2 * v, pair_row(p0, p1));
       _mm512_store_si512(rows + 2 * v + 1, pair_row(p2, p3));
     }

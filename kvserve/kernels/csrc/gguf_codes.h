@@ -168,6 +168,22 @@ template <typename W> struct Q6Group {
   // the terms' 16 lanes (the sub-blocks' scales) into a[16], b[16]
   void lanes(float* a, float* b) const { W::store_lanes(a, first), W::store_lanes(b, second); }
 };
+
+#if KVSERVE_Q8_ZMM
+// gguf's values at 16 stored positions of a group from their codes q: lane n output n's, with
+// the group terms' lanes (gguf_amx.cpp), or one row's, with its terms broadcast
+// (dequantize_slab); `second`: positions 16..31 (Q6_K's second sub-block). gguf's float
+// operations, so its bits: scale * q - dmin * m as q * scale + low (x + (-y) is x - y), and
+// (d * scale_j) * (q - 32).
+template <int Bits>
+__m512 group_values(const AffineGroup<ZmmPanel, Bits>& terms, bool, __m512i q) {
+  return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), terms.scale), terms.low);
+}
+inline __m512 group_values(const Q6Group<ZmmPanel>& terms, bool second, __m512i q) {
+  return _mm512_mul_ps(second ? terms.second : terms.first,
+                       _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
+}
+#endif
 #endif
 
 // The scalar build's group term of row n: affine formats' (scale, low), dots = the integer
@@ -220,16 +236,6 @@ template <int HighBits> struct KKernel {
     return {scale, low};
   }
 #endif
-#if KVSERVE_Q8_ZMM
-  // dequantize_slab's values of a row: gguf's scale * q - dmin * m (a: scale, b: -(dmin * m),
-  // the group terms' lanes; x - y and x + (-y) are the same float)
-  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), _mm512_set1_ps(a)),
-                                        _mm512_set1_ps(b)));
-    _mm512_storeu_ps(out + 16, _mm512_add_ps(
-        _mm512_mul_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(a)), _mm512_set1_ps(b)));
-  }
-#endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
                       const QuantizedRows& xq, int64_t m, int64_t g) {
     const int64_t row = n % kInt4Panel;
@@ -246,16 +252,6 @@ struct Q6_KKernel {
     const auto d = w.halves(Layout::d(block));
     return {W::mul(d, w.i8s(Layout::scales(block, 2 * s))),
             W::mul(d, w.i8s(Layout::scales(block, 2 * s + 1)))};
-  }
-#endif
-#if KVSERVE_Q8_ZMM
-  // dequantize_slab's values of a row: gguf's (d * scale_j) * (q - 32) (a, b: the sub-blocks')
-  static void row_values(float a, float b, __m512i q0, __m512i q1, float* out) {
-    const __m512i offset = _mm512_set1_epi32(32);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(a),
-                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(q0, offset))));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(b),
-                                             _mm512_cvtepi32_ps(_mm512_sub_epi32(q1, offset))));
   }
 #endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],

@@ -20,6 +20,7 @@
 #include "gguf_gemm.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "gguf_amx.h"
 #include "gguf_codes.h"
@@ -165,7 +166,8 @@ void dequantize_slab(const at::Tensor& panels, int64_t first, at::Tensor& out) {
         typename ZmmPanel::I codes[8];
         unpack_group<L>(w, block, s, codes);
         transpose_rows(codes, halves);
-        Kernel::group(w, block, s).lanes(a, b);
+        const auto terms = Kernel::group(w, block, s);
+        terms.lanes(a, b);
         for (int64_t n = 0; n < rows; ++n) {
           // row n = 4 lane + r: stored positions 0..15 in halves[r], 16..31 in halves[4 + r]
           const int64_t lane = 16 * (n / 4), r = n % 4;
@@ -173,8 +175,12 @@ void dequantize_slab(const at::Tensor& panels, int64_t first, at::Tensor& out) {
               reinterpret_cast<const __m128i*>(halves[4 + r] + lane),
               reinterpret_cast<const __m128i*>(halves[r] + lane));
           const __m256i q = _mm256_shuffle_epi8(stored, natural);
-          Kernel::row_values(a[n], b[n], _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)),
-                             _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), values);
+          const std::remove_const_t<decltype(terms)> row_terms{_mm512_set1_ps(a[n]),
+                                                               _mm512_set1_ps(b[n])};
+          _mm512_storeu_ps(values, group_values(
+              row_terms, false, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))));
+          _mm512_storeu_ps(values + 16, group_values(
+              row_terms, true, _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1))));
           uint8_t* row = dst + (p * 16 + n) * row_bytes;
           if (to_float) {
             std::memcpy(reinterpret_cast<float*>(row) + 32 * g, values, sizeof(values));
