@@ -36,6 +36,16 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# OpenAI's o200k (gpt-4o, gpt-oss; Llama 4 reuses it): cased words split at case changes
+# ("HelloWorld" -> "Hello", "World"), contractions kept on the word, digits in threes
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 # tokenizer.ggml.pre -> the regexes llama.cpp applies in order (llama-vocab.cpp)
 PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
     "default": [_GPT2_SPLIT],
@@ -52,6 +62,9 @@ PRE_TOKENIZER_SPLITS: dict[str, list[str]] = {
     "smaug-bpe": [_LLAMA3_SPLIT],
     "qwen2": [_QWEN2_SPLIT],
     "deepseek-r1-qwen": [_QWEN2_SPLIT],
+    "gpt-4o": [_O200K_SPLIT],
+    "llama4": [_O200K_SPLIT],
+    "kanana2": [_O200K_SPLIT],
 }
 
 _TOKEN_TYPE_CONTROL = 3
