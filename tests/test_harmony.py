@@ -216,10 +216,73 @@ def test_a_final_answer_after_a_tool_result(harmony_server):
     assert not choice.message.tool_calls and choice.finish_reason == "stop"
 
 
-def test_tool_choices_harmony_cannot_honour_are_400s(harmony_server):
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",  # gpt-oss's template needs one
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                   "required": ["zone"]}}}
+TIME_CALL = ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>'
+             '{"zone": "UTC"}<|call|>')
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_required_and_named_choices_allow_reasoning_then_a_call_only(harmony_dir, choice):
+    """The grammar as xgrammar's matcher reads it over the harmony vocabulary: reasoning then a
+    call, or a call alone (the channel or the recipient first), of an offered tool (or of the
+    named one) with arguments its schema allows; no final answer, no call missing a required
+    argument."""
+    from kvserve.entrypoints.openai.tools.grammar import harmony_call_tag
+    from kvserve.sampling_params import StructuredOutputsParams
+    from kvserve.structured_output.backend import tokenizer_info, xgrammar
+    from kvserve.structured_output.compiler import build_grammar
+
+    xgr = xgrammar()
+    ours = _ours(harmony_dir)
+    info = tokenizer_info(ours, ours.backend.get_vocab_size(with_added_tokens=True))
+    spec = StructuredOutputsParams(structural_tag=harmony_call_tag([WEATHER, TIME], choice))
+    compiled = xgr.GrammarCompiler(info).compile_grammar(build_grammar(spec))
+    call_alone = CALL_TURN.split("<|start|>assistant", 1)[1]
+    recipient_first = (" to=functions.get_weather<|channel|>commentary json<|message|>"
+                       f"{ARGUMENTS}<|call|>")
+    allowed = [CALL_TURN, call_alone, recipient_first] + ([TIME_CALL] if choice == "required"
+                                                          else [])
+    refused = [FINAL_TURN, call_alone.replace(ARGUMENTS, '{"unit": "c"}'),
+               "<|channel|>final<|message|>Sunny.<|return|>"] + ([] if choice == "required"
+                                                               else [TIME_CALL])
+    for text in allowed:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(text), text
+        assert matcher.accept_token(ours.eos_token_id) and matcher.is_terminated(), text
+    for text in refused:
+        assert not xgr.GrammarMatcher(compiled).accept_string(text), text
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_required_and_named_choices_through_the_openai_client(harmony_server, choice):
+    """The constrained turn, written by the model through the grammar: its call comes back as
+    tool_calls with its reasoning."""
+    server, tokenizer = harmony_server
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    choice_made = client.chat.completions.create(
+        model="gpt-oss", tools=[WEATHER, TIME], tool_choice=choice, max_tokens=200,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        extra_body=_forced(tokenizer, CALL_TURN + "never sent")).choices[0]
+    assert choice_made.finish_reason == "tool_calls"
+    assert choice_made.message.model_extra["reasoning_content"] == REASONING
+    [call] = choice_made.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == \
+        ("get_weather", json.loads(ARGUMENTS))
+
+
+def test_tool_choices_that_clash_with_other_constraints_are_400s(harmony_server):
     server, _ = harmony_server
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    with pytest.raises(openai.BadRequestError, match="tools and response_format"):
         client.chat.completions.create(
             model="gpt-oss", tools=[WEATHER], tool_choice="required", max_tokens=5,
+            response_format={"type": "json_object"},
             messages=[{"role": "user", "content": "Weather?"}])
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.chat.completions.create(
+            model="gpt-oss", tools=[WEATHER], tool_choice=NAMED, max_tokens=5,
+            messages=[{"role": "user", "content": "Weather?"}], extra_body={"min_tokens": 2})

@@ -21,7 +21,7 @@ from kvserve.entrypoints.openai.routes.context import (
     model_name,
 )
 from kvserve.entrypoints.openai.tools.formats import choose_format, template_takes_tools
-from kvserve.entrypoints.openai.tools.grammar import tool_structural_tag
+from kvserve.entrypoints.openai.tools.grammar import harmony_call_tag, tool_structural_tag
 from kvserve.entrypoints.openai.tools.prompt import for_template, template_messages
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import StructuredOutputsParams
@@ -74,19 +74,21 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
-    tool_format = None
+    tool_format, grammar_field = None, None  # grammar_field: where a tools grammar came from
     harmony = speaks_harmony(engine.inputs.tokenizer.chat_template)
     if harmony:  # its channels are special tokens: the reply is read with them
         params.skip_special_tokens = False
         params.stop_token_ids = [*(params.stop_token_ids or ()), *turn_end_token_ids(
             engine.inputs.tokenizer)]
-        messages, extra = _harmony_tools(body, messages, config_of(raw))
+        messages, extra, constrained = _harmony_tools(body, messages, config_of(raw), params)
         template_kwargs.update(extra)
+        grammar_field = "tools" if constrained else None
     elif body.offered_tools():
         tool_format, messages, extra = await _plan_tools(engine, body, config_of(raw), params,
                                                          messages)
         template_kwargs.update(extra)
-    await _validate_grammar(engine, body, params, "tools" if tool_format else None)
+        grammar_field = "tools"
+    await _validate_grammar(engine, body, params, grammar_field)
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params(),
                          cache_salt(raw, body.cache_salt), body.session())]
@@ -97,24 +99,34 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     return job
 
 
-def _harmony_tools(body: ChatCompletionRequest, messages: list[dict], config):
-    """(messages, template variables) for a harmony model: its template renders the tools
-    itself and the reply's channels say what is a call, so nothing constrains the output, and
-    a tool_choice that would need that is refused."""
+def _harmony_tools(body: ChatCompletionRequest, messages: list[dict], config, params):
+    """(messages, template variables, whether the tools constrain the output) for a harmony
+    model: its template renders the tools itself and the reply's channels say what is a call.
+    With "auto" nothing constrains the output; "required" or a named function constrain
+    `params` to reasoning, then a call."""
     tools = body.offered_tools()
     if not tools:
-        return messages, {}
+        return messages, {}, False
     choice = body.effective_tool_choice()
-    if choice not in ("auto", "none"):
-        raise InvalidRequestError("this model's tool calls are harmony messages, which kvserve "
-                                  "does not constrain yet: tool_choice must be auto or none",
-                                  param="tool_choice")
-    if choice == "none":
-        return messages, {}
-    if not config.enable_auto_tool_choice:
+    if choice == "auto" and not config.enable_auto_tool_choice:
         raise InvalidRequestError('tool_choice "auto" needs a server started with '
                                   "--enable-auto-tool-choice", param="tool_choice")
-    return [for_template(m) for m in messages], {"tools": tools}
+    constrained = choice != "auto"
+    if constrained:
+        _check_tools_alone(body, params)
+        params.structured_outputs = StructuredOutputsParams(
+            structural_tag=harmony_call_tag(tools, choice))
+    return [for_template(m) for m in messages], {"tools": tools}, constrained
+
+
+def _check_tools_alone(body: ChatCompletionRequest, params) -> None:
+    """A 400 where the tools' grammar would meet another constraint on where output ends."""
+    if params.structured_outputs is not None:
+        raise InvalidRequestError(f"tools and {body.structured_field()} both constrain the "
+                                  "output; send one of them", param="tools")
+    if params.min_tokens:  # as with any grammar: it decides where the output ends
+        raise InvalidRequestError("min_tokens cannot be combined with tools",
+                                  param="min_tokens")
 
 
 async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, params,
@@ -125,12 +137,7 @@ async def _plan_tools(engine: AsyncEngine, body: ChatCompletionRequest, config, 
     if choice == "auto" and not config.enable_auto_tool_choice:
         raise InvalidRequestError('tool_choice "auto" needs a server started with '
                                   "--enable-auto-tool-choice", param="tool_choice")
-    if params.structured_outputs is not None:
-        raise InvalidRequestError(f"tools and {body.structured_field()} both constrain the "
-                                  "output; send one of them", param="tools")
-    if params.min_tokens:  # as with any grammar: it decides where the output ends
-        raise InvalidRequestError("min_tokens cannot be combined with tools",
-                                  param="min_tokens")
+    _check_tools_alone(body, params)
     template = engine.inputs.tokenizer.chat_template
     tool_format = choose_format(config.tool_call_parser, template)
     tools = body.offered_tools()
