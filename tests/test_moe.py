@@ -145,7 +145,13 @@ def test_gpt_oss_decodes_as_hf_on_the_other_attention_backends(family):
 
 @pytest.mark.parametrize("backend", ["torch_ref", "paged"])
 def test_logits_match_hf(family, backend):
-    assert_last_logits_match_hf(_model(family, backend), family, MAX_LEN, TOLERANCE[backend])
+    tolerance = TOLERANCE[backend]
+    if (family["name"], backend) == ("qwen2_moe", "torch_ref"):
+        # four experts' outputs summed a layer, logits up to 17: ATen's float32 GEMMs on Zen 5
+        # sum in another order than on Intel, measured 1.4-1.7e-4 from HF (1e-5 of the
+        # largest logit; the other families 1e-5 to 8e-5)
+        tolerance = 2e-4
+    assert_last_logits_match_hf(_model(family, backend), family, MAX_LEN, tolerance)
 
 
 def test_greedy_tokens_match_hf_batched_and_alone(family):
