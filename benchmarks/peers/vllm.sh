@@ -4,13 +4,14 @@
 #   benchmarks/peers/vllm.sh setup
 #   benchmarks/peers/vllm.sh start PORT [vllm serve options...]
 # BENCH_MODEL (a kvserve short name, default smollm2-135m-instruct) picks the model, BENCH_CTX
-# --max-model-len (default 8192).
+# --max-model-len (default 8192); VLLM_HF_DIR serves that HF directory instead (the one a GGUF
+# given as BENCH_MODEL was converted from, e.g. make_random_llama.py's).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 WORK="${PEERS_DIR:-$ROOT/benchmarks/peers/work}"
 VENV="$WORK/vllm-venv"
 MODEL="${BENCH_MODEL:-smollm2-135m-instruct}"
-HF_DIR="$WORK/$MODEL-hf"
+HF_DIR="${VLLM_HF_DIR:-$WORK/$MODEL-hf}"
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 setup() {
