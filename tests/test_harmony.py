@@ -286,3 +286,90 @@ def test_tool_choices_that_clash_with_other_constraints_are_400s(harmony_server)
         client.chat.completions.create(
             model="gpt-oss", tools=[WEATHER], tool_choice=NAMED, max_tokens=5,
             messages=[{"role": "user", "content": "Weather?"}], extra_body={"min_tokens": 2})
+
+
+# ---- the Responses API ------------------------------------------------------------------------
+
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_items_whole_and_streamed_through_the_openai_client(harmony_server):
+    """A reasoning + call turn as Responses items: a reasoning item (its text as reasoning
+    text), then a function call; streamed, the reasoning_text deltas and the call's arguments
+    rebuild the same, and the completed response holds the same items."""
+    server, tokenizer = harmony_server
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    request = dict(model="gpt-oss", input="Weather in Paris?", tools=[FLAT_WEATHER],
+                   max_output_tokens=200, reasoning={"effort": "low"},
+                   extra_body=_forced(tokenizer, CALL_TURN + "never sent"))
+    response = client.responses.create(**request)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    reasoning, call = response.output
+    assert [part.text for part in reasoning.content] == [REASONING]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", json.loads(ARGUMENTS))
+    deltas, arguments, completed = "", "", None
+    for event in client.responses.create(stream=True, **request):
+        if event.type == "response.reasoning_text.delta":
+            deltas += event.delta
+        elif event.type == "response.function_call_arguments.delta":
+            arguments += event.delta
+        elif event.type == "response.completed":
+            completed = event.response
+    assert (deltas, arguments) == (REASONING, ARGUMENTS)
+    assert [item.type for item in completed.output] == ["reasoning", "function_call"]
+    assert completed.output[0].content[0].text == REASONING
+
+
+def test_responses_continue_after_a_call_with_its_reasoning(harmony_server):
+    """The call's output sent with previous_response_id: the next turn (forced: analysis,
+    then the final answer) is a reasoning item and a message, its text the output_text; the
+    stored turn's reasoning went back into the prompt before its call (gpt-oss's template
+    renders it as the call's analysis)."""
+    server, tokenizer = harmony_server
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    first = client.responses.create(
+        model="gpt-oss", input="Weather in Paris?", tools=[FLAT_WEATHER], max_output_tokens=200,
+        extra_body=_forced(tokenizer, CALL_TURN + "never sent"))
+    call = first.output[1]
+    second = client.responses.create(
+        model="gpt-oss", previous_response_id=first.id, tools=[FLAT_WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
+        max_output_tokens=200, extra_body=_forced(tokenizer, FINAL_TURN + "never sent"))
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    assert second.output_text == "It is 18 C in Paris."
+    without_reasoning = client.responses.create(
+        model="gpt-oss", tools=[FLAT_WEATHER], max_output_tokens=200,
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
+        extra_body=_forced(tokenizer, FINAL_TURN + "never sent"))
+    reasoning_tokens = len(tokenizer.backend.encode(REASONING, add_special_tokens=False).ids)
+    assert second.usage.input_tokens - without_reasoning.usage.input_tokens >= reasoning_tokens
+
+
+def test_reasoning_items_become_the_next_assistant_turns_reasoning(harmony_dir):
+    from kvserve.entrypoints.openai.responses.conversation import chat_messages
+    from kvserve.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    request = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": REASONING}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": ARGUMENTS},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]})
+    messages = chat_messages(None, request.input_items())
+    assert messages[1]["reasoning_content"] == REASONING and messages[1]["tool_calls"]
+    chat = request.chat_request(messages)
+    rendered = _ours(harmony_dir).apply_chat_template(
+        [m.as_template_message() for m in chat.messages], True, tools=[WEATHER])
+    assert f"<|channel|>analysis<|message|>{REASONING}<|end|>" in rendered
+
+
+def test_reasoning_summaries_are_400s(harmony_server):
+    server, _ = harmony_server
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError, match="reasoning.summary"):
+        client.responses.create(model="gpt-oss", input="Hi", max_output_tokens=5,
+                                reasoning={"effort": "low", "summary": "auto"})

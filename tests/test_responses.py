@@ -108,11 +108,12 @@ def test_an_empty_conversation_is_a_400_naming_input():
 @pytest.mark.parametrize("fields,param,named", [
     ({"tools": [{"type": "web_search"}]}, "tools", "web_search"),
     ({"tools": [ADD, {"type": "file_search", "vector_store_ids": []}]}, "tools", "file_search"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "input_image"}]}]}, "input",
+     "input_image"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "input_image"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning", "reasoning.summary"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include", "include"),
     ({"background": True}, "background", "background"),
@@ -130,8 +131,9 @@ def test_what_is_not_implemented_is_a_400_naming_it(fields, param, named):
 
 
 def test_values_that_ask_for_nothing_are_accepted():
-    _request(include=[], truncation="disabled", background=False, reasoning=None, store=False,
-             metadata={"k": "v"}, user="u", prompt_cache_key="p", service_tier="auto")
+    _request(include=[], truncation="disabled", background=False, reasoning={"effort": "low"},
+             store=False, metadata={"k": "v"}, user="u", prompt_cache_key="p",
+             service_tier="auto")
 
 
 # ---- output items, the response object, events -----------------------------------------

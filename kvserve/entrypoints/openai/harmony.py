@@ -116,7 +116,7 @@ def parse_reply(text: str) -> HarmonyReply:
     content, reasoning, calls = [], [], []
     for message in parse_messages(text):
         if message.field == "tool_calls":
-            calls.append(_call(_new_call_id(), message.tool_name, message.body))
+            calls.append(_call(new_call_id(), message.tool_name, message.body))
         elif message.field == "reasoning_content":
             reasoning.append(message.body)
         else:
@@ -156,7 +156,7 @@ class StreamingHarmonyParser:
                      piece: str) -> list[dict[str, Any]]:
         deltas = []
         if number not in self.call_ids:
-            self.call_ids[number] = (len(self.call_ids), _new_call_id())
+            self.call_ids[number] = (len(self.call_ids), new_call_id())
             index, call_id = self.call_ids[number]
             deltas.append({"tool_calls": [dict(_call(call_id, message.tool_name, ""),
                                                index=index)]})
@@ -170,5 +170,5 @@ def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _new_call_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"

@@ -342,6 +342,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result's call
+    # an assistant turn's reasoning sent back, as the server returned it
+    reasoning_content: str | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -355,6 +357,8 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:  # under the keys templates read: Qwen3's, gpt-oss's
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 

@@ -10,6 +10,7 @@ from kvserve.entrypoints.openai.responses.protocol import (
     FunctionCallItem,
     InputItem,
     MessageItem,
+    ReasoningItem,
     joined,
 )
 
@@ -17,11 +18,17 @@ from kvserve.entrypoints.openai.responses.protocol import (
 def chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
     """Instructions first as a system message, then each item: a message as itself, function
     calls as the tool_calls of an assistant message (joined to the assistant text just before
-    them: one turn of the model's), a call's output as a tool message."""
+    them: one turn of the model's), a call's output as a tool message. Reasoning becomes the
+    reasoning_content of the assistant turn that follows it (which templates that read one
+    render)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+    thinking = []
     for item in items:
+        if isinstance(item, ReasoningItem):
+            thinking.append(item.text)
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": joined(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -30,6 +37,9 @@ def chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": joined(item.output)})
+        if thinking and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = "".join(thinking)
+        thinking = [] if messages[-1]["role"] == "assistant" else thinking
     return messages
 
 
@@ -48,6 +58,8 @@ def as_input_items(output: list[dict[str, Any]]) -> list[InputItem]:
         if item["type"] == "message":
             text = "".join(part["text"] for part in item["content"])
             items.append(MessageItem(role="assistant", content=text))
+        elif item["type"] == "reasoning":
+            items.append(ReasoningItem.model_validate(item))
         else:
             items.append(FunctionCallItem(call_id=item["call_id"], name=item["name"],
                                           arguments=item["arguments"]))

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.entrypoints.openai.harmony import new_call_id, parse_messages
 from kvserve.entrypoints.openai.responses.protocol import (
     InputItem,
     ResponsesRequest,
@@ -38,16 +39,27 @@ def function_call_item(item_id: str, call: dict[str, Any], arguments: str,
             "name": call["function"]["name"], "arguments": arguments, "status": status}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking, as reasoning text (no summary is written); text None
+    while it is being streamed."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}
+
+
 def item_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_items(sample: CompletionOutput, tool_format: ToolFormat | None
-                 ) -> list[dict[str, Any]]:
+def output_items(sample: CompletionOutput, tool_format: ToolFormat | None,
+                 harmony: bool = False) -> list[dict[str, Any]]:
     """A whole answer's items: its text as a message, or with tools the text before the first
-    call (stripped; none when empty and calls follow), then one item per call. The streamed
-    items are the same (`stream.OutputStream`)."""
+    call (stripped; none when empty and calls follow), then one item per call; a harmony
+    model's (gpt-oss) an item per message of its turn. The streamed items are the same
+    (`stream.OutputStream`)."""
     status = item_status(sample.finish_reason)
+    if harmony:
+        return harmony_items(sample.text, status)
     if tool_format is None:
         return [message_item(new_id("msg"), sample.text, status)]
     parsed = parse_tool_calls(sample.text, tool_format)
@@ -58,6 +70,23 @@ def output_items(sample: CompletionOutput, tool_format: ToolFormat | None
         items.insert(0, message_item(new_id("msg"), text,
                                      "completed" if items else status))
     return items
+
+
+def harmony_items(text: str, status: str) -> list[dict[str, Any]]:
+    """Each message of a harmony turn as its item: analysis as reasoning, a message to
+    functions.NAME as a function call, the rest (final, preambles) as a message; the last
+    takes the answer's status unless its end marker was written."""
+    items = []
+    for message in parse_messages(text):
+        state = "completed" if message.complete else status
+        if message.field == "reasoning_content":
+            items.append(reasoning_item(new_id("rs"), message.body, state))
+        elif message.field == "tool_calls":
+            call = {"id": new_call_id(), "function": {"name": message.tool_name}}
+            items.append(function_call_item(new_id("fc"), call, message.body, state))
+        else:
+            items.append(message_item(new_id("msg"), message.body, state))
+    return items or [message_item(new_id("msg"), "", status)]
 
 
 def usage(output: RequestOutput) -> dict[str, Any]:

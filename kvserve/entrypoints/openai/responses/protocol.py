@@ -29,14 +29,14 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.errors import InvalidRequestError
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text")
+REASONING_PART_TYPES = ("reasoning_text", "summary_text")
 # OpenAI fields the server does not implement -> the values that ask for nothing
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "background": (False,),
     "include": ([],),
     "truncation": ("disabled",),
-    "reasoning": ({},),
     "conversation": (),
     "top_logprobs": (0,),
     "max_tool_calls": (),
@@ -81,7 +81,28 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[TextPart]
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem,
+class ReasoningPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning sent back (a reasoning model's template may render it
+    before the calls it led to, as gpt-oss's does); its text is the content's, else the
+    summary's."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"] = "reasoning"
+    content: list[ReasoningPart] | None = None
+    summary: list[ReasoningPart] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
                       Field(discriminator="type")]
 
 
@@ -109,13 +130,18 @@ def _check_item(index: int, item: dict[str, Any]) -> None:
     if kind not in ITEM_TYPES:
         raise _not_implemented(f"input[{index}]: items of type {kind!r} are not supported by "
                                f"this server; send {', '.join(ITEM_TYPES)} items")
-    parts = item.get("content") if kind == "message" else item.get("output")
+    if kind == "reasoning":
+        parts, allowed = (item.get("content") or []) + (item.get("summary") or []), \
+            REASONING_PART_TYPES
+    else:
+        parts, allowed = item.get("content") if kind == "message" else item.get("output"), \
+            TEXT_PART_TYPES
     for number, part in enumerate(parts if isinstance(parts, list) else []):
         part_type = part.get("type") if isinstance(part, dict) else None
-        if part_type not in TEXT_PART_TYPES:
+        if part_type not in allowed:
             raise _not_implemented(
                 f"input[{index}]: content parts of type {part_type!r} are not supported by "
-                f"this server (part {number}); send {' or '.join(TEXT_PART_TYPES)} parts")
+                f"this server (part {number}); send {' or '.join(allowed)} parts")
 
 
 class FunctionTool(BaseModel):
@@ -166,6 +192,24 @@ class TextFormat(BaseModel):
             **({"strict": self.strict} if self.strict is not None else {})}}
 
 
+class ReasoningConfig(BaseModel):
+    """`reasoning`: the effort goes to the chat template (gpt-oss's harmony system message
+    says it), as chat's reasoning_effort; summaries are not written here."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Any = None
+    generate_summary: Any = None
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _no_summaries(cls, value, info: ValidationInfo):
+        if value is not None:
+            raise _not_implemented(f"reasoning.{info.field_name} is not supported by this "
+                                   "server yet: reasoning comes back whole, as reasoning text")
+        return value
+
+
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
@@ -189,6 +233,8 @@ class ResponsesRequest(RequestBody):
     store: bool | None = None  # None: true, as OpenAI
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's prefix-cache isolation
     session_id: str | None = Field(None, min_length=1)  # kvserve: keep its KV for next turn
+    # vLLM's: arguments for the server's custom logits processors, as in chat
+    vllm_xargs: dict[str, Any] | None = None
     # metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -196,10 +242,10 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # not implemented: a 400 unless the value asks for nothing
+    reasoning: ReasoningConfig | None = None
     background: Any = None
     include: Any = None
     truncation: Any = None
-    reasoning: Any = None
     conversation: Any = None
     top_logprobs: Any = None
     max_tool_calls: Any = None
@@ -260,6 +306,8 @@ class ResponsesRequest(RequestBody):
             "tool_choice": ({"type": "function", "function": {"name": choice.name}}
                             if isinstance(choice, ToolChoiceFunction) else choice),
             "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "vllm_xargs": self.vllm_xargs,
             "response_format": (self.text.format.response_format()
                                 if self.text and self.text.format else None),
         }

@@ -1,7 +1,8 @@
 """A streamed response as OpenAI's Responses events, in OpenAI's order: response.created and
 .in_progress; per output item .output_item.added, then for a message .content_part.added,
 .output_text.delta..., .output_text.done, .content_part.done, for a function call
-.function_call_arguments.delta and .done; .output_item.done; finally response.completed,
+.function_call_arguments.delta and .done, for reasoning (a harmony model's) .reasoning_text.delta
+and .done; .output_item.done; finally response.completed,
 .incomplete or .failed. Every event carries `type` and a `sequence_number`."""
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any, AsyncIterator
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.entrypoints.openai.errors import engine_error_body
+from kvserve.entrypoints.openai.harmony import StreamingHarmonyParser
 from kvserve.entrypoints.openai.responses.objects import (
     Turn,
     function_call_item,
     item_status,
     message_item,
     new_id,
+    reasoning_item,
 )
 from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.serving import Job, merged_stream
@@ -51,23 +54,30 @@ class OutputStream:
 
     event: EventWriter
     tool_format: ToolFormat | None = None
+    harmony: bool = False  # gpt-oss: its reasoning streams as a reasoning item
     items: list[dict[str, Any]] = field(default_factory=list)
     _message: dict[str, Any] | None = None
     _text: list[str] = field(default_factory=list)
     _held: str = ""
     _sent: int = 0
-    _parser: StreamingToolParser | None = None
+    _parser: StreamingToolParser | StreamingHarmonyParser | None = None
     _call: dict[str, Any] | None = None
     _arguments: list[str] = field(default_factory=list)
+    _reasoning: dict[str, Any] | None = None
+    _thought: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.tool_format is not None:
+        if self.harmony:
+            self._parser = StreamingHarmonyParser()
+        elif self.tool_format is not None:
             self._parser = StreamingToolParser(self.tool_format)
 
     def feed(self, text: str, finished: bool) -> list[str]:
         if self._parser is None:
             delta, self._sent = text[self._sent:], len(text)
             return self._content(delta)
+        if self.harmony:
+            return self._harmony(text, finished)
         events: list[str] = []
         for delta in self._parser.feed(text, finished):
             if "content" in delta:
@@ -79,12 +89,56 @@ class OutputStream:
         return events
 
     def finish(self, finish_reason: str | None) -> list[str]:
-        """Close the open message or call (a call cut off by max_tokens is incomplete); an
-        answer with no item at all is an empty message."""
+        """Close the open item (a call cut off by max_tokens is incomplete); an answer with no
+        item at all is an empty message."""
         status = item_status(finish_reason)
-        if self._message is None and self._call is None and not self.items:
+        if self._message is None and self._call is None and self._reasoning is None \
+                and not self.items:
             return self._open_message() + self._close_message(status)
-        return self._close_message(status) + self._close_call(status)
+        return self._close_reasoning(status) + self._close_message(status) + \
+            self._close_call(status)
+
+    def _harmony(self, text: str, finished: bool) -> list[str]:
+        """A harmony turn's deltas (`harmony.StreamingHarmonyParser`): reasoning, content and
+        calls, each opening its item (and closing the one before) as it starts."""
+        events: list[str] = []
+        for delta in self._parser.feed(text, finished):
+            if "reasoning_content" in delta:
+                events += self._thinking(delta["reasoning_content"])
+            elif "content" in delta:
+                events += self._close_reasoning("completed") + \
+                    self._close_call("completed") + self._content(delta["content"])
+            else:
+                events += self._close_reasoning("completed") + \
+                    self._tool_call(delta["tool_calls"][0])
+        return events
+
+    def _thinking(self, delta: str) -> list[str]:
+        events = self._close_message("completed") + self._close_call("completed")
+        if self._reasoning is None:
+            self._reasoning = reasoning_item(new_id("rs"), None, "in_progress")
+            self._thought = []
+            events.append(self.event("response.output_item.added",
+                                     output_index=len(self.items), item=self._reasoning))
+        self._thought.append(delta)
+        return events + [self.event("response.reasoning_text.delta", **self._reasoning_where(),
+                                    content_index=0, delta=delta)]
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        if self._reasoning is None:
+            return []
+        text = "".join(self._thought)
+        item = reasoning_item(self._reasoning["id"], text, status)
+        events = [self.event("response.reasoning_text.done", **self._reasoning_where(),
+                             content_index=0, text=text),
+                  self.event("response.output_item.done", output_index=len(self.items),
+                             item=item)]
+        self.items.append(item)
+        self._reasoning = None
+        return events
+
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self._reasoning["id"], "output_index": len(self.items)}
 
     def _trimmed(self, piece: str) -> str:
         piece = self._held + piece
@@ -166,7 +220,7 @@ async def response_events(engine: AsyncEngine, job: Job, turn: Turn,
     event = EventWriter()
     yield event("response.created", response=turn.body())
     yield event("response.in_progress", response=turn.body())
-    output = OutputStream(event, job.tool_format)
+    output = OutputStream(event, job.tool_format, job.harmony)
     try:
         result = None
         async for _, result in merged_stream(engine, job):

@@ -25,6 +25,7 @@ router = APIRouter()
 
 # the chat fields an error from the chat path may name -> the Responses field that carried it
 _PARAMS = {"response_format": "text", "max_completion_tokens": "max_output_tokens",
+           "reasoning_effort": "reasoning",
            "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 _WORDS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
           "max_tokens": "max_output_tokens"}
@@ -56,7 +57,8 @@ async def create_response(body: ResponsesRequest, raw: Request):
         serving.logger.info("%s aborted: client disconnected", response_id)
         return Response(status_code=499)
     serving.log_finish(job, outputs, started)
-    response = turn.finished(output_items(outputs[0].outputs[0], job.tool_format), outputs[0])
+    response = turn.finished(output_items(outputs[0].outputs[0], job.tool_format, job.harmony),
+                             outputs[0])
     store_of(raw).keep(turn, response)
     return JSONResponse(response)
 
@@ -105,8 +107,4 @@ async def _prepare(body: ResponsesRequest, conversation: list[InputItem], raw: R
         for chat_word, word in _WORDS.items():
             message = message.replace(chat_word, word)
         raise type(exc)(message, param=_PARAMS.get(exc.param, exc.param)) from exc
-    if job.harmony:
-        raise InvalidRequestError("this model replies in harmony channels, which /v1/responses "
-                                  "does not map to output items yet: use /v1/chat/completions "
-                                  "(reasoning_content, tool_calls, content)", param="model")
     return job
