@@ -348,6 +348,34 @@ def test_responses_continue_after_a_call_with_its_reasoning(harmony_server):
     assert second.usage.input_tokens - without_reasoning.usage.input_tokens >= reasoning_tokens
 
 
+@pytest.mark.parametrize("text", [
+    "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.get_weather"
+    f"<|channel|>commentary json<|message|>{ARGUMENTS}<|call|>",
+    CALL_TURN, FINAL_TURN, FINAL_TURN[:-len("<|return|>")],
+    "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>"
+    "Two.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>",
+])
+def test_streamed_responses_items_equal_the_whole_answers(text, harmony_dir):
+    """Fed token by token, the Responses stream closes with the items the whole answer has
+    (types, texts, names, arguments, statuses)."""
+    from kvserve.entrypoints.openai.responses.objects import harmony_items
+    from kvserve.entrypoints.openai.responses.stream import EventWriter, OutputStream
+
+    ours = _ours(harmony_dir)
+    ids = ours.backend.encode(text, add_special_tokens=False).ids
+    stream = OutputStream(EventWriter(), harmony=True)
+    for end in range(1, len(ids) + 1):
+        stream.feed(ours.backend.decode(ids[:end], skip_special_tokens=False), end == len(ids))
+    finish_reason = "stop" if text.endswith(("<|call|>", "<|return|>")) else "length"
+    stream.finish(finish_reason)
+
+    def comparable(items):
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+    status = "completed" if finish_reason == "stop" else "incomplete"
+    assert comparable(stream.items) == comparable(harmony_items(text, status))
+
+
 def test_reasoning_items_become_the_next_assistant_turns_reasoning(harmony_dir):
     from kvserve.entrypoints.openai.responses.conversation import chat_messages
     from kvserve.entrypoints.openai.responses.protocol import ResponsesRequest

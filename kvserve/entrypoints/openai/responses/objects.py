@@ -73,19 +73,25 @@ def output_items(sample: CompletionOutput, tool_format: ToolFormat | None,
 
 
 def harmony_items(text: str, status: str) -> list[dict[str, Any]]:
-    """Each message of a harmony turn as its item: analysis as reasoning, a message to
-    functions.NAME as a function call, the rest (final, preambles) as a message; the last
-    takes the answer's status unless its end marker was written."""
-    items = []
+    """A harmony turn's messages as items: analysis as reasoning, a message to functions.NAME
+    as a function call, the rest (final, preambles) as a message; consecutive messages of one
+    kind other than calls share an item (as streamed); the last takes the answer's status
+    unless its end marker was written."""
+    items: list[dict[str, Any]] = []
     for message in parse_messages(text):
         state = "completed" if message.complete else status
-        if message.field == "reasoning_content":
-            items.append(reasoning_item(new_id("rs"), message.body, state))
-        elif message.field == "tool_calls":
+        if message.field == "tool_calls":
             call = {"id": new_call_id(), "function": {"name": message.tool_name}}
             items.append(function_call_item(new_id("fc"), call, message.body, state))
+            continue
+        kind = "reasoning" if message.field == "reasoning_content" else "message"
+        if items and items[-1]["type"] == kind:  # the text so far, then this message's
+            body = items[-1]["content"][0]["text"] + message.body
+            items.pop()
         else:
-            items.append(message_item(new_id("msg"), message.body, state))
+            body = message.body
+        make = reasoning_item if kind == "reasoning" else message_item
+        items.append(make(new_id("rs" if kind == "reasoning" else "msg"), body, state))
     return items or [message_item(new_id("msg"), "", status)]
 
 
