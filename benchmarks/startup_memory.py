@@ -9,8 +9,9 @@ llamacpp.sh): the weights as the file maps them, its leanest memory.
 Each system starts twice: the first kvserve start has a cache directory of its own (the
 compiled kernels linked in, so only the model's first-start work counts: config and tokenizer
 parsing, the autotuner's queue, packing the weights and, in the background, writing the
-packed copy quant/pack_cache.py keeps); the second reuses it (maps the packed copy). The file is in the page cache for both
-systems (read once before timing), so neither pays the disk.
+packed copy quant/pack_cache.py keeps, which the first start is left running to finish, as a
+server left running would); the second reuses it (maps the packed copy). The file is in the
+page cache for both systems (read once before timing), so neither pays the disk.
 
 Memory is sampled every 50 ms: RSS summed over the process tree (what the issue quotes; it
 counts shared library pages once per process) and PSS (shared pages divided among the processes
@@ -37,6 +38,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -129,8 +131,8 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def run_once(command: list[str], env: dict, port: int, log: Path, serve_too: bool = True
-             ) -> dict:
+def run_once(command: list[str], env: dict, port: int, log: Path, serve_too: bool = True,
+             before_stop: Callable[[], dict] | None = None) -> dict:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -145,6 +147,8 @@ def run_once(command: list[str], env: dict, port: int, log: Path, serve_too: boo
             memory.reset()
             record["serve_s"] = serve(base_url)
             record["serving_peak"] = memory.stop()
+        if before_stop is not None:
+            record.update(before_stop())
     finally:
         memory.stop()
         stop_server(process)
@@ -172,6 +176,20 @@ def fresh_cache() -> Path:
     return directory
 
 
+def pack_cache_waiter(cache: Path, timeout_s: float = 900.0) -> Callable[[], dict]:
+    """Keeps a first start running until its packed copy is written whole (the index file
+    appears last, quant/pack_cache.py), as a server left running would, so that the second
+    start maps a complete copy; records how long that took after serving."""
+    def wait() -> dict:
+        started = time.monotonic()
+        while not any((cache / "gguf").glob("*.packed-*.json")):
+            if time.monotonic() - started > timeout_s:
+                return {"pack_cache_written_after_s": None}
+            time.sleep(0.5)
+        return {"pack_cache_written_after_s": round(time.monotonic() - started, 1)}
+    return wait
+
+
 def measure_model(path: Path, ctx: int, port: int, out_dir: Path) -> dict:
     shape = gguf_shape(path)
     kv = kv_bytes(shape, ctx)
@@ -184,7 +202,8 @@ def measure_model(path: Path, ctx: int, port: int, out_dir: Path) -> dict:
     for start in ("first", "second"):
         before = directory_bytes(cache)
         record = run_once(kvserve_command(str(path), port, flags), env, port,
-                          out_dir / f"{path.stem}-kvserve-{start}.log")
+                          out_dir / f"{path.stem}-kvserve-{start}.log",
+                          before_stop=pack_cache_waiter(cache) if start == "first" else None)
         record["cache_growth_mib"] = (directory_bytes(cache) - before) / 2**20
         results[f"kvserve_{start}"] = record
         print(path.name, "kvserve", start, record, flush=True)
