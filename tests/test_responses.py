@@ -110,6 +110,7 @@ def test_an_empty_conversation_is_a_400_naming_input():
     ({"tools": [ADD, {"type": "file_search", "vector_store_ids": []}]}, "tools", "file_search"),
     ({"input": [{"type": "reasoning", "summary": [{"type": "input_image"}]}]}, "input",
      "input_image"),
+    ({"input": [{"type": "reasoning", "content": "not a list"}]}, "input", "list"),  # fuzzer
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "input_image"),

@@ -130,18 +130,22 @@ def _check_item(index: int, item: dict[str, Any]) -> None:
     if kind not in ITEM_TYPES:
         raise _not_implemented(f"input[{index}]: items of type {kind!r} are not supported by "
                                f"this server; send {', '.join(ITEM_TYPES)} items")
-    if kind == "reasoning":
-        parts, allowed = (item.get("content") or []) + (item.get("summary") or []), \
-            REASONING_PART_TYPES
+    if kind == "reasoning":  # other shapes than lists: the model's validation says so
+        parts = [part for key in ("content", "summary") for part in _listed(item.get(key))]
+        allowed = REASONING_PART_TYPES
     else:
-        parts, allowed = item.get("content") if kind == "message" else item.get("output"), \
-            TEXT_PART_TYPES
-    for number, part in enumerate(parts if isinstance(parts, list) else []):
+        parts = _listed(item.get("content") if kind == "message" else item.get("output"))
+        allowed = TEXT_PART_TYPES
+    for number, part in enumerate(parts):
         part_type = part.get("type") if isinstance(part, dict) else None
         if part_type not in allowed:
             raise _not_implemented(
                 f"input[{index}]: content parts of type {part_type!r} are not supported by "
                 f"this server (part {number}); send {' or '.join(allowed)} parts")
+
+
+def _listed(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 class FunctionTool(BaseModel):
@@ -235,6 +239,7 @@ class ResponsesRequest(RequestBody):
     session_id: str | None = Field(None, min_length=1)  # kvserve: keep its KV for next turn
     # vLLM's: arguments for the server's custom logits processors, as in chat
     vllm_xargs: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None  # its effort; summaries are a 400
     # metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -242,7 +247,6 @@ class ResponsesRequest(RequestBody):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # not implemented: a 400 unless the value asks for nothing
-    reasoning: ReasoningConfig | None = None
     background: Any = None
     include: Any = None
     truncation: Any = None
