@@ -9,14 +9,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.entrypoints.openai.harmony import new_call_id, parse_messages
+from kvserve.entrypoints.openai.harmony import parse_messages
 from kvserve.entrypoints.openai.responses.protocol import (
     InputItem,
     ResponsesRequest,
     ToolChoiceFunction,
 )
 from kvserve.entrypoints.openai.tools.formats import ToolFormat
-from kvserve.entrypoints.openai.tools.parser import parse_tool_calls
+from kvserve.entrypoints.openai.tools.parser import new_call_id, parse_tool_calls
 from kvserve.outputs import CompletionOutput, RequestOutput
 
 

@@ -47,12 +47,12 @@ def parse_tool_calls(text: str, tool_format: ToolFormat) -> ParsedCalls:
             content.append(text[position:])
             return ParsedCalls("".join(content), calls, first_call_at)
         content.append(text[position:start])
-        calls.append({"id": _new_call_id(), "type": "function",
+        calls.append({"id": new_call_id(), "type": "function",
                       "function": {"name": decoded.name, "arguments": decoded.arguments}})
         position = decoded.end
 
 
-def _new_call_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -325,7 +325,7 @@ class StreamingToolParser:
                 _arguments_delta(call.index, decoded.arguments)]
 
     def _id_and_name(self, call: _StreamedCall, name: str) -> dict[str, Any]:
-        call.id = _new_call_id()
+        call.id = new_call_id()
         self.calls_started += 1
         return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
                                 "function": {"name": name, "arguments": ""}}]}
