@@ -5,6 +5,7 @@ the layers at the next step), and steps aside when switched off. Both of its cho
 (tests/test_quant.py, every level); here only the choosing."""
 
 import json
+import os
 import threading
 import time
 
@@ -269,3 +270,26 @@ def test_a_step_stops_the_timing_between_calls(monkeypatch):
                                          "reference", buckets=(1, 2, 4),
                                          interrupted=lambda: len(calls) >= 3)
     assert contended and len(calls) == 3 and choice.rows == []
+
+
+def test_the_background_measurement_leaves_no_openmp_team(background, monkeypatch):
+    """The tuner thread waits for work for the life of the process; the timings run on every
+    core from a thread that exits, so no second OpenMP team outlives them and throttles the
+    steps' worker threads (kernels/omp_teams.py)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one OpenMP thread: no team to leave behind")
+
+    def measure(*args, interrupted, rival=None):
+        float((torch.ones(1 << 22) * 2).sum())  # a parallel region over every thread
+        return _choice(8), False
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    float((torch.ones(1 << 22) * 2).sum())  # this thread's own team first
+    before = len(os.listdir("/proc/self/task"))
+    packed, dense = _int4_weights()
+    autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=Layer())
+    _until(lambda: autotune.pending() == 0)
+    deadline = time.monotonic() + 5  # an exiting thread takes a moment
+    while len(os.listdir("/proc/self/task")) > before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/task")) == before + 1  # the tuner's own thread

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import isa
 from kvserve.kernels.cpu_load import neighbour_cores, read_cpu_sample, ticks_per_second
+from kvserve.kernels.omp_teams import run_in_transient_thread
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -414,9 +415,11 @@ class _BackgroundTuner:
     def _measure(self, job: _Job) -> None:
         started = time.monotonic()
         try:
-            choice, contended = measure(
+            # every core, from a thread that then exits: a tuner thread holding an OpenMP team
+            # of its own would throttle the steps' workers for good (kernels/omp_teams.py)
+            choice, contended = run_in_transient_thread(lambda: measure(
                 *job.args, interrupted=lambda: self.stopping or _last_step > started,
-                rival=job.rival)
+                rival=job.rival), name="kvserve-autotune-measure")
         except Exception:  # a kernel that fails here fails in the model too; keep the fallback
             logger.exception("autotune %s: measuring failed; keeping the fixed limit", job.key)
             with self.wake:

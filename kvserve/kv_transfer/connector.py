@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from kvserve.kernels.omp_teams import run_alone
 from kvserve.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorContext,
@@ -85,7 +86,8 @@ class TcpConnector(KVConnectorBase):
         self.sender: KVSender | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._context = zmq.Context() if role is KVConnectorRole.WORKER else None
-        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load") \
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-load",
+                                        initializer=run_alone) \
             if role is KVConnectorRole.WORKER and config.consumes else None
         self.load_reports = LoadReports()
 

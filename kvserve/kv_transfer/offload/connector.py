@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvserve.kernels.omp_teams import run_alone
 from kvserve.kv_transfer.base import (
     KVConnectorBase,
     KVConnectorContext,
@@ -292,7 +293,8 @@ class OffloadingConnector(KVConnectorBase):
             self.folder.mkdir(parents=True, exist_ok=True)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write",
                                               initializer=_lower_priority)
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load",
+                                          initializer=run_alone)
 
 
     def get_handshake_metadata(self) -> dict | None:
@@ -438,7 +440,9 @@ WRITER_NICENESS = 10
 def _lower_priority() -> None:
     """The disk writer yields the cores to the model's threads: its writes can wait, and on
     2 cores a writer beside torch's threads slowed the steps (+20% prefill time with the disk
-    tier on, docs/performance.md)."""
+    tier on, docs/performance.md). It runs alone, too: no OpenMP team of its own (see
+    kernels/omp_teams.py)."""
+    run_alone()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
     except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
