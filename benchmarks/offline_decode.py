@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -74,6 +75,9 @@ def main() -> None:
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
 
+    # the rounds alternate with llama-bench by design: the thread governor would read its turn
+    # as a busy neighbour and drop our kernels to one thread for the next round
+    os.environ.setdefault("KVSERVE_ADAPTIVE_THREADS", "0")
     from kvserve import LLM
     from kvserve.bench.machine import cpu_label, cpu_slug, machine_header
 
