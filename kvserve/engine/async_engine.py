@@ -192,11 +192,17 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def _next(self, outputs: asyncio.Queue):
-        """The next item for a stream; an EngineDeadError if the engine thread is gone."""
+        """The next item for a stream; an EngineDeadError if the engine thread is gone. An item
+        already waiting is taken at once, and a wait is bounded by `asyncio.timeout`, a timer:
+        `wait_for` wrapped every token's wait in a task of its own, on the cores the step
+        needs."""
+        if not outputs.empty():
+            return outputs.get_nowait()
         while True:
             try:
-                return await asyncio.wait_for(outputs.get(), LIVENESS_POLL_SECONDS)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(LIVENESS_POLL_SECONDS):
+                    return await outputs.get()
+            except TimeoutError:
                 if not self._thread.is_alive() and outputs.empty():
                     return EngineDeadError("the engine stopped while serving this request")
 

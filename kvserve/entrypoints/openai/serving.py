@@ -8,6 +8,7 @@ the response generator is closed. Either way the abort happens in AsyncEngine.ge
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -74,7 +75,13 @@ def new_id(prefix: str) -> str:
 # ---- running jobs ------------------------------------------------------------------------
 async def merged_stream(engine: AsyncEngine,
                         job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of all of the job's engine requests as they come, tagged by prompt index."""
+    """Outputs of all of the job's engine requests as they come, tagged by prompt index. One
+    request (the usual case) is read directly: no pump task and queue hop per token."""
+    if len(job.prepared) == 1:
+        async with contextlib.aclosing(engine.generate(job.prepared[0])) as outputs:
+            async for output in outputs:
+                yield 0, output
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, prepared: PreparedRequest):
