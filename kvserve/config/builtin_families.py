@@ -4,6 +4,7 @@ reading in families.FamilyRules."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvserve.config.families import FamilyRules, one_window_size
@@ -347,5 +348,51 @@ class GptOss(FamilyRules):
                     swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
 
 
+class DeepseekV3(FamilyRules):
+    """DeepSeek-V3 / R1: multi-head latent attention (queries through q LoRA, each token's keys
+    and values from one cached latent and one RoPE key every head shares; RoPE over interleaved
+    pairs; YaRN, whose mscale_all_dim also scales the scores), the first
+    `first_k_dense_replace` layers dense and the rest mixtures of `n_routed_experts` scored by a
+    sigmoid, chosen with a correction bias among the experts of the `topk_group` best of
+    `n_group` groups, renormalised and scaled by `routed_scaling_factor`, beside
+    `n_shared_experts` ungated shared experts."""
+
+    architecture = "deepseek_v3"
+    hf_class_name = "DeepseekV3ForCausalLM"
+    is_moe = True
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        fields = super().from_hf(hf)
+        experts = hf.get("n_routed_experts", hf.get("num_local_experts")) or 0
+        first_dense, every = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+        nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        return dict(
+            fields, num_key_value_heads=hf["num_attention_heads"], head_dim=rope,
+            partial_rotary_factor=1.0, q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=nope, v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+            attention_scale=(nope + rope) ** -0.5 * _yarn_all_dim_mscale(
+                fields["rope_scaling"]) ** 2,
+            num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0)
+            * hf["moe_intermediate_size"],
+            shared_expert_gated=False, moe_scoring="sigmoid", moe_correction_bias=True,
+            moe_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_layers=tuple(experts > 0 and i >= first_dense and i % (every or 1) == 0
+                             for i in range(hf["num_hidden_layers"])))
+
+
+def _yarn_all_dim_mscale(scaling: dict[str, Any] | None) -> float:
+    """YaRN's mscale at `mscale_all_dim` (DeepSeek's softmax scale takes its square: HF's
+    yarn_apply_mscale); 1 without YaRN or that field."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+
+
 BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3(),
-                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe(), GptOss())
+                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe(), GptOss(), DeepseekV3())

@@ -91,6 +91,29 @@ class ModelConfig:
     moe_expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek's mixtures: "sigmoid" router scores (V3) or "softmax" (the others); the experts
+    # in `moe_groups` groups, a token's top k taken from its `moe_topk_groups` best groups (a
+    # group's score: V3 the sum of its two best, V2 its best); `moe_correction_bias`: a
+    # per-expert bias added to the scores for the choice only (V3's e_score_correction_bias);
+    # the weights times `routed_scaling_factor`; the shared expert ungated where
+    # `shared_expert_gated` is false (DeepSeek's `shared_experts`, n_shared_experts of them).
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    # DeepSeek's multi-head latent attention (MLA, kv_lora_rank > 0): queries from q_proj, or
+    # through the low-rank q_a_proj / RMSNorm / q_b_proj where q_lora_rank > 0; each token's keys
+    # and values from one latent of kv_lora_rank (RMSNorm'd) and one RoPE key of
+    # qk_rope_head_dim shared by every head, which is all the cache keeps; per head
+    # qk_nope_head_dim unrotated query/key dims and v_head_dim value dims. head_dim is then the
+    # RoPE part's (the table's width); `rope_interleave`: RoPE over interleaved pairs (V3's).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
     # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
     max_model_len: int | None = field(default=None, compare=False)
@@ -136,6 +159,13 @@ class ModelConfig:
             raise CorruptModelFileError("a mixture of experts needs moe_intermediate_size")
         if layers and len(layers) != self.num_hidden_layers:
             raise ValueError(f"{len(layers)} MoE flags for {self.num_hidden_layers} layers")
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedArchitectureError(
+                f"router scoring {self.moe_scoring!r} is not supported (softmax, sigmoid are)")
+        if self.num_experts % self.moe_groups or not 0 < self.moe_topk_groups <= self.moe_groups:
+            raise CorruptModelFileError(
+                f"{self.num_experts} experts in {self.moe_groups} groups, the best "
+                f"{self.moe_topk_groups} of them taken")
         return () if all(layers) else layers
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -97,6 +97,9 @@ class Recorder:
                           sliding_window=attention.sliding_window, softcap=attention.softcap,
                           sinks=attention.sink_logits, **_head_settings(attention))
 
+    def latent_attention(self, attention: nn.Module, *args) -> Value:
+        raise Unsupported("latent attention (MLA), whose attention runs in torch")
+
     def norm_projections_(self, qkv: Value, attention: nn.Module) -> None:
         q_norm, k_norm = attention.q_norm, attention.k_norm
         self._emit(NORM_PROJECTIONS, qkv, produces=False, weight=q_norm.weight,

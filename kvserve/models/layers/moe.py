@@ -48,11 +48,13 @@ class SparseMoE(nn.Module):
                  shared_intermediate_size: int = 0,
                  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  router_bias: bool = False, expert_bias: bool = False,
-                 swiglu: tuple[float, float] = (1.702, 7.0)):
+                 swiglu: tuple[float, float] = (1.702, 7.0), shared_gated: bool = True):
         """`intermediate_size`: each expert's (the whole model's); `prefix`: the module's
         checkpoint name; `expert_names`: an expert's gate, up and down projections';
         `router_bias`, `expert_bias`: the router and each expert projection have biases
-        (gpt-oss); `swiglu`: the swigluoai activation's (alpha, limit)."""
+        (gpt-oss); `swiglu`: the swigluoai activation's (alpha, limit); `shared_gated`: the
+        shared expert's output scaled by its sigmoid gate (Qwen2-MoE), else added as it is
+        (DeepSeek)."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.normalize_top_k = normalize_top_k
@@ -72,7 +74,7 @@ class SparseMoE(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = self._expert(hidden_size, shared_intermediate_size, activation,
                                               quant, f"{prefix}.shared_expert", parallel)
-            self.shared_expert_gate = GateWeight(1, hidden_size)
+            self.shared_expert_gate = GateWeight(1, hidden_size) if shared_gated else None
 
     @staticmethod
     def _expert(hidden_size, intermediate_size, activation, quant, prefix, parallel,
@@ -133,6 +135,8 @@ class SparseMoE(nn.Module):
     def _build_fused(self, kernels):
         if os.environ.get("KVSERVE_FUSED_MOE", "1") == "0" or not hasattr(kernels, "MoeLayer"):
             return None
+        if self.shared_expert is not None and self.shared_expert_gate is None:
+            return None  # the C++ layer gates its shared expert
         experts = [self._stack_linears(expert, kernels) for expert in self.experts]
         shared = self._stack_linears(self.shared_expert, kernels) \
             if self.shared_expert is not None else (None, None)
@@ -182,6 +186,8 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, outputs.float() * flat_weights[start:start + count, None])
                 start += count
         if self.shared_expert is not None:
-            gate = torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight).float())
-            out += gate * self.shared_expert(ops, hidden).float()
+            shared = self.shared_expert(ops, hidden).float()
+            if self.shared_expert_gate is not None:
+                shared *= torch.sigmoid(F.linear(hidden, self.shared_expert_gate.weight).float())
+            out += shared
         return out.to(hidden.dtype)

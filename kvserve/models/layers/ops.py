@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvserve.attention import AttentionMetadata
+from kvserve.attention.latent import latent_attention
 
 
 class LayerOps:
@@ -83,6 +84,18 @@ class LayerOps:
         return self.backend.attend(qkv, attention.kv_cache, metadata, heads, kv_heads, head_dim,
                                    attention.scale, attention.sliding_window, attention.softcap,
                                    attention.sink_logits)
+
+    def latent_attention(self, attention: nn.Module, query: torch.Tensor,
+                         compressed: torch.Tensor, positions: torch.Tensor,
+                         metadata: AttentionMetadata) -> torch.Tensor:
+        """Latent attention (MLA, models/layers/latent_attention.py) from the queries and
+        kv_a_proj_with_mqa's rows (the latent, then the RoPE key): the latent normalised,
+        RoPE, the rows written to the layer's cache, attention in the absorbed form:
+        [T, H * v_head_dim]."""
+        rank = attention.kv_lora_rank
+        latent = self.rms_norm(compressed[:, :rank].contiguous(), attention.kv_a_layernorm)
+        return latent_attention(attention, query, latent, compressed[:, rank:], positions,
+                                metadata)
 
     def moe(self, moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """A mixture of experts (models/layers/moe.py): routing, each active expert's

@@ -1,0 +1,72 @@
+"""DeepSeek-V3 / R1: Llama's pre-norm block with multi-head latent attention
+(models/layers/latent_attention.py) and, past the first `first_k_dense_replace` dense layers,
+DeepSeek's mixture: sigmoid router scores, the top k chosen with a per-expert correction bias
+among the experts of the best `topk_group` of `n_group` groups (a group scored by its two best
+experts), the chosen experts weighted by their uncorrected scores, renormalised and scaled by
+`routed_scaling_factor`, plus ungated shared experts (HF's DeepseekV3TopkRouter, op for op).
+
+The router and its choice run in float32 as HF's do; the experts through the shared MoE layer's
+Python loop (the fused C++ layer routes by softmax only)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.models.families.moe import MoEForCausalLM
+from kvserve.models.layers.latent_attention import LatentAttention
+from kvserve.models.layers.moe import SparseMoE
+
+_SHARED = re.compile(r"^(model\.layers\.\d+\.mlp)\.shared_experts\.(.+)$")
+
+
+class GroupLimitedMoE(SparseMoE):
+    """SparseMoE with DeepSeek-V3's routing (the module docstring)."""
+
+    def __init__(self, config: ModelConfig, *args, **kwargs):
+        super().__init__(*args, shared_gated=False, **kwargs)
+        self.groups, self.topk_groups = config.moe_groups, config.moe_topk_groups
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts),
+                                                         requires_grad=False)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        per_group = choice.view(-1, self.groups, self.num_experts // self.groups)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(self.topk_groups, dim=-1)[1]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(per_group.shape[-1], dim=1),
+                                    float("-inf"))
+        experts = choice.sort(dim=-1, descending=True, stable=True)[1][:, :self.top_k]
+        weights = scores.gather(1, experts)
+        if self.normalize_top_k:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+    def _build_fused(self, kernels):
+        return None  # the C++ layer routes by softmax top-k only
+
+
+class DeepseekV3ForCausalLM(MoEForCausalLM):
+    def attention(self, config: ModelConfig, index: int, prefix: str, rotary) -> LatentAttention:
+        return LatentAttention(config, rotary, self.quant, f"{prefix}.self_attn", self.parallel)
+
+    def mixture(self, config: ModelConfig, prefix: str) -> nn.Module:
+        return GroupLimitedMoE(config, config.hidden_size, config.num_experts,
+                               config.num_experts_per_tok, config.moe_intermediate_size,
+                               config.hidden_act, self.quant, prefix, self.parallel,
+                               normalize_top_k=config.norm_topk_prob,
+                               shared_intermediate_size=config.shared_expert_intermediate_size)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterator:
+        """HF's `mlp.shared_experts` is the MoE layer's `shared_expert`."""
+        for name, tensor in weights:
+            match = _SHARED.match(name)
+            yield (f"{match[1]}.shared_expert.{match[2]}" if match else name), tensor

@@ -1,0 +1,135 @@
+"""DeepSeek-V3 (models/families/deepseek.py): multi-head latent attention with q LoRA, a dense
+first layer, group-limited sigmoid routing with the correction bias and the routed scaling,
+an ungated shared expert; a tiny random checkpoint made by HF transformers' own config and
+model classes, against HF's forward pass in float32. The latent cache keeps one row of
+kv_lora_rank + qk_rope_head_dim per token and layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.kv_tensors import KVPageLayout
+from kvserve.config import ModelConfig
+from kvserve.model_source import resolve_model
+from kvserve.models import load_model
+from tests.helpers import (
+    TINY_FAMILY_SHAPE,
+    assert_engine_chunked_and_cached_match,
+    assert_greedy_batched_and_alone,
+    assert_last_logits_match_hf,
+    hf_reference,
+    save_hf_checkpoint,
+)
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS, MAX_LEN = 10, 256
+SHAPE = dict(TINY_FAMILY_SHAPE, num_hidden_layers=3, num_key_value_heads=4)
+CASES = {
+    # q LoRA, 8 routed experts in 4 groups (the best 2 kept), top-2, one shared expert
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **SHAPE, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        max_position_embeddings=MAX_LEN),
+    # no q LoRA (V2-Lite's q_proj), YaRN with mscale_all_dim scaling the softmax too
+    "deepseek_v3_yarn": lambda: transformers.DeepseekV3Config(
+        **SHAPE, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=3, n_group=2,
+        topk_group=1, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=MAX_LEN, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "beta_fast": 32, "beta_slow": 1}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory, tokenizer):
+    """The tiny checkpoint with a correction bias drawn large enough to change which experts
+    are chosen (HF's model starts it at zeros, where it would test nothing), saved again and
+    HF's reference computed with it."""
+    directory = tmp_path_factory.mktemp(request.param)
+    hf_config = CASES[request.param]()
+    hf_model = save_hf_checkpoint(hf_config, directory, tokenizer)
+    generator = torch.Generator().manual_seed(2)
+    for module in hf_model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            bias = module.e_score_correction_bias
+            bias.copy_(0.4 * torch.randn(bias.shape, generator=generator))
+    hf_model.save_pretrained(directory)
+    prompts = [torch.randint(3, hf_config.vocab_size, (n,), generator=generator).tolist()
+               for n in (40, 7, 90)]
+    logits, tokens = hf_reference(hf_model, prompts, NEW_TOKENS)
+    return {"name": request.param, "dir": directory, "hf_config": hf_config,
+            "hf_model": hf_model, "prompts": prompts, "logits": logits, "tokens": tokens}
+
+
+def _model(case, backend="paged", dtype="float32"):
+    model, _ = load_model(resolve_model(case["dir"]), dtype, attention_backend=backend)
+    return model
+
+
+def test_the_config_reads_as_hf_reads_it(case):
+    config = ModelConfig.from_hf_dict(case["hf_config"].to_dict())
+    hf = case["hf_config"]
+    assert config.kv_lora_rank == 16 and config.head_dim == hf.qk_rope_head_dim
+    assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias
+    assert (config.moe_groups, config.moe_topk_groups) == (hf.n_group, hf.topk_group)
+    assert config.shared_expert_intermediate_size == hf.n_shared_experts * 32
+    assert config.routed_scaling_factor == hf.routed_scaling_factor
+
+
+def test_the_cache_keeps_one_latent_row_a_token(case):
+    """KV bytes per token and layer: the latent and the RoPE key, nothing per head."""
+    model = _model(case)
+    layouts = model.kv_page_layouts(torch.bfloat16)
+    hf = case["hf_config"]
+    assert layouts == [KVPageLayout(1, 1, hf.kv_lora_rank + hf.qk_rope_head_dim,
+                                    torch.bfloat16)] * hf.num_hidden_layers
+    assert layouts[0].bytes_per_token == 2 * (hf.kv_lora_rank + hf.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "paged"])
+def test_logits_match_hf(case, backend):
+    assert_last_logits_match_hf(_model(case, backend), case, MAX_LEN, 1e-4)
+
+
+def test_greedy_tokens_match_hf_batched_and_alone(case):
+    assert_greedy_batched_and_alone(_model(case), case["prompts"], case["tokens"], NEW_TOKENS,
+                                    MAX_LEN)
+
+
+def test_the_correction_bias_binds(case):
+    """The fixture's bias changes HF's choices: without it, ours differ."""
+    model = _model(case)
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.data.zero_()
+    with pytest.raises(AssertionError):
+        assert_last_logits_match_hf(model, case, MAX_LEN, 1e-2)
+
+
+def test_routing_spreads_over_groups_and_experts(case):
+    """Routing that matters: a prompt's tokens take all experts but at most one (the bias
+    may keep one out) in differing top-k sets, and never an expert outside their kept
+    groups."""
+    model = _model(case)
+    moe = next(m for m in model.modules() if type(m).__name__ == "GroupLimitedMoE")
+    hidden = model.model.embed(torch.tensor(case["prompts"][2]))
+    weights, experts = moe.route(hidden)
+    assert len(set(experts.flatten().tolist())) >= moe.num_experts - 1
+    assert len({tuple(sorted(row)) for row in experts.tolist()}) > 1
+    groups_taken = {len({e // (moe.num_experts // moe.groups) for e in row})
+                    for row in experts.tolist()}
+    assert max(groups_taken) <= moe.topk_groups
+    torch.testing.assert_close(weights.sum(dim=-1),
+                               torch.full((len(hidden),), moe.routed_scaling_factor))
+
+
+@pytest.mark.slow
+def test_engine_chunked_prefill_and_prefix_hits_match_hf(case):
+    assert_engine_chunked_and_cached_match(case["dir"], case["prompts"], case["tokens"],
+                                           NEW_TOKENS)
