@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (models/families/deepseek.py): multi-head latent attention with q LoRA, a dense
-first layer, group-limited sigmoid routing with the correction bias and the routed scaling,
-an ungated shared expert; a tiny random checkpoint made by HF transformers' own config and
+"""DeepSeek-V3 and V2 (models/families/deepseek.py): multi-head latent attention with q LoRA
+or without, a dense first layer, V3's group-limited sigmoid routing with the correction bias
+and the routed scaling, V2's softmax routing (greedy, and group-limited), ungated shared
+experts; a tiny random checkpoint made by HF transformers' own config and
 model classes, against HF's forward pass in float32. The latent cache keeps one row of
 kv_lora_rank + qk_rope_head_dim per token and layer."""
 
@@ -42,7 +43,23 @@ CASES = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
             "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
             "beta_fast": 32, "beta_slow": 1}),
+    # V2-Lite's routing: softmax, plain greedy top-k, not renormalised; no q LoRA
+    "deepseek_v2_lite": lambda: transformers.DeepseekV2Config(
+        **SHAPE, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.5,
+        max_position_embeddings=MAX_LEN),
+    # V2's group-limited greedy (a group rated by its best expert), with q LoRA
+    "deepseek_v2_grouped": lambda: transformers.DeepseekV2Config(
+        **SHAPE, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, max_position_embeddings=MAX_LEN),
 }
+
+
+def _is_v3(case) -> bool:
+    return case["hf_config"].model_type == "deepseek_v3"
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -76,8 +93,12 @@ def test_the_config_reads_as_hf_reads_it(case):
     hf = case["hf_config"]
     assert config.kv_lora_rank == 16 and config.head_dim == hf.qk_rope_head_dim
     assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
-    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias
-    assert (config.moe_groups, config.moe_topk_groups) == (hf.n_group, hf.topk_group)
+    if _is_v3(case):
+        assert config.moe_scoring == "sigmoid" and config.moe_correction_bias
+    else:
+        assert config.moe_scoring == "softmax" and not config.moe_correction_bias
+        assert not config.norm_topk_prob
+    assert (config.moe_groups, config.moe_topk_groups) == (hf.n_group or 1, hf.topk_group or 1)
     assert config.shared_expert_intermediate_size == hf.n_shared_experts * 32
     assert config.routed_scaling_factor == hf.routed_scaling_factor
 
@@ -104,6 +125,8 @@ def test_greedy_tokens_match_hf_batched_and_alone(case):
 
 def test_the_correction_bias_binds(case):
     """The fixture's bias changes HF's choices: without it, ours differ."""
+    if not _is_v3(case):
+        pytest.skip("V3's correction bias")
     model = _model(case)
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
@@ -125,8 +148,9 @@ def test_routing_spreads_over_groups_and_experts(case):
     groups_taken = {len({e // (moe.num_experts // moe.groups) for e in row})
                     for row in experts.tolist()}
     assert max(groups_taken) <= moe.topk_groups
-    torch.testing.assert_close(weights.sum(dim=-1),
-                               torch.full((len(hidden),), moe.routed_scaling_factor))
+    if _is_v3(case):  # renormalised, then scaled
+        torch.testing.assert_close(weights.sum(dim=-1),
+                                   torch.full((len(hidden),), moe.routed_scaling_factor))
 
 
 @pytest.mark.slow

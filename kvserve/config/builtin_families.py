@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from kvserve.config.families import FamilyRules, one_window_size
+from kvserve.errors import UnsupportedArchitectureError
 
 
 class Llama(FamilyRules):
@@ -385,6 +386,29 @@ class DeepseekV3(FamilyRules):
                              for i in range(hf["num_hidden_layers"])))
 
 
+class DeepseekV2(DeepseekV3):
+    """DeepSeek-V2 / V2-Lite: V3's attention (its complex RoPE rotates interleaved pairs, as
+    V3's rope_interleave), router scores by softmax, "greedy" top-k or "group_limited_greedy"
+    (groups rated by their best expert), never renormalised, no correction bias."""
+
+    architecture = "deepseek_v2"
+    hf_class_name = "DeepseekV2ForCausalLM"
+
+    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if hf.get("mlp_bias"):
+            raise UnsupportedArchitectureError("DeepSeek-V2 with MLP biases (mlp_bias) is not "
+                                               "supported")
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedArchitectureError(f"DeepSeek-V2 routing {method!r} is not "
+                                               "supported (greedy, group_limited_greedy are)")
+        grouped = method == "group_limited_greedy"
+        return dict(super().from_hf(hf), moe_scoring="softmax", moe_correction_bias=False,
+                    norm_topk_prob=False, rope_interleave=True,
+                    moe_groups=(hf.get("n_group") or 1) if grouped else 1,
+                    moe_topk_groups=(hf.get("topk_group") or 1) if grouped else 1)
+
+
 def _yarn_all_dim_mscale(scaling: dict[str, Any] | None) -> float:
     """YaRN's mscale at `mscale_all_dim` (DeepSeek's softmax scale takes its square: HF's
     yarn_apply_mscale); 1 without YaRN or that field."""
@@ -395,4 +419,4 @@ def _yarn_all_dim_mscale(scaling: dict[str, Any] | None) -> float:
 
 
 BUILTIN_RULES = (Llama(), Mistral(), Phi3(), Qwen2(), Qwen3(), SmolLM3(), Gemma2(), Gemma3(),
-                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe(), GptOss(), DeepseekV3())
+                 Mixtral(), Qwen2MoE(), Qwen3MoE(), Olmoe(), GptOss(), DeepseekV3(), DeepseekV2())

@@ -19,6 +19,7 @@ BUILTIN_FAMILIES = {
     "qwen3_moe": "moe:Qwen3MoeForCausalLM",
     "olmoe": "moe:OlmoeForCausalLM",
     "gpt_oss": "gpt_oss:GptOssForCausalLM",
+    "deepseek_v2": "deepseek:DeepseekV3ForCausalLM",
     "deepseek_v3": "deepseek:DeepseekV3ForCausalLM",
 }
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1: Llama's pre-norm block with multi-head latent attention
+"""DeepSeek-V3 / R1 and V2 / V2-Lite: Llama's pre-norm block with multi-head latent attention
 (models/layers/latent_attention.py) and, past the first `first_k_dense_replace` dense layers,
 DeepSeek's mixture: sigmoid router scores, the top k chosen with a per-expert correction bias
 among the experts of the best `topk_group` of `n_group` groups (a group scored by its two best
@@ -26,35 +26,56 @@ _SHARED = re.compile(r"^(model\.layers\.\d+\.mlp)\.shared_experts\.(.+)$")
 
 
 class GroupLimitedMoE(SparseMoE):
-    """SparseMoE with DeepSeek-V3's routing (the module docstring)."""
+    """SparseMoE with DeepSeek's routing: V3's (the module docstring) where the config scores
+    by sigmoid; V2's where it scores by softmax (HF's DeepseekV2TopkRouter): a group scored by
+    its best expert, the other groups' scores zeroed, the top k's scores as they are (never
+    renormalised) times routed_scaling_factor; one group is V2's plain "greedy"."""
 
     def __init__(self, config: ModelConfig, *args, **kwargs):
         super().__init__(*args, shared_gated=False, **kwargs)
+        self.sigmoid = config.moe_scoring == "sigmoid"
         self.groups, self.topk_groups = config.moe_groups, config.moe_topk_groups
         self.routed_scaling_factor = config.routed_scaling_factor
-        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts),
-                                                         requires_grad=False)
+        if config.moe_correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts),
+                                                             requires_grad=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(hidden.float(), self.gate.weight.float()).sigmoid()
+        logits = F.linear(hidden.float(), self.gate.weight.float())
+        if not self.sigmoid:  # V2
+            scores = logits.softmax(dim=-1)
+            scores = scores.masked_fill(~self._kept_experts(scores, lambda g: g.amax(-1)), 0.0)
+            weights, experts = scores.sort(dim=-1, descending=True, stable=True)
+            return (weights[:, :self.top_k] * self.routed_scaling_factor,
+                    experts[:, :self.top_k])
+        scores = logits.sigmoid()
         choice = scores + self.gate.e_score_correction_bias.float()
-        per_group = choice.view(-1, self.groups, self.num_experts // self.groups)
-        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
-        best_groups = group_scores.topk(self.topk_groups, dim=-1)[1]
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~kept.repeat_interleave(per_group.shape[-1], dim=1),
-                                    float("-inf"))
+        kept = self._kept_experts(
+            choice, lambda g: g.topk(min(2, g.shape[-1]), dim=-1)[0].sum(dim=-1))
+        choice = choice.masked_fill(~kept, float("-inf"))
         experts = choice.sort(dim=-1, descending=True, stable=True)[1][:, :self.top_k]
         weights = scores.gather(1, experts)
         if self.normalize_top_k:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, experts
 
+    def _kept_experts(self, scores: torch.Tensor, group_score) -> torch.Tensor:
+        """[T, experts] True for the experts of each token's `topk_groups` best groups, as
+        `group_score` rates a group's [T, groups, per group] scores."""
+        per_group = scores.view(-1, self.groups, self.num_experts // self.groups)
+        group_scores = group_score(per_group)
+        best = group_scores.topk(self.topk_groups, dim=-1)[1]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return kept.repeat_interleave(per_group.shape[-1], dim=1)
+
     def _build_fused(self, kernels):
         return None  # the C++ layer routes by softmax top-k only
 
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):
+    """DeepSeek-V3 / R1, and V2 / V2-Lite, whose differences are their configs' (softmax
+    routing, no correction bias)."""
+
     def attention(self, config: ModelConfig, index: int, prefix: str, rotary) -> LatentAttention:
         return LatentAttention(config, rotary, self.quant, f"{prefix}.self_attn", self.parallel)
 
