@@ -157,3 +157,37 @@ def test_routing_spreads_over_groups_and_experts(case):
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(case):
     assert_engine_chunked_and_cached_match(case["dir"], case["prompts"], case["tokens"],
                                            NEW_TOKENS)
+
+
+def test_a_decode_step_reads_only_latents(case):
+    """Every tensor a decode step makes, recorded under a dispatch mode: none holds a key or
+    value per head for the context's tokens (a context-long dim beside a heads dim and a head
+    dim), which the expanded form would; the cached rows it reads are latent-wide."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvserve.models.paged_loop import PagedLoop
+
+    hf = case["hf_config"]
+    model = _model(case)
+    prompt = case["prompts"][2]
+    context = len(prompt) + 1  # a length no weight has
+    loop = PagedLoop(model, 1, MAX_LEN)
+    first = int(loop.step([prompt], [len(prompt)], [0])[0].argmax())
+    shapes: list[tuple[int, ...]] = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    shapes.append(tuple(tensor.shape))
+            return out
+
+    with Shapes():
+        loop.step([[first]], [context], [0])
+    per_head = {hf.qk_nope_head_dim, hf.v_head_dim, hf.qk_nope_head_dim + hf.qk_rope_head_dim}
+    long = [shape for shape in shapes if context in shape]
+    assert (context, hf.kv_lora_rank + hf.qk_rope_head_dim) in long  # the latent rows read
+    expanded = [shape for shape in long if hf.num_attention_heads in shape
+                and per_head & set(shape) - {context, hf.num_attention_heads}]
+    assert not expanded
