@@ -1,13 +1,16 @@
 """Latent attention (MLA) over the paged cache, in torch: RoPE on the queries' and the shared
 key's rotary parts, each new token's row (latent, RoPE key) written to its slot, then per
 sequence the absorbed form over its cached rows (models/layers/latent_attention.py says why).
-Scores and the softmax in float32, as the standard backends; the cache in the model's dtype."""
+Scores and the softmax in float32, as the standard backends; the cache in the model's dtype, or
+int8 (the latent and the RoPE key each quantized per row with its scale, as kernels/reference.py
+quantizes K and V rows)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels.reference import kv_as, kv_row_width, to_cache_rows
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -33,10 +36,12 @@ def latent_attention(layer, query: torch.Tensor, latent: torch.Tensor, key_rope:
     cos, sin = layer.rotary.cos_sin[positions].chunk(2, dim=-1)
     query = query.view(tokens, heads, nope + layer.rope_dim)
     query_rope = rotate(query[..., nope:], cos[:, None], sin[:, None], layer.interleaved)
-    rows = layer.kv_cache.view(-1, layer.kv_lora_rank + layer.rope_dim)
+    rows = layer.kv_cache.view(-1, layer.kv_cache.shape[-1])
+    split = kv_row_width(layer.kv_lora_rank, rows.dtype)  # where the RoPE key's part starts
     rows[metadata.slot_mapping] = torch.cat(
-        [latent, rotate(key_rope, cos, sin, layer.interleaved).to(latent.dtype)],
-        dim=-1).to(rows.dtype)
+        [to_cache_rows(latent, rows.dtype),
+         to_cache_rows(rotate(key_rope, cos, sin, layer.interleaved).to(latent.dtype),
+                       rows.dtype)], dim=-1)
     w_uk, w_uv = layer.absorbed()
     # each head's query in latent space: q_nope W_UK [T, heads, kv_lora_rank]
     query_latent = torch.einsum("thd,hdr->thr", query[..., :nope].float(), w_uk)
@@ -46,8 +51,9 @@ def latent_attention(layer, query: torch.Tensor, latent: torch.Tensor, key_rope:
         start, end = starts[index], starts[index + 1]
         if end == start:
             continue
-        cached = rows[_sequence_slots(metadata, index, length)].float()
-        latents, keys_rope = cached[:, :layer.kv_lora_rank], cached[:, layer.kv_lora_rank:]
+        cached = rows[_sequence_slots(metadata, index, length)]
+        latents = kv_as(cached[:, :split], torch.float32)
+        keys_rope = kv_as(cached[:, split:], torch.float32)
         scores = (torch.einsum("thr,lr->htl", query_latent[start:end], latents)
                   + torch.einsum("thp,lp->htl", query_rope[start:end], keys_rope)) * layer.scale
         first_position = length - (end - start)

@@ -22,6 +22,7 @@ from kvserve.attention.kv_tensors import KVPageLayout
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import ParallelContext, active
 from kvserve.errors import UnsupportedArchitectureError
+from kvserve.kernels.reference import kv_row_width
 from kvserve.models.layers.linear import column_parallel, row_parallel
 from kvserve.models.layers.norm import RMSNorm
 from kvserve.models.layers.rotary import RotaryEmbedding
@@ -78,12 +79,10 @@ class LatentAttention(nn.Module):
         return self._rotary[0]
 
     def kv_page_layout(self, dtype: torch.dtype) -> KVPageLayout:
-        """One row per token: the latent, then the RoPE key."""
-        if dtype == torch.int8:
-            raise UnsupportedArchitectureError(
-                "an int8 KV cache of latent attention (MLA) is not supported yet: use the "
-                "model's dtype (--kv-cache-dtype auto)")
-        return KVPageLayout(1, 1, self.kv_lora_rank + self.rope_dim, dtype)
+        """One row per token: the latent, then the RoPE key; in an int8 cache each of the two
+        quantized on its own, codes then its float32 scale (their ranges differ)."""
+        return KVPageLayout(1, 1, kv_row_width(self.kv_lora_rank, dtype)
+                            + kv_row_width(self.rope_dim, dtype), dtype)
 
     def shift_cached_keys(self, block_ids: torch.Tensor, rotation) -> None:
         raise UnsupportedArchitectureError(
