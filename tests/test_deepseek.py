@@ -211,3 +211,52 @@ def test_int8_latents_stay_close(case):
     worst = max(float((got - want).abs().max() / want.abs().max())
                 for got, want in zip(logits, case["logits"]))
     assert worst < INT8_LOGIT_BOUND, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_lite"])
+def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, monkeypatch):
+    """llama.cpp's converter's deepseek2 file (MLA written as one KV head of the latent's width,
+    kv_b_proj split into attn_k_b and attn_v_b, the gating function telling V3 from V2) gives
+    the HF directory's MLA and routing fields and its logits: float32 to 1e-4; as Q8_0 blocks
+    (the halves dequantized and joined again, the projections kept as stored and run by the
+    dequantizing GEMM), the same file dequantized to float32 within 1e-3. V3's hub configs say `scoring_func: sigmoid`, which
+    the converter reads (transformers' own config class does not write it)."""
+    import json
+
+    from kvserve.models.paged_loop import PagedLoop
+    from tests.helpers import convert_hf_to_gguf
+
+    monkeypatch.setenv("KVSERVE_AUTOTUNE", "0")
+    directory = tmp_path / name
+    save_hf_checkpoint(CASES[name](), directory, tokenizer)
+    if name == "deepseek_v3":
+        config = json.loads((directory / "config.json").read_text())
+        config.update(scoring_func="sigmoid", topk_method="noaux_tc")
+        (directory / "config.json").write_text(json.dumps(config))
+    hf_dir = _model({"dir": directory})
+    prompt = list(range(5, 45))
+    expected = PagedLoop(hf_dir, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+    fields = ("architecture", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+              "head_dim", "moe_scoring", "moe_groups", "moe_topk_groups", "moe_layers",
+              "routed_scaling_factor", "norm_topk_prob", "shared_expert_intermediate_size",
+              "moe_correction_bias", "attention_scale")
+    for outtype in ("f32", "q8_0"):
+        path = convert_hf_to_gguf(directory, tmp_path / f"{name}-{outtype}.gguf", outtype)
+        model, config = load_model(resolve_model(path), "float32", attention_backend="paged",
+                                   quantization="gguf" if outtype == "q8_0" else "none")
+        assert config.source_weight_type == outtype.upper()  # "auto" keeps Q8_0 as stored
+        assert [getattr(config, f) for f in fields] == \
+            [getattr(hf_dir.config, f) for f in fields]
+        if outtype == "f32":
+            got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            continue
+        stored = [m for m in model.modules() if type(m).__name__ == "StoredLinear"]
+        assert stored
+        for module in stored:  # the dequantizing GEMM: the same sums as the float file's
+            module.max_rows = 0
+        got = PagedLoop(model, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+        dequantized, _ = load_model(resolve_model(path), "float32", attention_backend="paged")
+        reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
+        torch.testing.assert_close(got, reference, atol=1e-3, rtol=1e-4)

@@ -361,6 +361,21 @@ class DeepseekV3(FamilyRules):
     architecture = "deepseek_v3"
     hf_class_name = "DeepseekV3ForCausalLM"
     is_moe = True
+    gguf_architecture = "deepseek2"  # V2 and V3 alike; the gating function tells them apart
+    gguf_layer_names = dict(_expert_names("mlp", "gate_proj", "up_proj", "down_proj"), **{
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        # kv_b_proj split per head by the converter (W_UK transposed, W_UV): the family's
+        # checkpoint_tensors joins them again
+        "attn_k_b.weight": "self_attn.k_b_proj.weight",
+        "attn_v_b.weight": "self_attn.v_b_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"})
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         fields = super().from_hf(hf)
@@ -384,6 +399,41 @@ class DeepseekV3(FamilyRules):
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_layers=tuple(experts > 0 and i >= first_dense and i % (every or 1) == 0
                              for i in range(hf["num_hidden_layers"])))
+
+
+    def gguf_fields(self, meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's deepseek2 keys (one converter for V2 and V3): MLA's ranks and widths,
+        the gating function (2: sigmoid, V3's, with its correction bias), expert groups, the
+        leading dense layers; the converter writes MLA as one KV head of the latent's width,
+        which our config does not keep."""
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"deepseek2.{name}", default)
+
+        rope = int(key("rope.dimension_count"))
+        sigmoid = int(key("expert_gating_func", 1)) == 2
+        scaling = fields["rope_scaling"]
+        if scaling and key("rope.scaling.yarn_log_multiplier"):  # 0.1 x mscale_all_dim
+            mscale = float(key("rope.scaling.yarn_log_multiplier")) / 0.1
+            scaling = dict(scaling, mscale=mscale, mscale_all_dim=mscale)
+        nope = int(key("attention.key_length_mla")) - rope
+        moe_width = int(key("expert_feed_forward_length"))
+        return dict(
+            architecture="deepseek_v3" if sigmoid else "deepseek_v2",
+            num_key_value_heads=fields["num_attention_heads"], head_dim=rope,
+            partial_rotary_factor=1.0, rope_scaling=scaling,
+            q_lora_rank=int(key("attention.q_lora_rank", 0)),
+            kv_lora_rank=int(key("attention.kv_lora_rank")), qk_nope_head_dim=nope,
+            v_head_dim=int(key("attention.value_length_mla")), rope_interleave=True,
+            attention_scale=(nope + rope) ** -0.5 * _yarn_all_dim_mscale(scaling) ** 2,
+            moe_intermediate_size=moe_width,
+            norm_topk_prob=bool(key("expert_weights_norm", False)),
+            shared_expert_intermediate_size=int(key("expert_shared_count", 0)) * moe_width,
+            shared_expert_gated=False, moe_scoring="sigmoid" if sigmoid else "softmax",
+            moe_correction_bias=sigmoid, moe_groups=int(key("expert_group_count", 1)),
+            moe_topk_groups=int(key("expert_group_used_count", 1)),
+            routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+            moe_layers=tuple(i >= int(key("leading_dense_block_count", 0))
+                             for i in range(fields["num_hidden_layers"])))
 
 
 class DeepseekV2(DeepseekV3):

@@ -246,7 +246,10 @@ def load_gguf_config(path: Path, check_architecture=None) -> ModelConfig:
         if tensor.name in _LONGROPE_TENSORS.values():
             meta[f"kvserve.{tensor.name}"] = dequantize_tensor(tensor).tolist()
     config = config_from_metadata(meta, set(types))
-    return dataclasses.replace(config, source_weight_type=types.get("blk.0.attn_q.weight"))
+    # the first layer's query projection says how the file stores its projections (MLA with
+    # q LoRA has no attn_q: its first half)
+    query = types.get("blk.0.attn_q.weight") or types.get("blk.0.attn_q_a.weight")
+    return dataclasses.replace(config, source_weight_type=query)
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:

@@ -23,6 +23,7 @@ from kvserve.models.layers.latent_attention import LatentAttention
 from kvserve.models.layers.moe import SparseMoE
 
 _SHARED = re.compile(r"^(model\.layers\.\d+\.mlp)\.shared_experts\.(.+)$")
+_HALVES = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([kv])_b_proj\.weight$")
 
 
 class GroupLimitedMoE(SparseMoE):
@@ -87,7 +88,38 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                                shared_intermediate_size=config.shared_expert_intermediate_size)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, object]]) -> Iterator:
-        """HF's `mlp.shared_experts` is the MoE layer's `shared_expert`."""
+        """HF's `mlp.shared_experts` is the MoE layer's `shared_expert`; a GGUF's per-head
+        halves of kv_b_proj (llama.cpp's attn_k_b, W_UK transposed, and attn_v_b) become
+        kv_b_proj again once both have passed."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             match = _SHARED.match(name)
-            yield (f"{match[1]}.shared_expert.{match[2]}" if match else name), tensor
+            if match:
+                yield f"{match[1]}.shared_expert.{match[2]}", tensor
+                continue
+            match = _HALVES.match(name)
+            if match is None:
+                yield name, tensor
+                continue
+            layer = halves.setdefault(match[1], {})
+            layer[match[2]] = _dense(tensor)
+            if len(layer) == 2:
+                yield f"{match[1]}.kv_b_proj.weight", _joined(self.full_config, layer.pop("k"),
+                                                              layer.pop("v"))
+
+
+def _dense(tensor) -> torch.Tensor:
+    """A float tensor as it is, a GGUF's block-quantized one dequantized (kv_b_proj is kept
+    in float: models/layers/latent_attention.py)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+
+def _joined(config: ModelConfig, key_half: torch.Tensor,
+            value_half: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [heads x (qk_nope + v), kv_lora_rank] from W_UK transposed [heads,
+    kv_lora_rank, qk_nope] and W_UV [heads, v, kv_lora_rank] (or either flattened to rows, as
+    block-quantized rows dequantize)."""
+    heads, rank = config.num_attention_heads, config.kv_lora_rank
+    key_half = key_half.reshape(heads, rank, config.qk_nope_head_dim)
+    value_half = value_half.reshape(heads, config.v_head_dim, rank)
+    return torch.cat([key_half.transpose(1, 2), value_half], dim=1).reshape(-1, rank)
