@@ -200,6 +200,21 @@ def test_gpt_oss_shards_match_one_process(pool, tmp_path, tokenizer):
     _hf_checkpoint_shards_match_one_process(pool, tmp_path / "gpt_oss", config, tokenizer)
 
 
+def test_deepseek_shards_match_one_process(pool, tmp_path, tokenizer):
+    """DeepSeek-V3: latent attention with q LoRA split by heads (q_b_proj's rows, kv_b_proj's
+    rows, o_proj's columns) while every rank keeps the whole latent in its cache; group-limited
+    sigmoid routing replicated, each expert's and the shared expert's intermediate split; a
+    dense first layer."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, **CONFIGS[pool.world_size], num_hidden_layers=3,
+        moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        initializer_range=0.2)
+    _hf_checkpoint_shards_match_one_process(pool, tmp_path / "deepseek_v3", config, tokenizer)
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 

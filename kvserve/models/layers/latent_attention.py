@@ -21,7 +21,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_tensors import KVPageLayout
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel_state import ParallelContext, active
-from kvserve.errors import UnsupportedArchitectureError
+from kvserve.errors import CorruptModelFileError, UnsupportedArchitectureError
 from kvserve.kernels.reference import kv_row_width
 from kvserve.models.layers.linear import column_parallel, row_parallel
 from kvserve.models.layers.norm import RMSNorm
@@ -42,12 +42,18 @@ class UpProjection(nn.Module):
 class LatentAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, quant: QuantPolicy,
                  prefix: str, parallel: ParallelContext | None = None):
+        """`config`: the whole model's. With tensor parallelism a rank takes its share of the
+        heads (their query rows, kv_b_proj's rows, o_proj's columns, all-reduced); the
+        latent's projection and the cached latents are every rank's, whole."""
         super().__init__()
-        if active(parallel) is not None:
-            raise UnsupportedArchitectureError(
-                "latent attention (MLA) is not split over tensor-parallel ranks yet")
+        tp = active(parallel)
+        tp_size, tp_rank = (1, 0) if tp is None else (tp.tp_size, tp.tp_rank)
         hidden, heads = config.hidden_size, config.num_attention_heads
-        self.num_heads = heads
+        if heads % tp_size:
+            raise UnsupportedArchitectureError(
+                f"{heads} latent-attention heads do not split over {tp_size} tensor-parallel "
+                "ranks")
+        self.num_heads = heads // tp_size
         self.kv_lora_rank, self.rope_dim = config.kv_lora_rank, config.head_dim
         self.nope_dim, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
         self.interleaved = config.rope_interleave
@@ -61,15 +67,21 @@ class LatentAttention(nn.Module):
                                             quant, prefix)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = column_parallel(config.q_lora_rank, [("q_b_proj", q_width)], False,
-                                            quant, prefix)
+                                            quant, prefix, tp)
         else:
-            self.q_proj = column_parallel(hidden, [("q_proj", q_width)], False, quant, prefix)
+            self.q_proj = column_parallel(hidden, [("q_proj", q_width)], False, quant, prefix,
+                                          tp)
         self.kv_a_proj_with_mqa = column_parallel(
             hidden, [("kv_a_proj_with_mqa", self.kv_lora_rank + self.rope_dim)], bias, quant,
             prefix)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = UpProjection(heads * (self.nope_dim + self.v_dim), self.kv_lora_rank)
-        self.o_proj = row_parallel(heads * self.v_dim, hidden, "o_proj", bias, quant, prefix)
+        per_head = self.nope_dim + self.v_dim
+        self.kv_b_proj = UpProjection(self.num_heads * per_head, self.kv_lora_rank)
+        first = tp_rank * self.num_heads * per_head
+        self.kv_b_proj.param_loaders = {"weight": _rows_loader(
+            first, first + self.num_heads * per_head, heads * per_head)}
+        self.o_proj = row_parallel(heads * self.v_dim, hidden, "o_proj", bias, quant, prefix,
+                                   tp)
         self.kv_cache: torch.Tensor | None = None
         self.kv_group = 0
         self._absorbed: tuple | None = None
@@ -109,3 +121,15 @@ class LatentAttention(nn.Module):
         compressed = ops.linear(self.kv_a_proj_with_mqa, hidden)
         attended = ops.latent_attention(self, query, compressed, positions, metadata)
         return ops.linear(self.o_proj, attended)
+
+
+def _rows_loader(first: int, end: int, rows: int):
+    """Load rows [first, end) of a checkpoint tensor of `rows` rows (this rank's heads)."""
+    def load(param: torch.Tensor, tensor) -> None:
+        whole = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        if whole.shape[0] != rows:
+            raise CorruptModelFileError(
+                f"kv_b_proj has {whole.shape[0]} rows; the config gives {rows}")
+        param.data.copy_(whole[first:end])
+
+    return load
