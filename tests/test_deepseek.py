@@ -260,3 +260,32 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, mon
         dequantized, _ = load_model(resolve_model(path), "float32", attention_backend="paged")
         reference = PagedLoop(dequantized, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
         torch.testing.assert_close(got, reference, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_preemption_and_a_ram_tier_give_hf_tokens(case):
+    """Through the engine with a pool too small for the three prompts together (requests
+    preempted and their latents computed again), then with a RAM tier: the prompts' latent
+    blocks evicted from the pool by others come back from the tier as cached tokens. HF's
+    greedy tokens every time."""
+    from kvserve import LLM, SamplingParams
+
+    if case["name"] != "deepseek_v3":
+        pytest.skip("one case is enough for the engine's bookkeeping")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in case["prompts"]]
+    with LLM(model=str(case["dir"]), dtype="float32", num_kv_blocks=9, block_size=16,
+             max_num_batched_tokens=32, engine_core="thread") as llm:
+        results = llm.generate(requests, params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [r.outputs[0].token_ids for r in results] == case["tokens"]
+    others = [[(7 * i + 3 * j) % 40000 + 5 for j in range(96)] for i in range(2)]
+    with LLM(model=str(case["dir"]), dtype="float32", num_kv_blocks=16, block_size=16,
+             max_model_len=128, engine_core="thread", kv_offload_ram_bytes=8 << 20,
+             kv_offload_load_policy="always") as llm:
+        llm.generate(requests[2], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)
+        again = llm.generate(requests[2], params, use_tqdm=False)[0]
+        stats = llm.llm_engine.engine_core.scheduler.connector.stats
+    assert again.outputs[0].token_ids == case["tokens"][2]
+    assert again.num_cached_tokens >= 64 and stats["loaded_blocks"] > 0
