@@ -1,4 +1,4 @@
-"""Write a random-weight HF Llama (or OLMoE, Qwen3-MoE, gpt-oss: mixtures of experts) checkpoint of a real shape,
+"""Write a random-weight HF Llama (or OLMoE, Qwen3-MoE, gpt-oss, DeepSeek-V2: mixtures of experts) checkpoint of a real shape,
 for memory, start-up and speed benchmarks. Speed and memory depend on the shapes, not on what the weights learnt, and no trained
 Llama weights can be downloaded here, so the weights are random (normal(0, 0.02) matrices, ones
 for the norms) and the tokenizer is the bundled SmolLM2 one (49152 tokens, the vocabulary padded to
@@ -8,7 +8,7 @@ shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generato
 
 Usage: make_random_llama.py SHAPE OUTDIR
        (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l |
-               gpt-oss-4l)
+               gpt-oss-4l | deepseek-v2-lite-3l)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -56,11 +56,29 @@ SHAPES = {
                        layer_types=["sliding_attention", "full_attention"] * 2,
                        tie_word_embeddings=False, vocab_size=49152, attention_bias=True,
                        rope_theta=150000.0, rms_norm_eps=1e-5),
+    # DeepSeek-V2-Lite's layers (latent attention: kv_lora_rank 512, no q LoRA, 16 heads of
+    # 128 + 64 RoPE dims; 64 experts of 1408, 6 a token, 2 shared; the first layer dense; YaRN)
+    # for 3 of its 27 layers: 1.45B parameters, within the 1-2B issue 56 asks for
+    "deepseek-v2-lite-3l": dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=3,
+                                num_attention_heads=16, num_key_value_heads=16,
+                                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                                num_experts_per_tok=6, moe_intermediate_size=1408,
+                                n_shared_experts=2, first_k_dense_replace=1,
+                                topk_method="greedy", routed_scaling_factor=1.0,
+                                vocab_size=49152, max_position_embeddings=163840,
+                                rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                 "factor": 40.0, "beta_fast": 32,
+                                                 "beta_slow": 1, "mscale": 0.707,
+                                                 "mscale_all_dim": 0.707,
+                                                 "original_max_position_embeddings": 4096}),
 }
 # (config class, architecture) of the mixtures of experts; the rest are Llamas
 MOE_FAMILIES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
                 "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-                "gpt-oss": ("GptOssConfig", "GptOssForCausalLM")}
+                "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
+                "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
               rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -74,6 +92,8 @@ CHUNK = 1 << 24  # elements generated in float32 at a time
 def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     if cfg.model_type == "gpt_oss":
         return gpt_oss_plan(cfg)
+    if cfg.model_type == "deepseek_v2":
+        return deepseek_v2_plan(cfg)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -126,6 +146,37 @@ def gpt_oss_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
                  (p + "mlp.experts.gate_up_proj_bias", (e, 2 * i)),
                  (p + "mlp.experts.down_proj", (e, i, h)),
                  (p + "mlp.experts.down_proj_bias", (e, h))]
+    plan += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return plan
+
+
+def deepseek_v2_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V2's checkpoint layout without q LoRA: latent attention's projections and
+    norm, the first `first_k_dense_replace` layers' dense MLP, then the router, each expert
+    and the shared experts."""
+    h, v, heads = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    plan = [("model.embed_tokens.weight", (v, h))]
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        plan += [(p + "input_layernorm.weight", (h,)),
+                 (p + "self_attn.q_proj.weight", (heads * (nope + rope), h)),
+                 (p + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, h)),
+                 (p + "self_attn.kv_a_layernorm.weight", (rank,)),
+                 (p + "self_attn.kv_b_proj.weight", (heads * (nope + cfg.v_head_dim), rank)),
+                 (p + "self_attn.o_proj.weight", (h, heads * cfg.v_head_dim)),
+                 (p + "post_attention_layernorm.weight", (h,))]
+        if n < cfg.first_k_dense_replace:
+            mlps = [(p + "mlp.", cfg.intermediate_size)]
+        else:
+            plan.append((p + "mlp.gate.weight", (cfg.n_routed_experts, h)))
+            mlps = [(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+                    for e in range(cfg.n_routed_experts)]
+            mlps.append((p + "mlp.shared_experts.",
+                         cfg.moe_intermediate_size * cfg.n_shared_experts))
+        for mlp, width in mlps:
+            plan += [(mlp + "gate_proj.weight", (width, h)), (mlp + "up_proj.weight", (width, h)),
+                     (mlp + "down_proj.weight", (h, width))]
     plan += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     return plan
 
