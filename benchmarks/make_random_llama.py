@@ -8,7 +8,7 @@ shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generato
 
 Usage: make_random_llama.py SHAPE OUTDIR
        (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l |
-               gpt-oss-4l | deepseek-v2-lite-3l)
+               gpt-oss-4l | deepseek-v2-3l)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -56,12 +56,13 @@ SHAPES = {
                        layer_types=["sliding_attention", "full_attention"] * 2,
                        tie_word_embeddings=False, vocab_size=49152, attention_bias=True,
                        rope_theta=150000.0, rms_norm_eps=1e-5),
-    # DeepSeek-V2-Lite's layers (latent attention: kv_lora_rank 512, no q LoRA, 16 heads of
-    # 128 + 64 RoPE dims; 64 experts of 1408, 6 a token, 2 shared; the first layer dense; YaRN)
-    # for 3 of its 27 layers: 1.45B parameters, within the 1-2B issue 56 asks for
-    "deepseek-v2-lite-3l": dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=3,
+    # DeepSeek-V2-Lite's layers (latent attention: kv_lora_rank 512, 16 heads of 128 + 64 RoPE
+    # dims; 64 experts of 1408, 6 a token, 2 shared; the first layer dense; YaRN) with V2's q
+    # LoRA of 1536 (llama.cpp requires q_lora_rank unless a file has V2-Lite's 26 or 27 layers)
+    # for 3 layers: 1.46B parameters, within the 1-2B issue 56 asks for
+    "deepseek-v2-3l": dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=3,
                                 num_attention_heads=16, num_key_value_heads=16,
-                                kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
                                 qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
                                 num_experts_per_tok=6, moe_intermediate_size=1408,
                                 n_shared_experts=2, first_k_dense_replace=1,
@@ -151,17 +152,22 @@ def gpt_oss_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def deepseek_v2_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
-    """DeepSeek-V2's checkpoint layout without q LoRA: latent attention's projections and
-    norm, the first `first_k_dense_replace` layers' dense MLP, then the router, each expert
-    and the shared experts."""
+    """DeepSeek-V2's checkpoint layout: latent attention's projections and norms (q LoRA's
+    where the config has it), the first `first_k_dense_replace` layers' dense MLP, then the
+    router, each expert and the shared experts."""
     h, v, heads = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
     nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     plan = [("model.embed_tokens.weight", (v, h))]
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
-        plan += [(p + "input_layernorm.weight", (h,)),
-                 (p + "self_attn.q_proj.weight", (heads * (nope + rope), h)),
-                 (p + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, h)),
+        plan.append((p + "input_layernorm.weight", (h,)))
+        if cfg.q_lora_rank:
+            plan += [(p + "self_attn.q_a_proj.weight", (cfg.q_lora_rank, h)),
+                     (p + "self_attn.q_a_layernorm.weight", (cfg.q_lora_rank,)),
+                     (p + "self_attn.q_b_proj.weight", (heads * (nope + rope), cfg.q_lora_rank))]
+        else:
+            plan.append((p + "self_attn.q_proj.weight", (heads * (nope + rope), h)))
+        plan += [(p + "self_attn.kv_a_proj_with_mqa.weight", (rank + rope, h)),
                  (p + "self_attn.kv_a_layernorm.weight", (rank,)),
                  (p + "self_attn.kv_b_proj.weight", (heads * (nope + cfg.v_head_dim), rank)),
                  (p + "self_attn.o_proj.weight", (h, heads * cfg.v_head_dim)),
