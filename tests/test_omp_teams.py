@@ -13,8 +13,10 @@ import torch
 from kvserve.kernels.omp_teams import run_alone, run_in_transient_thread
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[str]:
+    """The process's OS threads by id: the tests compare which appeared, so a thread some
+    earlier test left exiting meanwhile does not count."""
+    return set(os.listdir("/proc/self/task"))
 
 
 def parallel_op() -> float:
@@ -30,18 +32,18 @@ def baseline():
     return os_threads()
 
 
-def settled(expected: int, seconds: float = 5.0) -> int:
-    """The thread count once it reaches `expected` (exiting threads take a moment), else the
-    last count seen."""
+def new_threads(before: set[str], seconds: float = 5.0) -> set[str]:
+    """The threads that were not there `before`, once none are (exiting threads take a
+    moment), else those left."""
     deadline = time.monotonic() + seconds
-    while os_threads() != expected and time.monotonic() < deadline:
+    while os_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    return os_threads()
+    return os_threads() - before
 
 
 def test_a_transient_thread_takes_its_team_with_it(baseline):
     assert run_in_transient_thread(parallel_op, name="probe") == 2 * (1 << 22)
-    assert settled(baseline) == baseline
+    assert new_threads(baseline) == set()
 
 
 def test_a_transient_thread_raises_in_the_caller():
@@ -55,7 +57,7 @@ def test_a_transient_thread_raises_in_the_caller():
 def test_a_thread_run_alone_makes_no_team(baseline):
     """Its regions run on itself: while it lives, it is the only thread added. Without
     run_alone the same thread adds a worker (the check that the probe sees a team at all)."""
-    counts = {}
+    added = {}
     for alone in (True, False):
         done, release = threading.Event(), threading.Event()
 
@@ -69,9 +71,9 @@ def test_a_thread_run_alone_makes_no_team(baseline):
         thread = threading.Thread(target=helper)
         thread.start()
         done.wait(30)
-        counts[alone] = os_threads() - baseline
+        added[alone] = len(os_threads() - baseline)
         release.set()
         thread.join()
-        settled(baseline)
-    assert counts == {True: 1, False: 1 + torch.get_num_threads() - 1}
+        new_threads(baseline)
+    assert added == {True: 1, False: 1 + torch.get_num_threads() - 1}
     assert torch.get_num_threads() >= 2  # the process-wide count is untouched
