@@ -442,9 +442,11 @@ def test_a_killed_replica_costs_a_clean_error_and_serve_replaces_it(serving):
     long_body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
     victim, stream_lines = [], []
 
-    def stream():
+    def stream():  # long enough to be mid-stream when the kill lands: at ~1 ms a token the
+        # tiny model finished 400 tokens within the 0.5 s before it
         with httpx.stream("POST", base_url + COMPLETIONS, timeout=60,
-                          json={**long_body, "prompt": "a long story", "stream": True}) as r:
+                          json={**long_body, "max_tokens": 1900, "prompt": "a long story",
+                                "stream": True}) as r:
             victim.append(r.headers["x-kvserve-replica"])
             for line in r.iter_lines():
                 stream_lines.append((time.monotonic(), line))
