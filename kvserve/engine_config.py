@@ -66,8 +66,11 @@ class EngineConfig:
                              "(groupwise, exact for Q4_1 GGUFs), int8 (groups of 32 as Q8_0 "
                              "where the compiled kernels run, per channel elsewhere), w8a8 "
                              "(int8 weights, int8 activations for batches; +4%% perplexity on "
-                             "SmolLM2) or w4a8 (int4 weights, int8 activations as gguf's)",
-                             choices=["auto", "none", "gguf", "int4", "int8", "w8a8", "w4a8"])
+                             "SmolLM2), w4a8 (int4 weights, int8 activations as gguf's) or "
+                             "fp8 (e4m3 with a scale per 128x128 block, as DeepSeek-V3's "
+                             "checkpoints; run as Q8_0; auto for such a checkpoint)",
+                             choices=["auto", "none", "gguf", "int4", "int8", "w8a8", "w4a8",
+                                      "fp8"])
     cpu_kernels: bool = _opt(True, "use the compiled C++ CPU kernels for the paged backend "
                              "(--no-cpu-kernels runs their torch-op versions)")
     autotune: bool = _opt(True, "time the low-bit kernels against the dense GEMM per shape, in "

@@ -215,6 +215,35 @@ def test_deepseek_shards_match_one_process(pool, tmp_path, tokenizer):
     _hf_checkpoint_shards_match_one_process(pool, tmp_path / "deepseek_v3", config, tokenizer)
 
 
+def test_an_fp8_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
+    """DeepSeek-V3 as a block-scaled fp8 checkpoint in fp8 mode: every rank converts whole
+    tensors to the same Q8_0 blocks (quant/fp8.py) and takes its rows and columns of them.
+    Not bit-equal to one process: the integer-dot kernels round each rank's activations to
+    int8, and a sum in another order can flip a code (0.008 seen); so, as w8a8's, compared on
+    the prompt rows, within twice one process's distance from the exact fp8 values."""
+    transformers = pytest.importorskip("transformers")
+    from kvserve.model_source import resolve_model
+    from kvserve.models import load_model
+    from tests.fp8_checkpoints import write_fp8_checkpoint
+    from tests.helpers import save_hf_checkpoint
+
+    fields = CONFIGS[pool.world_size]
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, **fields, num_hidden_layers=3, moe_intermediate_size=32 * pool.world_size,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=16, initializer_range=0.05)
+    save_hf_checkpoint(config, tmp_path / "float", tokenizer)
+    write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", (8, 32))
+    source = resolve_model(tmp_path / "fp8")
+    _, exact = ragged_run(load_model(source, "float32", attention_backend="paged")[0])
+    _, one_process = ragged_run(load_model(source, "float32", attention_backend="paged",
+                                           quantization="fp8")[0])
+    own_noise = (one_process - exact)[PROMPT_ROWS].abs().max().item()
+    for _, logits in pool.run(_load_sharded, str(tmp_path / "fp8"), "paged", "fp8"):
+        assert (logits - exact)[PROMPT_ROWS].abs().max().item() < 2 * own_noise
+
+
 def test_sdpa_batched_backend_matches_one_process(pool):
     _check(pool, CONFIGS[pool.world_size], "sdpa_batched", "none", "shm")
 
@@ -306,12 +335,12 @@ def test_all_reduce_sums_and_gathers(pool, all_reduce):
             assert torch.allclose(got.float(), want, atol=tolerance), (got.dtype, got.shape)
 
 
-def _load_sharded(contexts, directory, backend):
+def _load_sharded(contexts, directory, backend, quantization="none"):
     from kvserve.model_source import resolve_model
     from kvserve.models import load_model
 
     model, config = load_model(resolve_model(directory), "float32", attention_backend=backend,
-                               parallel=contexts["shm"])
+                               parallel=contexts["shm"], quantization=quantization)
     assert config is model.config and config.tensor_parallel_size == contexts["shm"].tp_size
     return ragged_run(model)
 

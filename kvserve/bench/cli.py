@@ -95,7 +95,7 @@ def add_bench_parser(commands) -> None:
                       help="the model's dtype (auto: the engine's on this CPU, bfloat16 only "
                       "with native bf16)")
     roof.add_argument("--quantization", default="auto",
-                      choices=["auto", "none", "int4", "int8", "w8a8", "w4a8"],
+                      choices=["auto", "none", "int4", "int8", "w8a8", "w4a8", "fp8"],
                       help="weight format whose bytes a decode step reads (auto: as the engine)")
     roof.add_argument("--output-json", default=None)
 

@@ -54,15 +54,15 @@ def weight_format(dtype: str, quantization: str, source_type: str | None = None
     """int4: 4-bit codes plus a scale and a zero per group of 32, both in the activation dtype
     (bf16: 0.5 + 4/32 = 0.625 bytes); w4a8: float16 scale and low (0.625); int8/w8a8: 1 byte
     (per-channel scales add < 1%); gguf: the bytes our panels of the file's block type
-    (`source_type`, its layers') take (Q4_K 0.578, Q4_1 0.625); the LM head of every quantized
-    mode taken as int8; none: the dtype's width."""
+    (`source_type`, its layers') take (Q4_K 0.578, Q4_1 0.625); fp8: Q8_0's panels; the LM
+    head of every quantized mode taken as int8; none: the dtype's width."""
     element = DTYPE_BYTES[dtype]
     if quantization == "none":
         return WeightFormat(dtype, quantization, element, element)
-    if quantization == "gguf":
+    if quantization in ("gguf", "fp8"):  # fp8 layers are held as Q8_0 panels
         from kvserve.kernels.reference import GGUF_FORMATS
 
-        values, _, panel_bytes = GGUF_FORMATS[source_type]
+        values, _, panel_bytes = GGUF_FORMATS["Q8_0" if quantization == "fp8" else source_type]
         return WeightFormat(dtype, quantization, panel_bytes / (16 * values), 1.0)
     if quantization == "int4":
         layer = 0.5 + 2 * element / INT4_GROUP_SIZE

@@ -59,13 +59,7 @@ class FamilyRules:
 
     def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         """ModelConfig's fields from the HF config dict (KeyError: a required field missing)."""
-        quantized = hf.get("quantization_config")
-        if quantized:
-            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-            raise UnsupportedArchitectureError(
-                f"this checkpoint's weights are quantized ({method!r} quantization_config), "
-                "which kvserve does not read from HF directories: load a float checkpoint (and "
-                "--quantization), or a GGUF conversion of the model")
+        weight_format = hf_weight_format(hf.get("quantization_config"))
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
@@ -92,6 +86,7 @@ class FamilyRules:
             "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
             "local_rope_theta": _hf_local_rope_theta(hf),
             "partial_rotary_factor": _hf_partial_rotary_factor(hf),
+            **weight_format,
         }
 
     def hf_sliding_windows(self, hf: dict[str, Any]) -> tuple[int | None, ...]:
@@ -234,3 +229,31 @@ def _hf_partial_rotary_factor(hf: dict[str, Any]) -> float:
     order), else 1."""
     factor = _hf_rope_params(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor")
     return float(factor) if factor else 1.0
+
+
+def hf_weight_format(quantized: Any) -> dict[str, Any]:
+    """ModelConfig's fields for an HF checkpoint's `quantization_config`: none for float weights;
+    `fp8` with dynamic activation scales and block-wise weight scales (DeepSeek-V3/R1's and
+    Qwen3-FP8's: float8_e4m3fn weights, each with a `weight_scale_inv` of one float32 per
+    block) is read; any other scheme fails here, naming it, rather than loading codes as
+    numbers."""
+    if not quantized:
+        return {}
+    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    if method != "fp8":
+        raise UnsupportedArchitectureError(
+            f"this checkpoint's weights are quantized ({method!r} quantization_config), which "
+            "kvserve does not read from HF directories: load a float or block-wise fp8 "
+            "checkpoint (and --quantization), or a GGUF conversion of the model")
+    block = quantized.get("weight_block_size")
+    scheme = quantized.get("activation_scheme", "dynamic")
+    fmt = quantized.get("fmt", "e4m3")
+    if scheme != "dynamic" or fmt != "e4m3" or not (
+            isinstance(block, (list, tuple)) and len(block) == 2 and
+            all(isinstance(size, int) and size > 0 for size in block)):
+        raise UnsupportedArchitectureError(
+            "this fp8 checkpoint's quantization_config (activation_scheme "
+            f"{scheme!r}, fmt {fmt!r}, weight_block_size {block!r}) is not one kvserve reads: "
+            "it reads e4m3 weights with block-wise scales (weight_block_size [rows, columns]) "
+            "and dynamic activation scales, as DeepSeek-V3 and Qwen3-FP8 ship")
+    return {"source_weight_type": "fp8", "weight_block_size": tuple(block)}

@@ -37,6 +37,9 @@ class ModelConfig:
     # How the checkpoint stores its projection weights (a GGUF type name such as "Q4_1", or a
     # torch dtype name); picks the default quantization (EngineConfig.quantization "auto").
     source_weight_type: str | None = field(default=None, compare=False)
+    # An fp8 checkpoint's (source_weight_type "fp8") block of weights sharing one scale:
+    # (rows, columns), DeepSeek-V3's (128, 128)
+    weight_block_size: tuple[int, int] | None = field(default=None, compare=False)
     # > 1: this config describes one tensor-parallel rank's shard (kvserve/distributed/
     # sharding.py): num_attention_heads, num_key_value_heads and intermediate_size are the rank's,
     # so the KV cache and the projections are sized for it; vocab_size stays the model's.

@@ -39,6 +39,7 @@ from kvserve.quant import QuantPolicy, pack_cache, resolve_quantization
 from kvserve.quant.pack_cache import PackCache
 from kvserve.weights import gguf_file, gguf_stored
 from kvserve.weights import load_config as read_config
+from kvserve.weights.fp8_checkpoint import fp8_weight_names, iter_fp8_checkpoint
 from kvserve.weights.hf_dir import safetensors_files
 from kvserve.weights.sharded import iter_safetensors
 
@@ -136,7 +137,7 @@ def load_model(source: ModelSource, dtype: str | torch.dtype = "float32", device
     if is_distributed(parallel):
         parallel = with_layer_partition(parallel, config, quantization)
     reader = gguf_file.open_gguf(source.path) if source.format == "gguf" else None
-    source_types = _source_types(reader, config)
+    source_types = _source_types(source, reader, config)
     mapped = False
     if torch.device(device).type == "cpu":
         kernels = None if quantization == "none" else get_ops(use_cpu_kernels)  # as built
@@ -243,14 +244,21 @@ def _checkpoint_tensors(source: ModelSource, reader, config: ModelConfig,
     ranks each take theirs), or a GGUF's (`reader`, opened once per load) as the file stores
     them (block-quantized ones as `QuantizedRows`, which each layer keeps, or dequantizes if
     its method converts)."""
+    if source.format == "hf" and config.source_weight_type == "fp8":
+        return iter_fp8_checkpoint(safetensors_files(source.path), config.weight_block_size)
     if source.format == "hf":
         return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel))
     return gguf_stored.iter_gguf_stored(reader, config)
 
 
-def _source_types(reader, config: ModelConfig) -> dict[str, str]:
-    """A GGUF's tensor types by HF name (empty for an HF directory: no reader)."""
-    return {} if reader is None else gguf_stored.tensor_types(reader, config)
+def _source_types(source: ModelSource, reader, config: ModelConfig) -> dict[str, str]:
+    """A GGUF's tensor types by HF name, or a block-scaled fp8 checkpoint's dtypes (which of
+    its projections are fp8); empty for another HF directory."""
+    if reader is not None:
+        return gguf_stored.tensor_types(reader, config)
+    if config.source_weight_type == "fp8":
+        return fp8_weight_names(safetensors_files(source.path))
+    return {}
 
 
 def _on_device(tensors: Iterable, device: str | torch.device) -> Iterator:

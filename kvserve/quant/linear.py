@@ -277,7 +277,8 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     machine chose: `gguf`, the file's own numbers at its own bits per weight where our kernels
     keep its block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; others converted to
     w4a8), activations rounded to int8 per group of 32 in decode-sized batches as llama.cpp
-    does. A float32 the user asked for stays the exact reference: no quantization; so does a
+    does; for a block-scaled fp8 checkpoint likewise `fp8` (quant/fp8.py). A float32 the user
+    asked for stays the exact reference: no quantization; so does a
     checkpoint of float weights. Off the CPU (`device` cuda, ...) the 4-bit and stored modes do
     not run: `auto` keeps the dequantized weights and asking for one of them is a ValueError
     here, at load, rather than a failure inside torch."""
@@ -288,7 +289,7 @@ def resolve_quantization(mode: str, source_weight_type: str | None, dtype: torch
     block_quantized = source_weight_type is not None and \
         source_weight_type not in FLOAT_SOURCE_TYPES
     if on_cpu and block_quantized and (dtype == torch.bfloat16 or dtype_is_default):
-        return "gguf"
+        return "fp8" if source_weight_type == "fp8" else "gguf"
     return "none"
 
 
@@ -301,7 +302,7 @@ def _quantized_head(linear: nn.Linear, mode: str, dtype: torch.dtype, ops) -> nn
         return W8A8Linear(linear, dtype, ops)
     if _has_vector_kernels(ops) and linear.in_features % 32 == 0:
         return Int8GroupwiseLinear(linear, dtype, ops, LM_HEAD_INT8_KERNEL_MAX_ROWS,
-                                   int8_activations=mode in ("w4a8", "gguf"))
+                                   int8_activations=mode in ("w4a8", "gguf", "fp8"))
     return Int8WeightOnlyLinear(linear, dtype, max_rows=LM_HEAD_WEIGHT_ONLY_MAX_ROWS)
 
 

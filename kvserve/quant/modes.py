@@ -4,14 +4,14 @@ model code is imported (the API front-end does without torch)."""
 from __future__ import annotations
 
 # plus "auto", see linear.resolve_quantization
-QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8", "gguf")
+QUANTIZATION_MODES = ("none", "int4", "int8", "w8a8", "w4a8", "gguf", "fp8")
 
 # How a checkpoint may store float weights: a GGUF's float types, an HF directory's dtypes
 FLOAT_SOURCE_TYPES = ("F32", "F16", "BF16", "float32", "float16", "bfloat16")
 
 # Modes whose weights live in torch's CPU-only int4 packing (`_weight_int4pack_mm_for_cpu`) or
 # our C++ kernels: they run on CPU models only.
-CPU_ONLY_MODES = ("int4", "w4a8", "gguf")
+CPU_ONLY_MODES = ("int4", "w4a8", "gguf", "fp8")
 
 
 def device_type(device: str) -> str:

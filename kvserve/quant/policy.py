@@ -4,6 +4,8 @@ model is built, from the mode and, for a GGUF, how the file stores that projecti
 - `none`: float weights in the activation dtype (`FloatMethod`).
 - `int4`, `int8`, `w4a8`, `w8a8`: our formats, converted from float one layer at a time
   (`ConvertMethod`).
+- `fp8`: e4m3 codes with a scale per 128x128 block (a block-scaled fp8 checkpoint's own, or
+  made from float weights), held as Q8_0 for our int8 kernels (`Fp8Method`, quant/fp8.py).
 - `gguf`: the file's own block types where our kernels keep them (`StoredMethod`: Q4_0, Q4_1,
   Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); float tensors stay float; a block type we have no kernel
   for (Q2_K, Q3_K, the IQ types) is converted to w4a8 (4-bit codes, int8 activations) rather
@@ -25,12 +27,16 @@ from kvserve.quant.linear import (
     _has_vector_kernels,
     _quantized_head,
 )
+from kvserve.quant.fp8 import Fp8Method, Fp8Preparation
 from kvserve.quant.methods import ConvertMethod, FloatMethod, LinearMethod, _as_linear
 from kvserve.quant.modes import QUANTIZATION_MODES
 from kvserve.quant.stored import STORED_TYPES, StoredLinear, StoredMethod, pack_segments
 from kvserve.weights.quantized_rows import QuantizedRows
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+FP8_TYPE = "F8_E4M3"  # safetensors' name of an fp8 checkpoint's quantized weights
+# bytes a value of a projection held as Q8_0 (fp8's blocks, re-expressed for our kernels)
+Q8_0_BYTES = 34 / 32
 # what a block type without a kernel of ours becomes under `gguf`
 UNKEPT_TYPE_MODE = "w4a8"
 
@@ -40,12 +46,13 @@ class QuantPolicy:
                  parallel: ParallelContext | None = None,
                  source_types: dict[str, str] | None = None, pack_cache=None):
         """`source_types`: checkpoint tensor name -> how the file stores it (a GGUF's
-        GGMLQuantizationType names; empty for an HF directory). `pack_cache`: where `gguf`
+        GGMLQuantizationType names; an fp8 checkpoint's safetensors dtypes; empty for another
+        HF directory). `pack_cache`: where `gguf`
         mode's stored projections find their panels packed already (quant/pack_cache.py)."""
         if mode not in QUANTIZATION_MODES:
             raise ValueError(f"Unknown quantization {mode!r}; choose one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
-        if mode in ("w8a8", "int4", "w4a8", "gguf") and kernels is None:
+        if mode in ("w8a8", "int4", "w4a8", "gguf", "fp8") and kernels is None:
             from kvserve.kernels import get_ops
 
             kernels = get_ops(True)
@@ -63,8 +70,10 @@ class QuantPolicy:
         """The method of the projection under `prefix` fed by checkpoint tensors `names`
         (relative to it: its parts', and the fused one's where a checkpoint fuses them)."""
         mode = self.mode
-        if mode == "none":
+        if mode == "none" or (mode == "fp8" and self.kept_float(prefix, names)):
             return FloatMethod(self.dtype, self.kernels)
+        if mode == "fp8":
+            return Fp8Method(self.dtype, self.kernels)
         if mode == "gguf":
             types = {self.source_types.get(f"{prefix}.{name}.weight") for name in names} - {None}
             if types and types <= set(STORED_TYPES):
@@ -73,6 +82,21 @@ class QuantPolicy:
                 return FloatMethod(self.dtype, self.kernels)
             mode = UNKEPT_TYPE_MODE
         return ConvertMethod(mode, self.dtype, self.kernels, self.parallel, row_parallel)
+
+    def kept_float(self, prefix: str, names: list[str]) -> bool:
+        """An fp8 checkpoint stores this projection in float (a module it leaves unquantized,
+        as DeepSeek's and Qwen's `modules_to_not_convert`): fp8 mode keeps it so."""
+        if FP8_TYPE not in self.source_types.values():
+            return False
+        types = {self.source_types.get(f"{prefix}.{name}.weight") for name in names} - {None}
+        return bool(types) and FP8_TYPE not in types
+
+    def prepare(self, tensors, loaders: dict):
+        """Checkpoint tensors as the layers take them: fp8 ones as their fp8 projections'
+        Q8_0 rows, or as float values elsewhere (quant/fp8.py); the rest as they come."""
+        if self.mode != "fp8" and FP8_TYPE not in self.source_types.values():
+            return tensors
+        return Fp8Preparation().tensors(tensors, loaders)
 
     def resident_bytes(self, name: str, numel: int, projection: bool) -> float:
         """About how many bytes checkpoint tensor `name` (`numel` values) holds once loaded,
@@ -88,7 +112,9 @@ class QuantPolicy:
         if mode == "gguf":
             source = self.source_types.get(name)
             mode = "none" if source is None or source in FLOAT_TYPES else UNKEPT_TYPE_MODE
-        if not projection or mode == "none":
+        if mode == "fp8" and projection and self.source_types.get(name, FP8_TYPE) == FP8_TYPE:
+            return numel * Q8_0_BYTES
+        if not projection or mode in ("none", "fp8"):
             return numel * element
         low_bit = 1.0 if mode in ("int8", "w8a8") else 0.5 + 2 * 4 / 32
         return numel * (element + low_bit)

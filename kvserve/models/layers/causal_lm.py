@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
         the tied LM head is built from the embedding's tensor as it passes."""
         loaders = self.checkpoint_loaders()
         loaded: set[str] = set()
-        for name, tensor in self.checkpoint_tensors(weights):
+        for name, tensor in self.quant.prepare(self.checkpoint_tensors(weights), loaders):
             if name == "rope_freqs.weight":  # a GGUF's Llama 3 scaling: the global table's
                 self.model.rotary_emb.freq_factors.copy_(_whole(tensor))
                 continue
