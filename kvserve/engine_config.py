@@ -92,6 +92,18 @@ class EngineConfig:
                                        "contiguous range of the layers; one batch in flight "
                                        "per stage)",
                                        aliases=["-pp"])
+    enable_expert_parallel: bool = _opt(
+        False, "mixture-of-experts layers split by expert over the tensor-parallel ranks "
+        "(attention still by heads): each rank holds whole experts and runs the tokens routed "
+        "to them; the ranks' outputs are summed by the layer's one all-reduce")
+    enable_eplb: bool = _opt(
+        False, "expert-parallel load balancing: every --eplb-config step_interval steps, "
+        "copies of the experts are re-placed over the ranks from the tokens each took "
+        "(needs --enable-expert-parallel; outputs do not change)")
+    eplb_config: str | None = _opt(
+        None, "vLLM's --eplb-config JSON: {\"step_interval\": 3000, "
+        "\"num_redundant_experts\": 0, \"window_size\": (= step_interval), "
+        "\"log_balancedness\": false}")
     distributed_executor_backend: str | None = _opt(
         None, "where the model runs: uni (in the engine core's process), mp (one worker "
         "process per rank on this host) or ray (one Ray actor per rank, on the cluster "
@@ -170,6 +182,13 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config",
                            speculative_config_text(self.speculative_config))
+        from kvserve.distributed.eplb_config import eplb_config_text
+
+        object.__setattr__(self, "eplb_config", eplb_config_text(self.eplb_config))
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("--enable-eplb needs --enable-expert-parallel")
+        if self.eplb().num_redundant_experts and not self.enable_eplb:
+            raise ValueError("eplb_config's num_redundant_experts needs --enable-eplb")
         from kvserve.quant import check_quantization_device
 
         check_quantization_device(self.quantization, self.device)
@@ -186,6 +205,12 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")
+
+    def eplb(self):
+        """The parsed --eplb-config (distributed/eplb_config.py)."""
+        from kvserve.distributed.eplb_config import parse_eplb_config
+
+        return parse_eplb_config(self.eplb_config)
 
     def transfer_config(self):
         """The engine's KV connector settings (kv_transfer/config.py), offload tiers

@@ -48,11 +48,12 @@ DECODE_STEPS = 4
 PROMPT_ROWS = [*range(len(PROMPTS)), *range(len(PROMPTS) * 3 // 2, 2 * len(PROMPTS))]
 
 
-def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DECODE_STEPS
-               ) -> tuple[list[list[int]], torch.Tensor]:
+def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DECODE_STEPS,
+               between_steps=lambda step: None) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens and every step's last-position logits over: the first half of the prompts
     whole beside the first halves of the others; then decodes of the first half beside the
-    other halves' second chunks; then `decode_steps` decodes of all."""
+    other halves' second chunks; then `decode_steps` decodes of all. `between_steps(n)` runs
+    after step n (from 1)."""
     count = len(prompts)
     loop = PagedLoop(model, count, max(len(p) for p in prompts) + decode_steps + 2)
     first, rest, everyone = range(count // 2), range(count // 2, count), list(range(count))
@@ -60,16 +61,19 @@ def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DE
     chunks = [prompts[i] for i in first] + [prompts[i][: halves[i]] for i in rest]
     lengths = [len(prompts[i]) for i in first] + [halves[i] for i in rest]
     step_logits = [torch.stack(loop.step(chunks, lengths, everyone))]
+    between_steps(1)
     tokens = [[int(step_logits[0][i].argmax())] for i in first]
     chunks = [[t[-1]] for t in tokens] + [prompts[i][halves[i]:] for i in rest]
     lengths = [len(prompts[i]) + 1 for i in first] + [len(prompts[i]) for i in rest]
     step_logits.append(torch.stack(loop.step(chunks, lengths, everyone)))
+    between_steps(2)
     tokens = [t + [int(step_logits[1][i].argmax())] for i, t in enumerate(tokens)]
     tokens += [[int(step_logits[1][i].argmax())] for i in rest]
     for _ in range(decode_steps):
         lengths = [len(prompts[i]) + len(tokens[i]) for i in everyone]
         logits = torch.stack(loop.step([[t[-1]] for t in tokens], lengths, everyone))
         step_logits.append(logits)
+        between_steps(len(step_logits))
         tokens = [t + [int(logits[i].argmax())] for i, t in enumerate(tokens)]
     return tokens, torch.cat(step_logits)
 

@@ -44,6 +44,11 @@ class ParallelContext:
     # decoder layers per stage (set by the loader, which knows the quantization); None: the
     # default split of sharding.stage_layer_counts
     layer_partition: tuple[int, ...] | None = None
+    # mixtures of experts split by expert over the tensor-parallel group, attention still by
+    # heads (vLLM's --enable-expert-parallel), with this many extra copies of busy experts
+    # (EPLB's redundant experts; models/layers/expert_parallel.py)
+    expert_parallel: bool = False
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

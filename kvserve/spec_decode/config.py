@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvserve.options import json_option_text
+
 METHODS = ("ngram", "suffix", "draft_model")
 
 
@@ -78,7 +80,4 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
 
 def speculative_config_text(value: str | dict | None) -> str | None:
     """The config as JSON text (EngineConfig keeps text: it crosses processes), checked."""
-    if value is None or value == "":
-        return None
-    parse_speculative_config(value)
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return json_option_text(value, parse_speculative_config)

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import zmq
@@ -81,11 +82,30 @@ class Worker:
             self.parallel = init_distributed(
                 rank, world_size, init_method, device=config.device,
                 pipeline_parallel_size=config.pipeline_parallel_size)
+            self.parallel = _with_expert_parallel(self.parallel, config)
         self.loaded = load_engine_model(config, self.parallel)
+        # EPLB: every rank re-places its experts at the same step (they all run every step)
+        self.rebalance_every = config.eplb().step_interval if config.enable_eplb else 0
+        self.log_balancedness = config.eplb().log_balancedness
+        self.steps = 0
         self.requests: dict[str, CachedRequestState] = {}
         self.runner = None
         self.kv_connector = _make_kv_connector(config, rank)
         self._kv_report: KVConnectorOutput | None = None  # finished since the core last asked
+
+    def _count_step(self, ran: bool) -> None:
+        """EPLB's clock: steps that ran the model; each `rebalance_every`-th rebalances."""
+        if not ran or not self.rebalance_every:
+            return
+        self.steps += 1
+        if self.steps % self.rebalance_every == 0:
+            start = time.perf_counter()
+            moved = self.loaded.model.rebalance_experts()
+            logger.info("EPLB at step %d: %d mixture layers re-placed their experts in %.3fs",
+                        self.steps, moved, time.perf_counter() - start)
+            if self.log_balancedness:
+                logger.info("EPLB balancedness (mean / max tokens a rank took, per layer, "
+                            "placement before -> after): %s", self.loaded.model.balancedness())
 
     def ready_message(self) -> WorkerReady:
         from kvserve.worker.model_loading import kv_page_bytes
@@ -158,6 +178,7 @@ class Worker:
                     self.grammar.prefetch(new.params)
         scheduled = [self._scheduled(item) for item in step.scheduled]
         output = self.runner.execute(RunnerInput(scheduled, step.finished_ids))
+        self._count_step(bool(step.scheduled))
         if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
             return None
         for request_id, tokens in output.sampled_token_ids.items():
@@ -265,6 +286,17 @@ def run_worker(config: EngineConfig, input_address: str, output_address: str, ra
     outputs.close()
     inputs.close(linger=0)
     context.term()
+
+
+def _with_expert_parallel(parallel, config: EngineConfig):
+    """The rank's context with expert parallelism as the options ask (the experts split over
+    the tensor-parallel group, EPLB's redundant copies among them)."""
+    if not config.enable_expert_parallel:
+        return parallel
+    import dataclasses
+
+    redundant = config.eplb().num_redundant_experts if config.enable_eplb else 0
+    return dataclasses.replace(parallel, expert_parallel=True, redundant_experts=redundant)
 
 
 def main(argv: list[str]) -> None:

@@ -159,12 +159,38 @@ class CausalLM(nn.Module):
         model = self.model
         match = _LAYER_INDEX.match(name)
         if match:
-            return model.start_layer <= int(match[1]) < model.end_layer
+            return model.start_layer <= int(match[1]) < model.end_layer and \
+                not name.startswith(self._not_held())
         if name.startswith("model.embed_tokens."):
             return model.holds_embedding
         if name.startswith(("model.norm.", "lm_head.")):
             return model.is_last_stage
         return True
+
+    def _not_held(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes of what this rank's layers leave to other ranks (experts
+        under expert parallelism), asked of the layers once."""
+        if getattr(self, "_not_held_prefixes", None) is None:
+            self._not_held_prefixes = tuple(
+                prefix for name, module in self.named_modules()
+                if hasattr(module, "not_held") for prefix in module.not_held(name))
+        return self._not_held_prefixes
+
+    def rebalance_experts(self) -> int:
+        """EPLB's periodic step (expert parallelism): each mixture layer re-places its experts
+        for the load it measured; the number of layers whose placement changed."""
+        moved = sum(bool(module.rebalance()) for module in self.modules()
+                    if hasattr(module, "rebalance"))
+        self._not_held_prefixes = None
+        return moved
+
+    def balancedness(self) -> dict[int, tuple[float, float]]:
+        """Per mixture layer (by index) under EPLB, the last rebalance's balancedness before
+        and after: mean / max of the tokens the ranks' copies took over its window."""
+        return {index: module.ep.balancedness
+                for index in range(self.model.start_layer, self.model.end_layer)
+                for module in self.model.layers[index].modules()
+                if getattr(module, "ep", None) is not None and module.ep.balancedness}
 
     def checkpoint_loaders(self) -> dict[str, tuple]:
         """Every checkpoint name this stage takes -> (kind, target...): ("linear", layer, part,

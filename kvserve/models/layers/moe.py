@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed.parallel_state import ParallelContext, active
+from kvserve.models.layers.expert_parallel import AbsentExpert, ExpertParallel
 from kvserve.models.layers.mlp import GatedMLP
 from kvserve.quant import QuantPolicy
 
@@ -60,10 +61,14 @@ class SparseMoE(nn.Module):
         self.normalize_top_k = normalize_top_k
         self.tp = active(parallel)
         self.gate = GateWeight(num_experts, hidden_size, router_bias)
+        # expert parallelism: whole experts per rank, the others absent (expert_parallel.py)
+        self.ep = ExpertParallel(self.tp, num_experts, self.tp.redundant_experts) \
+            if self.tp is not None and self.tp.expert_parallel else None
+        expert_split = None if self.ep is not None else parallel
         self.experts = nn.ModuleList(
             self._expert(hidden_size, intermediate_size, activation, quant,
-                         f"{prefix}.experts.{index}", parallel, expert_names, expert_bias,
-                         swiglu)
+                         f"{prefix}.experts.{index}", expert_split, expert_names, expert_bias,
+                         swiglu) if self.ep is None or self.ep.holds(index) else AbsentExpert()
             for index in range(num_experts))
         # tokens routed to each expert since the model was built (top-k slots: a token counts
         # once per expert it takes); /metrics reads them (`expert_counts`). Made on the first
@@ -93,6 +98,19 @@ class SparseMoE(nn.Module):
         if self.routed_tokens is None:
             return [0] * self.num_experts
         return self.routed_tokens.tolist()
+
+    def not_held(self, name: str) -> list[str]:
+        """Checkpoint name prefixes of the experts this rank does not hold (under `name`, this
+        layer's module path)."""
+        return [f"{name}.experts.{index}." for index, expert in enumerate(self.experts)
+                if isinstance(expert, AbsentExpert)]
+
+    def rebalance(self) -> bool:
+        """EPLB: re-place the experts' copies over the ranks for the load since the last
+        rebalance (every rank calls this at the same step); False where nothing moved."""
+        if self.ep is None:
+            return False
+        return self.ep.rebalance(self.experts, self._counters())
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (float32): softmax over
@@ -135,6 +153,8 @@ class SparseMoE(nn.Module):
     def _build_fused(self, kernels):
         if os.environ.get("KVSERVE_FUSED_MOE", "1") == "0" or not hasattr(kernels, "MoeLayer"):
             return None
+        if self.ep is not None:
+            return None  # the C++ layer runs every expert
         if self.shared_expert is not None and self.shared_expert_gate is None:
             return None  # the C++ layer gates its shared expert
         experts = [self._stack_linears(expert, kernels) for expert in self.experts]
@@ -172,9 +192,12 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(hidden)
         out = torch.zeros(hidden.shape, dtype=torch.float32)
         flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counted = torch.bincount(flat, minlength=self.num_experts)
         self._counters().add_(counted)
+        if self.ep is not None:  # only the pairs this rank's copies compute
+            flat = torch.where(self.ep.owned(experts).flatten(), flat, self.num_experts)
+            counted = torch.bincount(flat, minlength=self.num_experts + 1)[:-1]
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = counted.tolist()
         tokens = order // self.top_k
         flat_weights = weights.flatten()[order]
