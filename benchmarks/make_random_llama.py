@@ -8,7 +8,7 @@ shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generato
 
 Usage: make_random_llama.py SHAPE OUTDIR
        (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l |
-               gpt-oss-4l | deepseek-v2-3l)
+               qwen3-moe-gqa-twin-3l | gpt-oss-4l | deepseek-v2-3l)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -48,6 +48,16 @@ SHAPES = {
                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                          norm_topk_prob=True, tie_word_embeddings=False, vocab_size=49152,
                          rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # deepseek-v2-3l's twin with grouped-query attention instead of latent attention (16 query
+    # heads, 8 KV heads of 128: 4,096 KV bytes a token and layer in bf16 against MLA's 1,152),
+    # its experts (64 of 1408, 6 a token) in every layer, no shared expert: for
+    # benchmarks/mla_concurrency.py, where only the cache differs in what it measures
+    "qwen3-moe-gqa-twin-3l": dict(hidden_size=2048, intermediate_size=10944,
+                                  num_hidden_layers=3, num_attention_heads=16,
+                                  num_key_value_heads=8, head_dim=128, num_experts=64,
+                                  num_experts_per_tok=6, moe_intermediate_size=1408,
+                                  norm_topk_prob=False, tie_word_embeddings=False,
+                                  vocab_size=49152, rope_theta=10000.0, rms_norm_eps=1e-6),
     # gpt-oss-20b's layer (32 experts of 2880, 4 a token, 64 query / 8 KV heads of 64, sinks,
     # biases, a 128-token window on every other layer) for 4 of its 24 layers: 3.6B parameters
     "gpt-oss-4l": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,

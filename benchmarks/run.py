@@ -108,6 +108,13 @@ SYSTEMS = {
     # tensor parallel over 3 worker processes on this host (SmolLM2's 9 heads / 3 KV heads)
     "kvserve-tp3": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-tp", "3"],
+    # a mixture of experts over 2 worker processes: every layer split by heads and experts'
+    # widths (tp2), or attention by heads and experts whole per rank (ep2; issue 56)
+    "kvserve-tp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--disable-log-requests", "-tp", "2"],
+    "kvserve-ep2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--disable-log-requests", "-tp", "2",
+                                 "--enable-expert-parallel"],
     # pipeline stages: 2 worker processes, one batch in flight per stage (issue 13)
     "kvserve-pp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-pp", "2"],

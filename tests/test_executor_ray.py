@@ -175,3 +175,25 @@ def test_killed_actor_raises_worker_died(ray_cluster, tiny_model_dir):
         executor.check_health()
     llm.shutdown()
     _assert_released(executor)
+
+
+@pytest.mark.slow
+def test_ray_actors_run_expert_parallel_with_eplb(ray_cluster, tmp_path, tokenizer,
+                                                  mixed_workload_reference):
+    """DeepSeek-V3 over two Ray actors with its experts split whole between them and EPLB
+    re-placing two redundant copies every 4 steps (point to point between the actors): one
+    process's tokens and logprobs (the mp executor's test: tests/test_expert_parallel.py)."""
+    from tests.helpers import save_hf_checkpoint
+    from tests.test_expert_parallel import _deepseek
+
+    save_hf_checkpoint(_deepseek(2, 49152), tmp_path, tokenizer)
+    reference = mixed_workload_reference(tmp_path)[:2]
+    llm = _ray_llm(tmp_path, "thread", tensor_parallel_size=2, enable_expert_parallel=True,
+                   enable_eplb=True,
+                   eplb_config={"step_interval": 4, "num_redundant_experts": 2})
+    executor = llm.llm_engine.engine_core.executor
+    try:
+        _assert_matches(llm, reference)
+    finally:
+        llm.shutdown()
+    _assert_released(executor)
