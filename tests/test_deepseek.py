@@ -156,6 +156,27 @@ def test_routing_spreads_over_groups_and_experts(case):
                                    torch.full((len(hidden),), moe.routed_scaling_factor))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_layer_routes_as_the_python_loop(case, dtype):
+    """The C++ mixture with DeepSeek's routing (`set_group_limited_routing`): the same experts
+    for every token (the routed-token counters agree) and the same output as the Python loop,
+    to float rounding, over a prompt's tokens."""
+    model = _model(case, dtype=dtype)
+    moe = next(m for m in model.modules() if type(m).__name__ == "GroupLimitedMoE")
+    kernels = model.kernel_ops
+    assert moe.fused(kernels) is not None
+    hidden = model.model.embed(torch.tensor(case["prompts"][2])).to(getattr(torch, dtype))
+    moe.routed_tokens = None
+    expected = moe.run_loop(model.model.layer_ops, hidden)
+    loop_counts = moe.routed_tokens.clone()
+    moe.routed_tokens.zero_()
+    moe.reset_fused()
+    got = moe.fused(kernels).forward(hidden)
+    assert torch.equal(moe.routed_tokens, loop_counts)
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.slow
 def test_engine_chunked_prefill_and_prefix_hits_match_hf(case):
     assert_engine_chunked_and_cached_match(case["dir"], case["prompts"], case["tokens"],

@@ -1241,6 +1241,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate") = py::none(), py::arg("router_bias") = py::none(),
            py::arg("swiglu_alpha") = 1.702, py::arg("swiglu_limit") = 7.0,
            py::arg("grouped") = true)
+      .def("set_group_limited_routing",
+           [](kvserve::MoeLayer& layer, std::string scoring, int64_t groups, int64_t topk_groups,
+              c10::optional<at::Tensor> correction_bias, double routed_scaling) {
+             layer.group_limited = true;
+             layer.scoring = std::move(scoring);
+             layer.groups = groups, layer.topk_groups = topk_groups;
+             layer.correction_bias = std::move(correction_bias);
+             layer.routed_scaling = routed_scaling;
+             layer.check();
+           },
+           "DeepSeek's routing in place of softmax top k (moe.h: group_limited)",
+           py::arg("scoring"), py::arg("groups"), py::arg("topk_groups"),
+           py::arg("correction_bias"), py::arg("routed_scaling"))
       .def("forward", &kvserve::MoeLayer::forward,
            "routing, the active experts over their tokens, the weighted sum: [T, H] -> [T, H]",
            py::call_guard<py::gil_scoped_release>());

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include <omp.h>
@@ -34,6 +35,68 @@ struct Routes {
   std::vector<float> weight;
 };
 
+// Indices [0, n) sorted by value, descending, ties to the lower index (torch's stable sort).
+void rank_descending(const std::vector<float>& value, std::vector<int64_t>& order, int64_t n,
+                     int64_t first) {
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + first, order.end(), [&](int64_t a, int64_t b) {
+    return value[a] > value[b] || (value[a] == value[b] && a < b);
+  });
+}
+
+// DeepSeek's routing of one token from its float32 router logits (moe.h: group_limited).
+void route_group_limited(const MoeLayer& moe, std::vector<float>& score, int64_t t,
+                         Routes& routes) {
+  const int64_t experts = static_cast<int64_t>(score.size()), k = moe.top_k;
+  const int64_t per_group = experts / moe.groups;
+  const bool sigmoid = moe.scoring == "sigmoid";
+  std::vector<float> choice(experts);
+  if (sigmoid) {
+    const float* bias = moe.correction_bias ? moe.correction_bias->data_ptr<float>() : nullptr;
+    for (int64_t e = 0; e < experts; ++e) {
+      score[e] = 1.f / (1.f + std::exp(-score[e]));
+      choice[e] = score[e] + (bias ? bias[e] : 0.f);
+    }
+  } else {
+    const float peak = *std::max_element(score.begin(), score.end());
+    float sum = 0.f;
+    for (float& s : score) sum += (s = std::exp(s - peak));
+    for (int64_t e = 0; e < experts; ++e) choice[e] = score[e] /= sum;
+  }
+  std::vector<float> rating(moe.groups);
+  std::vector<int64_t> order;
+  for (int64_t g = 0; g < moe.groups; ++g) {
+    const float* first = choice.data() + g * per_group;
+    if (sigmoid) {  // the sum of the group's best two
+      std::vector<float> members(first, first + per_group);
+      const int64_t two = std::min<int64_t>(2, per_group);
+      std::partial_sort(members.begin(), members.begin() + two, members.end(),
+                        std::greater<float>());
+      rating[g] = two == 2 ? members[0] + members[1] : members[0];
+    } else {
+      rating[g] = *std::max_element(first, first + per_group);
+    }
+  }
+  rank_descending(rating, order, moe.groups, moe.topk_groups);
+  std::vector<bool> kept(moe.groups, false);
+  for (int64_t j = 0; j < moe.topk_groups; ++j) kept[order[j]] = true;
+  for (int64_t e = 0; e < experts; ++e)
+    if (!kept[e / per_group]) choice[e] = sigmoid ? -INFINITY : 0.f;
+  rank_descending(choice, order, experts, k);
+  float chosen = 0.f;
+  for (int64_t j = 0; j < k; ++j) chosen += score[order[j]];
+  const bool renormalise = sigmoid && moe.normalize_top_k;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = order[j];
+    const float weight = sigmoid ? score[e] : choice[e];
+    routes.expert[t * k + j] = e;
+    routes.weight[t * k + j] =
+        static_cast<float>((renormalise ? weight / (chosen + 1e-20f) : weight) *
+                           moe.routed_scaling);
+  }
+}
+
 template <typename T>
 void route_rows(const MoeLayer& moe, const at::Tensor& x, int64_t begin, int64_t end,
                 Routes& routes) {
@@ -45,6 +108,12 @@ void route_rows(const MoeLayer& moe, const at::Tensor& x, int64_t begin, int64_t
     const T* row = x.data_ptr<T>() + t * x.stride(0);
     float peak = -INFINITY;
     const float* bias = moe.router_bias ? moe.router_bias->data_ptr<float>() : nullptr;
+    if (moe.group_limited) {  // float32 logits, DeepSeek's choice
+      for (int64_t e = 0; e < experts; ++e)
+        probabilities[e] = dot(row, router + e * hidden, hidden);
+      route_group_limited(moe, probabilities, t, routes);
+      continue;
+    }
     for (int64_t e = 0; e < experts; ++e) {
       const float logit = dot(row, router + e * hidden, hidden) + (bias ? bias[e] : 0.f);
       probabilities[e] = as_dtype(logit, x.scalar_type());
@@ -426,8 +495,18 @@ void MoeLayer::check() const {
   TORCH_CHECK(routed_tokens.scalar_type() == at::kLong && routed_tokens.numel() == experts,
               "moe: routed_tokens must be int64 [E]");
   TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
-                  shared_gate_up.has_value() == shared_gate.has_value(),
-              "moe: a shared expert needs its gate_up, down and gate");
+                  (shared_gate_up.has_value() || !shared_gate.has_value()),
+              "moe: a shared expert needs its gate_up and down (its gate is optional)");
+  TORCH_CHECK(!group_limited ||
+                  ((scoring == "softmax" || scoring == "sigmoid") && groups >= 1 &&
+                   experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups &&
+                   top_k <= topk_groups * (experts / groups)),
+              "moe: group-limited routing needs softmax or sigmoid scoring, groups dividing the ",
+              experts, " experts, and top_k within the kept groups");
+  TORCH_CHECK(!correction_bias || (correction_bias->scalar_type() == at::kFloat &&
+                                   correction_bias->is_contiguous() &&
+                                   correction_bias->numel() == experts),
+              "moe: the correction bias must be contiguous float32 [E]");
   for (const auto* linears : {&gate_up, &down})
     for (const StackLinear& linear : *linears)
       TORCH_CHECK(StackLinear::known_kind(linear.kind), "moe: unknown projection kind ",
@@ -451,7 +530,7 @@ at::Tensor MoeLayer::forward(const at::Tensor& x) const {
     std::vector<int64_t> all(tokens);
     std::iota(all.begin(), all.end(), 0);
     add_weighted(out.data_ptr<float>(), expert_mlp(*this, *shared_gate_up, *shared_down, x), all,
-                 shared_gates(x, *shared_gate));
+                 shared_gate ? shared_gates(x, *shared_gate) : std::vector<float>(tokens, 1.f));
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

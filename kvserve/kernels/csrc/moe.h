@@ -23,9 +23,21 @@ struct MoeLayer {
   std::string activation = "silu";
   double swiglu_alpha = 1.702, swiglu_limit = 7.0;
   std::vector<StackLinear> gate_up, down;  // expert e's projections
-  // a shared expert every token takes, scaled by sigmoid(x . shared_gate) (Qwen2-MoE)
+  // a shared expert every token takes, scaled by sigmoid(x . shared_gate) (Qwen2-MoE), or as
+  // it is without a gate (DeepSeek)
   c10::optional<StackLinear> shared_gate_up, shared_down;
   c10::optional<at::Tensor> shared_gate;  // float32 [H]
+  // DeepSeek's group-limited routing (models/families/deepseek.py's GroupLimitedMoE), in
+  // place of softmax top k: router logits in float32; "softmax" scoring (V2: a group rated by
+  // its best expert, the other groups' experts scored 0, the top k's probabilities as they are)
+  // or "sigmoid" (V3: sigmoid + correction bias choose, a group rated by the sum of its best
+  // two, the chosen experts' sigmoid scores, renormalised where normalize_top_k); the top
+  // `topk_groups` of `groups` equal groups kept; the weights times routed_scaling
+  bool group_limited = false;
+  std::string scoring = "softmax";
+  int64_t groups = 1, topk_groups = 1;
+  c10::optional<at::Tensor> correction_bias;  // float32 [E]
+  double routed_scaling = 1.0;
   at::Tensor routed_tokens;  // int64 [E]: += each call's tokens routed to each expert
   // the active experts' projections with span kernels run in one parallel region each (x
   // quantized once); false: each expert's own projection calls (KVSERVE_GROUPED_MOE=0). The

@@ -5,8 +5,9 @@ among the experts of the best `topk_group` of `n_group` groups (a group scored b
 experts), the chosen experts weighted by their uncorrected scores, renormalised and scaled by
 `routed_scaling_factor`, plus ungated shared experts (HF's DeepseekV3TopkRouter, op for op).
 
-The router and its choice run in float32 as HF's do; the experts through the shared MoE layer's
-Python loop (the fused C++ layer routes by softmax only)."""
+The router and its choice run in float32 as HF's do, in Python (`route`, the reference) and in
+the fused C++ layer (`set_group_limited_routing`, kernels/csrc/moe.cpp), which the engine runs
+where it can, as for every mixture."""
 
 from __future__ import annotations
 
@@ -70,7 +71,15 @@ class GroupLimitedMoE(SparseMoE):
         return kept.repeat_interleave(per_group.shape[-1], dim=1)
 
     def _build_fused(self, kernels):
-        return None  # the C++ layer routes by softmax top-k only
+        """The C++ layer with this routing (kernels/csrc/moe.h: group_limited)."""
+        fused = super()._build_fused(kernels)
+        if fused is not None:
+            bias = getattr(self.gate, "e_score_correction_bias", None)
+            fused.set_group_limited_routing(
+                "sigmoid" if self.sigmoid else "softmax", self.groups, self.topk_groups,
+                None if bias is None else bias.float().contiguous(),
+                self.routed_scaling_factor)
+        return fused
 
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):

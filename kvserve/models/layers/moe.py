@@ -155,8 +155,6 @@ class SparseMoE(nn.Module):
             return None
         if self.ep is not None:
             return None  # the C++ layer runs every expert
-        if self.shared_expert is not None and self.shared_expert_gate is None:
-            return None  # the C++ layer gates its shared expert
         experts = [self._stack_linears(expert, kernels) for expert in self.experts]
         shared = self._stack_linears(self.shared_expert, kernels) \
             if self.shared_expert is not None else (None, None)
