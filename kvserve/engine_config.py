@@ -53,10 +53,13 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("auto", "K/V storage: auto (bfloat16 beside float32 activations "
                                "when float32 is only the machine's default, else the "
                                "activations' dtype), float32, bfloat16 (bf16 with float32 "
-                               "activations: K/V rounded to bf16) or int8 (per token and head "
+                               "activations: K/V rounded to bf16), int8 (per token and head "
                                "symmetric int8 with a float32 scale: 68 bytes a row of 64 "
-                               "against bf16's 128; perplexity in docs/performance.md)",
-                               choices=["auto", "float32", "bfloat16", "int8"])
+                               "against bf16's 128) or fp8 (= fp8_e4m3, vLLM's names: e4m3 "
+                               "codes, scale absmax / 448, the same 68 bytes); perplexity in "
+                               "docs/performance.md",
+                               choices=["auto", "float32", "bfloat16", "int8", "fp8",
+                                        "fp8_e4m3"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (for a GGUF "
                              "in bfloat16, or in float32 where the machine has no native "
                              "bf16: gguf; else none), gguf (the file's own block types, "
@@ -192,6 +195,10 @@ class EngineConfig:
         from kvserve.quant import check_quantization_device
 
         check_quantization_device(self.quantization, self.device)
+        kv_choices = type(self).__dataclass_fields__["kv_cache_dtype"].metadata["choices"]
+        if self.kv_cache_dtype not in kv_choices:  # here, not in a worker process at load
+            raise ValueError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(kv_choices)}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         self.transfer_config()  # a bad one fails here

@@ -10,6 +10,7 @@ import time
 import torch
 
 from kvserve.kernels import isa
+from kvserve.kernels.reference import KV_ROW_DTYPES
 
 
 def cpu_has_native_bf16() -> bool:
@@ -25,13 +26,20 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, **KV_ROW_DTYPES}
+
+
 def kv_cache_dtype(choice: str, activations: torch.dtype, dtype_is_default: bool,
                    device: str) -> torch.dtype:
     """`auto`: bf16 K/V beside float32 activations when float32 is only the machine's default
     (CPUs without native bf16: half the KV bytes and twice the tokens; bf16 -> float is a shift),
-    else the activations' dtype, so an explicit `--dtype float32` stays the exact reference."""
+    else the activations' dtype, so an explicit `--dtype float32` stays the exact reference.
+    int8 and fp8 (= fp8_e4m3): quantized rows (kernels/reference.py)."""
     if choice != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[choice]
+        if choice not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {choice!r}; choose one of auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        return KV_CACHE_DTYPES[choice]
     if activations == torch.float32 and dtype_is_default and not device.startswith("cuda"):
         return torch.bfloat16
     return activations

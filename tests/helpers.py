@@ -902,3 +902,273 @@ def write_q4_k_m(path, tied: bool, seed: int = 0):
     tensors["model.norm.weight"] = np.ones(config.hidden_size, np.float32)
     write_gguf(path, config, tensors, raw_override=raw)
     return path
+
+
+# ---- quantized KV rows: the int8 and fp8 caches (tests/test_kv_int8.py, tests/test_kv_fp8.py)
+KV_HEADS_Q, KV_HEADS_KV = 6, 2  # query and KV heads of the kernel-level tests
+
+
+def quantized_kv_batch(row_dtype, act_dtype, query_lens, seq_lens, dim, block_size=4, seed=1):
+    """Scattered block tables, a cache of `row_dtype` rows (int8, or fp8 stored as uint8)
+    holding quantized random K/V, random qkv in `act_dtype`."""
+    import torch
+
+    from kvserve.attention import build_attention_metadata
+    from kvserve.kernels import reference
+
+    torch.manual_seed(seed)
+    blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
+    ids = torch.randperm(sum(blocks_needed) + 3).tolist()
+    tables, cursor = [], 0
+    for count in blocks_needed:
+        tables.append(ids[cursor:cursor + count])
+        cursor += count
+    metadata, positions = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    values = torch.randn(2, len(ids), block_size, KV_HEADS_KV, dim) * 2
+    kv_cache = reference.quantize_kv_rows(values.to(act_dtype), row_dtype)
+    qkv = torch.randn(sum(query_lens), (KV_HEADS_Q + 2 * KV_HEADS_KV) * dim, dtype=act_dtype)
+    return metadata, positions, kv_cache, qkv
+
+
+def code_ordinals(codes):
+    """Quantized codes -> their places in value order (neighbouring values differ by one): int8
+    codes as they are; an fp8 e4m3 byte's magnitude bits grow with its value, so +-(bits & 0x7F)."""
+    import torch
+
+    if codes.dtype == torch.int8:
+        return codes.int()
+    magnitude = (codes & 0x7F).int()
+    return torch.where(codes >= 0x80, -magnitude, magnitude)
+
+
+def assert_rope_and_cache_writes_the_reference_codes(compiled, row_dtype, act_dtype, dim):
+    """The compiled writer gives the reference's rows: the same bytes from float32 activations;
+    from bf16 ones RoPE may round differently and move a code to its neighbour (few do)."""
+    import torch
+
+    metadata, positions, kv_cache, qkv = quantized_kv_batch(row_dtype, act_dtype, [3, 1, 5],
+                                                            [3, 9, 12], dim)
+    qkv2, cache2 = rope_both(compiled, metadata, positions, kv_cache, qkv, KV_HEADS_Q,
+                             KV_HEADS_KV, dim)
+    tol = 1e-5 if act_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(qkv.float(), qkv2.float(), atol=tol, rtol=tol)
+    if act_dtype == torch.float32:  # the same float inputs: the same codes and scales
+        assert torch.equal(kv_cache, cache2)
+    else:
+        diff = (code_ordinals(kv_cache[..., :dim]) - code_ordinals(cache2[..., :dim])).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.05
+    written = kv_cache[0].view(-1, KV_HEADS_KV, dim + 4)[metadata.slot_mapping]
+    assert written[..., :dim].ne(0).any()
+
+
+def assert_paged_attention_matches_the_reference(compiled, row_dtype, act_dtype, dim, window,
+                                                 softcap):
+    """Decode rows, a chunk over cached context, a fresh prompt, a long decode: the kernel
+    over quantized rows within float (or bf16) rounding of the reference over the same rows."""
+    import torch
+
+    from kvserve.kernels import reference
+
+    query_lens, seq_lens = [1, 4, 6, 1, 1], [7, 10, 6, 33, 1]
+    metadata, _, kv_cache, qkv = quantized_kv_batch(row_dtype, act_dtype, query_lens, seq_lens,
+                                                    dim)
+    seq_ids = torch.arange(len(query_lens), dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            KV_HEADS_Q, KV_HEADS_KV, dim, dim**-0.5, window, softcap)
+    out = torch.zeros(qkv.shape[0], KV_HEADS_Q * dim, dtype=act_dtype)
+    expected = torch.zeros(qkv.shape[0], KV_HEADS_Q * dim)
+    compiled.paged_attention_(qkv, kv_cache, out, *args)
+    reference.paged_attention_(qkv.float(), kv_cache, expected, *args)
+    tol = 1e-4 if act_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def quantized_attention_error(compiled, row_dtype) -> tuple[float, float]:
+    """The quantization's own error: the largest and the mean difference between attention
+    over quantized rows (the kernel) and over the float values they came from (what the
+    perplexity bounds measure on the real models)."""
+    import torch
+
+    from kvserve.kernels import reference
+
+    torch.manual_seed(3)
+    query_lens, seq_lens, dim = [1, 1, 8], [40, 90, 8], 64
+    metadata, _, _, qkv = quantized_kv_batch(row_dtype, torch.float32, query_lens, seq_lens, dim)
+    values = torch.randn(2, metadata.block_tables.max() + 1, 4, KV_HEADS_KV, dim)
+    seq_ids = torch.arange(3, dtype=torch.int32)
+    args = (seq_ids, metadata.query_start_loc.long(), metadata.seq_lens, metadata.block_tables,
+            KV_HEADS_Q, KV_HEADS_KV, dim, dim**-0.5, 0)
+    exact, quantized = (torch.zeros(qkv.shape[0], KV_HEADS_Q * dim) for _ in range(2))
+    reference.paged_attention_(qkv, values, exact, *args)
+    compiled.paged_attention_(qkv, reference.quantize_kv_rows(values, row_dtype), quantized,
+                              *args)
+    error = (quantized - exact).abs()
+    return float(error.max()), float(error.mean())
+
+
+def assert_flash_path_reads_a_dequantized_copy(compiled, row_dtype, dim):
+    """Prompt chunks take the flash kernel with bf16 activations; over a quantized cache it
+    reads the sequences' blocks dequantized (PagedBackend), within bf16 rounding of the
+    reference."""
+    import pytest
+    import torch
+
+    from kvserve.attention.paged import PagedBackend
+    from kvserve.kernels import reference
+
+    if not compiled.flash_attention_supported(dim):
+        pytest.skip(f"no flash kernel in the {compiled.isa} build")
+    query_lens, seq_lens = [17, 1, 40, 5], [17, 50, 100, 9]
+    metadata, _, kv_cache, qkv = quantized_kv_batch(row_dtype, torch.bfloat16, query_lens,
+                                                    seq_lens, dim)
+    out = PagedBackend(compiled).attend(qkv, kv_cache, metadata, KV_HEADS_Q, KV_HEADS_KV, dim,
+                                        dim**-0.5)
+    assert metadata.plan.flash_seq_ids.tolist() == [0, 2, 3]
+    expected = torch.zeros(qkv.shape[0], KV_HEADS_Q * dim)
+    reference.paged_attention_(qkv.float(), kv_cache, expected,
+                               torch.arange(4, dtype=torch.int32),
+                               metadata.query_start_loc.long(), metadata.seq_lens,
+                               metadata.block_tables, KV_HEADS_Q, KV_HEADS_KV, dim, dim**-0.5, 0)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def assert_kernels_refuse_rows_of_the_wrong_width(compiled, row_dtype):
+    import pytest
+    import torch
+
+    metadata, positions, kv_cache, qkv = quantized_kv_batch(row_dtype, torch.float32, [1], [5],
+                                                            32)
+    with pytest.raises(RuntimeError, match="row"):
+        compiled.rope_and_cache_(qkv, positions, torch.randn(16, 32), kv_cache[..., :32].clone(),
+                                 metadata.slot_mapping, KV_HEADS_Q, KV_HEADS_KV, 32)
+    out = torch.zeros(1, KV_HEADS_Q * 32)
+    with pytest.raises(RuntimeError, match="row"):
+        compiled.paged_attention_(qkv, kv_cache[..., :32].clone(), out,
+                                  torch.zeros(1, dtype=torch.int32),
+                                  metadata.query_start_loc.long(), metadata.seq_lens,
+                                  metadata.block_tables, KV_HEADS_Q, KV_HEADS_KV, 32, 0.1, 0)
+
+
+def equal_up_to_near_ties(expected, got, near_tie: float) -> list[int]:
+    """Completion outputs (`expected` with logprobs >= 2) against others for the same prompts:
+    each pair's tokens equal, or first different at a step where `expected`'s own top two
+    logprobs were within `near_tie` nats. Returns how many leading tokens each pair shares."""
+    shared = []
+    for want, have in zip(expected, got):
+        pairs = list(zip(want.token_ids, have.token_ids))
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        shared.append(first)
+        if first < len(pairs):
+            top_two = sorted((p.logprob for p in want.logprobs[first].values()), reverse=True)
+            assert top_two[0] - top_two[1] < near_tie, (first, top_two)
+    return shared
+
+
+def assert_chunked_prompts_give_their_tokens_again(model_dir, tokenizer, kv_cache_dtype,
+                                                   near_tie: float = 0.0):
+    """float32 activations over a quantized cache: prompts chunked by a 32-token budget give
+    the same greedy tokens when served again over their cached blocks (the same kernels read
+    the same codes), up to a step where the first pass's top two were within `near_tie` nats,
+    and begin as the prompts prefilled whole do (their first 4 tokens). Not token for token to
+    the end: the whole prompt's attention (SDPA) and the chunks' (the paged kernel) sum in
+    different orders, and so do decode steps of other batch sizes; where float32 KV would
+    differ in a last bit, a value near a rounding boundary can take the neighbouring code, and a
+    near-tie then flips a later token (int8: seen on the AVX2 build at the 7th token of one
+    prompt; float32 KV gives all 36 tokens equal there; fp8, whose codes are coarser: the 9th
+    token of one prompt, at a margin of 0.022 nats)."""
+    from kvserve import LLM, SamplingParams
+
+    text = tokenizer.encode(long_text(), add_special_tokens=False)
+    prompts = [{"prompt_token_ids": text[i * 90:(i + 1) * 90 + 40]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    common = dict(model=str(model_dir), dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                  block_size=16, num_kv_blocks=64, max_model_len=256, engine_core="thread")
+    with LLM(enable_prefix_caching=False, **common) as whole:
+        expected = [r.outputs[0].token_ids for r in whole.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    with LLM(enable_prefix_caching=True, max_num_batched_tokens=32, **common) as chunked:
+        first = [r.outputs[0] for r in chunked.generate(prompts, params, use_tqdm=False)]
+        again = [r.outputs[0] for r in chunked.generate(prompts, params, use_tqdm=False)]
+        assert chunked.llm_engine.engine_core.kv_manager.stats.hits > 0
+    equal_up_to_near_ties(first, again, near_tie)
+    assert [o.token_ids[:4] for o in first] == [tokens[:4] for tokens in expected]
+
+
+def assert_blocks_go_to_a_ram_tier_and_come_back(model_dir, tokenizer, kv_cache_dtype):
+    """Tiers copy whole blocks, codes and scales together: prefixes evicted from a small
+    quantized pool come back from the RAM tier as cached tokens with the roomy pool's tokens;
+    the small pool preempts too (requests computed again), with the same tokens."""
+    from kvserve import LLM, SamplingParams
+
+    words = tokenizer.encode(" ".join(f"word{i}" for i in range(600)), add_special_tokens=False)
+    prompts = [{"prompt_token_ids": words[i * 80:(i + 1) * 80]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(model=str(model_dir), dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                  block_size=16, engine_core="thread")
+
+    def run(engine, batch):
+        return [engine.generate(p, params, use_tqdm=False)[0] for p in batch]
+
+    with LLM(num_kv_blocks=256, enable_prefix_caching=False, **common) as roomy:
+        expected = [o.outputs[0].token_ids for o in run(roomy, prompts)]
+    with LLM(num_kv_blocks=16, max_model_len=128, kv_offload_ram_bytes=8 << 20,
+             kv_offload_load_policy="always", **common) as small:
+        first, again = run(small, prompts), run(small, prompts[:3])
+        stats = small.llm_engine.engine_core.scheduler.connector.stats
+        together = small.generate(prompts, params, use_tqdm=False)
+        assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in first + again] == expected + expected[:3]
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert all(o.num_cached_tokens >= 64 for o in again)
+    assert stats["loaded_blocks"] >= 12 and stats["failed_loads"] == 0
+
+
+def sink_key_shift_errors(row_dtype):
+    """Streaming's key shift (attention sinks) on quantized rows: keys written at p + 37 and
+    rotated back against the keys written at p, each row's largest difference over its largest
+    value; asserts the values kept their bytes."""
+    import torch
+
+    from kvserve.attention import build_attention_metadata
+    from kvserve.attention.kv_tensors import allocate_kv_caches
+    from kvserve.kernels import reference
+    from kvserve.models import random_model
+    from kvserve.testing.tiny import tiny_config
+
+    model = random_model(tiny_config(), "float32", seed=0)
+    caches = allocate_kv_caches(model.kv_page_layouts(row_dtype), 8, 16)
+    model.bind_kv_cache(caches)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    for table, offset in (([0, 1, 2], 37), ([4, 5, 6], 0)):
+        metadata, positions = build_attention_metadata([40], [40], [table], 16)
+        model(ids, positions + offset, metadata)
+    values = [cache[1].clone() for cache in caches]
+    model.shift_keys([0, 1, 2], -37)
+    errors = []
+    for cache, before in zip(caches, values):
+        shifted, written = (cache[0, blocks].flatten(0, 1)[:40] for blocks in ([0, 1, 2],
+                                                                               [4, 5, 6]))
+        keys = [reference.dequantize_kv_rows(k, torch.float32) for k in (shifted, written)]
+        errors.append((keys[0] - keys[1]).abs().amax(-1) / keys[1].abs().amax(-1))
+        assert torch.equal(cache[1], before)
+    return torch.cat(errors)
+
+
+def kv_cache_perplexities(source, row_dtype, act_dtype: str = "float32", max_windows: int = 2,
+                          with_bos: bool = False) -> tuple[float, float]:
+    """Perplexity on the held-out text (kvserve.bench.perplexity, windows of 512) over a KV
+    cache in the activations' dtype and over quantized rows of `row_dtype`, the same model.
+    `with_bos`: each window starts with the tokenizer's BOS (Gemma)."""
+    import torch
+
+    from kvserve.bench.perplexity import held_out_text, perplexity
+    from kvserve.models import load_model
+    from kvserve.tokenizer import load_tokenizer
+
+    model, _ = load_model(source, act_dtype, attention_backend="paged")
+    tokenizer = load_tokenizer(source)
+    tokens = tokenizer.encode(held_out_text(), add_special_tokens=False)
+    bos = tokenizer.bos_token_id if with_bos else None
+    return tuple(perplexity(model, tokens, max_windows=max_windows, kv_dtype=kv_dtype,
+                            bos_token_id=bos)["perplexity"]
+                 for kv_dtype in (getattr(torch, act_dtype), row_dtype))

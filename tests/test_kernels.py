@@ -140,7 +140,9 @@ def test_bf16_cache_beside_float32_activations(dim, compiled):
         compiled.paged_attention_(qkv.bfloat16(), kv_cache.float(), out.bfloat16(), *args)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# int8 and fp8 (stored as uint8): quantized rows, whose passes are the same for any row count
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8,
+                                         reference.FP8_KV_DTYPE])
 @pytest.mark.parametrize("dim", [64, 128])  # the register-blocked passes
 def test_a_token_verified_among_others_gets_the_bits_of_it_decoded_alone(dim, cache_dtype,
                                                                          compiled):
@@ -155,7 +157,8 @@ def test_a_token_verified_among_others_gets_the_bits_of_it_decoded_alone(dim, ca
     query_lens = [n] + [1] * n
     seq_lens = [seq_len] + [seq_len - n + 1 + j for j in range(n)]
     metadata, _ = build_attention_metadata(query_lens, seq_lens, [table] * (n + 1), block_size)
-    kv_cache = torch.randn(2, blocks + 4, block_size, KV_HEADS, dim).to(cache_dtype)
+    kv_cache = reference.to_cache_rows(torch.randn(2, blocks + 4, block_size, KV_HEADS, dim),
+                                       cache_dtype)
     qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * dim).repeat(2, 1)  # the same queries twice
     out = torch.zeros(2 * n, HEADS * dim)
     compiled.paged_attention_(qkv, kv_cache, out, torch.arange(n + 1, dtype=torch.int32),

@@ -17,7 +17,8 @@ from kvserve.kernels.reference import kv_row_width
 @dataclass(frozen=True)
 class KVPageLayout:
     """One layer's KV page: `planes` planes (K and V: 2) of `heads` rows of `row` elements of
-    `dtype` per token; an int8 row carries its float32 scale in its last 4 bytes."""
+    `dtype` per token; a quantized row (int8, or fp8 e4m3 stored as uint8) carries its float32
+    scale in its last 4 bytes."""
 
     planes: int
     heads: int
@@ -44,7 +45,7 @@ class KVPageLayout:
 
 def attention_page_layout(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVPageLayout:
     """Standard (multi-, grouped- or multi-query) attention: K and V rows of head_dim, or for
-    int8 head_dim codes and a float32 scale's 4 bytes (reference.kv_row_width)."""
+    int8 and fp8 head_dim codes and a float32 scale's 4 bytes (reference.kv_row_width)."""
     return KVPageLayout(2, num_kv_heads, kv_row_width(head_dim, dtype), dtype)
 
 

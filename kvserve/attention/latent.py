@@ -2,8 +2,8 @@
 key's rotary parts, each new token's row (latent, RoPE key) written to its slot, then per
 sequence the absorbed form over its cached rows (models/layers/latent_attention.py says why).
 Scores and the softmax in float32, as the standard backends; the cache in the model's dtype, or
-int8 (the latent and the RoPE key each quantized per row with its scale, as kernels/reference.py
-quantizes K and V rows)."""
+int8 or fp8 e4m3 (the latent and the RoPE key each quantized per row with its scale, as
+kernels/reference.py quantizes K and V rows)."""
 
 from __future__ import annotations
 

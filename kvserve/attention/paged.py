@@ -19,7 +19,8 @@ import torch
 
 from kvserve.attention.heads import split_heads
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels.reference import as_stored, attend_fresh, dequantize_kv_rows, plain_scores
+from kvserve.kernels.reference import (as_stored, attend_fresh, dequantize_kv_rows,
+                                       is_row_quantized, plain_scores)
 from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 
 # Sequences with up to this many new tokens take the paged kernel: measured ~2x faster than
@@ -93,7 +94,7 @@ class PagedBackend:
             if not seq_ids.numel():
                 continue
             cache, tables = kv_cache, metadata.block_tables
-            if kernel is self.ops.flash_attention_ and kv_cache.dtype == torch.int8:
+            if kernel is self.ops.flash_attention_ and is_row_quantized(kv_cache.dtype):
                 cache, tables = dequantized_blocks(kv_cache, metadata, seq_ids, qkv.dtype)
             extra = {} if sinks is None else {"sinks": sinks}  # the flash kernel has none
             kernel(qkv, cache, out, seq_ids, plan.query_start_loc, metadata.seq_lens, tables,
@@ -117,7 +118,7 @@ class PagedBackend:
 
 def dequantized_blocks(kv_cache: torch.Tensor, metadata: AttentionMetadata,
                        seq_ids: torch.Tensor, dtype: torch.dtype):
-    """The blocks of the sequences in seq_ids, dequantized from an int8 cache into a dense
+    """The blocks of the sequences in seq_ids, dequantized from an int8 or fp8 cache into a dense
     [2, n * width, block_size, KVH, D] tensor of dtype, and block tables [num_seqs, width] into
     it (rows of other sequences zero). The flash kernel reads bf16 blocks; a prompt chunk's
     attention is compute-bound, so one pass over its context's codes costs little beside it.

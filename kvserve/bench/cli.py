@@ -78,7 +78,7 @@ def add_bench_parser(commands) -> None:
     ppl.add_argument("--dtype", default="auto")
     ppl.add_argument("--quantization", default="none")
     ppl.add_argument("--kv-cache-dtype", default="auto",
-                     choices=["auto", "float32", "bfloat16", "int8"],
+                     choices=["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3"],
                      help="K/V storage (auto: the engine's choice for --dtype)")
     ppl.add_argument("--window", type=int, default=512)
     ppl.add_argument("--max-windows", type=int, default=None)
@@ -258,6 +258,7 @@ def _offline(args) -> int:
 
 def _perplexity(args) -> int:
     from kvserve.bench.perplexity import held_out_text, perplexity
+    from kvserve.kernels.reference import kv_dtype_name
     from kvserve.model_source import resolve_model
     from kvserve.models.loader import load_model, resolve_dtype
     from kvserve.platform import default_dtype, kv_cache_dtype
@@ -269,7 +270,8 @@ def _perplexity(args) -> int:
     model, _ = load_model(source, dtype, attention_backend="paged",
                           quantization=args.quantization)
     tokens = load_tokenizer(source).encode(held_out_text(), add_special_tokens=False)
-    result = {"model": source.name, "dtype": str(dtype), "kv_cache_dtype": str(kv_dtype),
+    result = {"model": source.name, "dtype": str(dtype),
+              "kv_cache_dtype": kv_dtype_name(kv_dtype),
               "quantization": args.quantization,
               "chunk": args.chunk,
               **perplexity(model, tokens, args.window, max_windows=args.max_windows,

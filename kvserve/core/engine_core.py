@@ -34,6 +34,7 @@ from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
 from kvserve.executor import Executor, make_executor
 from kvserve.kernels import autotune
+from kvserve.kernels.reference import kv_dtype_name
 from kvserve.memory import check_fits, return_freed_memory
 from kvserve.kv_events import make_kv_event_source
 from kvserve.kv_transfer.aggregator import KVOutputAggregator
@@ -216,7 +217,8 @@ class EngineCore:
                        "lower --kv-cache-memory-bytes or --num-kv-blocks")
         tokens = num_blocks * self.config.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)", num_blocks,
-                    self.config.block_size, tokens, num_blocks * per_block / 2**20, dtype)
+                    self.config.block_size, tokens, num_blocks * per_block / 2**20,
+                    kv_dtype_name(dtype))
         return num_blocks
 
     def _max_model_len(self, num_blocks: int, groups: tuple[KVCacheGroup, ...]) -> int:
@@ -251,7 +253,7 @@ class EngineCore:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size,
             dtype=str(self.executor.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.executor.kv_dtype).removeprefix("torch."),
+            kv_cache_dtype=kv_dtype_name(self.executor.kv_dtype),
             quantization=self.executor.quantization, load_seconds=self.load_seconds, pid=pid)
 
     def warm_up(self) -> None:

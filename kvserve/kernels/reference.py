@@ -65,38 +65,79 @@ def rope_and_cache_(qkv, positions, cos_sin, kv_cache, slot_mapping, num_heads: 
     write_kv(key, value, kv_cache, slot_mapping)
 
 
-# ---- the int8 KV cache's rows: head_dim int8 codes, then the row's float32 scale (4 bytes)
+# ---- quantized KV cache rows: head_dim codes, then the row's float32 scale (4 bytes)
+# int8 rows: symmetric int8 codes, scale = absmax / 127. fp8 rows (`--kv-cache-dtype fp8`, vLLM's
+# fp8_e4m3): float8 e4m3 codes (torch.float8_e4m3fn: max 448, no inf), scale = absmax / 448.
 # A row carries its own scale, so every block copy (offload tiers, P/D transfer, swaps) moves
 # codes and scales together and the cache stays one tensor per layer.
 
 KV_SCALE_BYTES = 4
+# An fp8 cache is stored as torch.uint8 (the e4m3 codes' bytes), not torch.float8_e4m3fn: CPU
+# torch (2.13) has no index_copy_ or torch.equal for float8 types, which the cache writes, the
+# P/D transfer and the tests use; uint8 has every op, and no other cache uses it, so the dtype
+# alone tells an fp8 cache from int8 and float ones. The codes are read as float8_e4m3fn views.
+FP8_KV_DTYPE = torch.uint8
+FP8_E4M3_MAX = 448.0
+# `--kv-cache-dtype` names of the quantized-row caches (vLLM's fp8 names; both are e4m3)
+KV_ROW_DTYPES = {"int8": torch.int8, "fp8": FP8_KV_DTYPE, "fp8_e4m3": FP8_KV_DTYPE}
+
+
+def is_row_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of `dtype` holds quantized rows (codes and a float32 scale each)."""
+    return dtype in (torch.int8, FP8_KV_DTYPE)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """A KV cache dtype as processes name it to each other ("fp8_e4m3" for fp8 rows, which are
+    stored as uint8): `models.resolve_kv_dtype` reads it back."""
+    return "fp8_e4m3" if dtype == FP8_KV_DTYPE else str(dtype).removeprefix("torch.")
 
 
 def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one cached (token, KV head) row: head_dim, plus the scale's bytes for int8."""
-    return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+    """Elements of one cached (token, KV head) row: head_dim, plus the scale's bytes for
+    quantized rows."""
+    return head_dim + KV_SCALE_BYTES if is_row_quantized(dtype) else head_dim
 
 
-def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> int8 rows [..., D + 4]: symmetric per-row int8, scale = absmax / 127 (float32),
-    codes = round(x / scale) (to nearest even; an all-zero row has scale 0 and codes 0)."""
+def quantize_kv_rows(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """[..., D] -> quantized rows [..., D + 4] of `dtype`, symmetric per row with a float32 scale
+    (an all-zero row has scale 0 and zero codes). int8: scale = absmax / 127, codes = round(x /
+    scale) to nearest even. fp8 (FP8_KV_DTYPE): scale = absmax / 448, codes = x / scale rounded
+    to the nearest e4m3 value (ties to even, torch's float8_e4m3fn conversion)."""
+    if not is_row_quantized(dtype):
+        raise ValueError(f"{dtype} is not a quantized KV row dtype (int8, or uint8 for fp8)")
     values = x.float()
-    scale = values.abs().amax(-1, keepdim=True) / 127
+    fp8 = dtype == FP8_KV_DTYPE
+    scale = values.abs().amax(-1, keepdim=True) / (FP8_E4M3_MAX if fp8 else 127)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = (values / safe).round().clamp(-127, 127).to(torch.int8)
-    return torch.cat([codes, scale.view(torch.int8)], -1)
+    if fp8:
+        quotient = (values / safe).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        codes = quotient.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = (values / safe).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(dtype)], -1)
+
+
+def kv_codes_as_float(codes: torch.Tensor) -> torch.Tensor:
+    """A quantized row's codes (int8, or fp8 e4m3 bytes) -> their values in float32."""
+    if codes.dtype == FP8_KV_DTYPE:
+        return codes.view(torch.float8_e4m3fn).float()
+    return codes.float()
 
 
 def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 rows [..., D + 4] -> [..., D] = code * scale (in float32, then rounded to dtype)."""
-    codes = rows[..., :-KV_SCALE_BYTES].float()
+    """Quantized rows [..., D + 4] -> [..., D] = code * scale (in float32, then rounded to
+    dtype)."""
+    codes = kv_codes_as_float(rows[..., :-KV_SCALE_BYTES])
     scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
     return (codes * scale).to(dtype)
 
 
 def kv_as(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K or V rows as held in a cache (int8 rows, bf16 or float) -> values in dtype."""
-    return dequantize_kv_rows(stored, dtype) if stored.dtype == torch.int8 else stored.to(dtype)
+    """K or V rows as held in a cache (quantized rows, bf16 or float) -> values in dtype."""
+    if is_row_quantized(stored.dtype):
+        return dequantize_kv_rows(stored, dtype)
+    return stored.to(dtype)
 
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -108,14 +149,15 @@ def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 
 def to_cache_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """K/V [..., D] as a cache of cache_dtype stores them (int8 rows, or a cast)."""
-    return quantize_kv_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+    """K/V [..., D] as a cache of cache_dtype stores them (quantized rows, or a cast)."""
+    return quantize_kv_rows(x, cache_dtype) if is_row_quantized(cache_dtype) \
+        else x.to(cache_dtype)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter K/V [T, KVH, D] into their cache slots (rounded to the cache's dtype: a bf16 cache
-    may hold float32 activations' K/V; an int8 cache holds quantized rows)."""
+    may hold float32 activations' K/V; an int8 or fp8 cache holds quantized rows)."""
     num_kv_heads, row = key.shape[1], kv_cache.shape[-1]
     for half, rows in enumerate((key, value)):
         kv_cache[half].view(-1, num_kv_heads, row).index_copy_(

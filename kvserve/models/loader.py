@@ -26,6 +26,7 @@ import torch
 from kvserve.attention import get_attention_backend
 from kvserve.config import ModelConfig
 from kvserve.kernels import get_ops
+from kvserve.kernels.reference import KV_ROW_DTYPES, is_row_quantized
 from kvserve.distributed.parallel_state import (
     ParallelContext,
     is_distributed,
@@ -60,8 +61,13 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_kv_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A KV cache's dtype by name: the activation dtypes, or int8 (quantized rows)."""
-    return torch.int8 if dtype in ("int8", torch.int8) else resolve_dtype(dtype)
+    """A KV cache's dtype by name (as `reference.kv_dtype_name` writes it, or
+    `--kv-cache-dtype`'s): the activation dtypes, or quantized rows (int8, fp8 / fp8_e4m3)."""
+    if isinstance(dtype, str) and dtype in KV_ROW_DTYPES:
+        return KV_ROW_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and is_row_quantized(dtype):
+        return dtype
+    return resolve_dtype(dtype)
 
 
 def load_config(source: ModelSource, use_cache: bool = True) -> ModelConfig:

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine_config import EngineConfig
+from kvserve.kernels.reference import is_row_quantized
 from kvserve.model_source import resolve_model
 from kvserve.models import load_model, resolve_dtype
 from kvserve.platform import default_dtype, kv_cache_dtype
@@ -54,7 +55,7 @@ def load_engine_model(config: EngineConfig, parallel=None) -> LoadedModel:
         model.model.enforce_eager = config.enforce_eager
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, config.dtype == "auto",
                               config.device)
-    if kv_dtype not in (dtype, torch.bfloat16, torch.int8):
+    if kv_dtype not in (dtype, torch.bfloat16) and not is_row_quantized(kv_dtype):
         raise ValueError(f"a {kv_dtype} KV cache needs {kv_dtype} activations (they are "
                          f"{dtype})")
     logger.info("model loaded in %.2fs", time.perf_counter() - start)

@@ -108,11 +108,12 @@ class Worker:
                             "placement before -> after): %s", self.loaded.model.balancedness())
 
     def ready_message(self) -> WorkerReady:
+        from kvserve.kernels.reference import kv_dtype_name
         from kvserve.worker.model_loading import kv_page_bytes
 
         loaded = self.loaded
         return WorkerReady(self.rank, loaded.config, str(loaded.dtype).removeprefix("torch."),
-                           str(loaded.kv_dtype).removeprefix("torch."), loaded.quantization,
+                           kv_dtype_name(loaded.kv_dtype), loaded.quantization,
                            kv_page_bytes(loaded.model, loaded.kv_dtype))
 
     def init_kv_cache(self, message: InitKVCache) -> KVCacheReady:

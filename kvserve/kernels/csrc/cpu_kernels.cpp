@@ -55,15 +55,17 @@ inline void load_row(const BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// An int8 cache row (n codes, then its float32 scale) -> its n values, code * scale.
-inline void load_row(const int8_t* src, float* dst, int64_t n) {
+// A quantized cache row (n int8 or fp8 codes, then its float32 scale) -> its n values, code *
+// scale (fp8 loads give code / 256 and its row_scale the scale x 256: vec.h).
+template <typename C, typename = std::enable_if_t<kQuantizedRows<C>>>
+inline void load_row(const C* src, float* dst, int64_t n) {
   const float scale = row_scale(src, n);
   int64_t i = 0;
 #if KVSERVE_VEC
   const vf s = vset1(scale);
   for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vmul(vload(src + i), s));
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  for (; i < n; ++i) dst[i] = loaded_code(src[i]) * scale;
 }
 
 inline void store_row(const float* src, float* dst, int64_t n) {
@@ -295,11 +297,9 @@ inline void copy_to_cache(const BFloat16* src, BFloat16* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(BFloat16));
 }
 
-// One head's row into an int8 cache row: scale = absmax / 127, codes = round(x / scale) to
-// nearest even (an all-zero row: scale 0, codes 0), the scale stored after the n codes. The same
-// float operations as reference.quantize_kv_rows, so both write the same bytes.
+// The largest |value| of one head's row (float or bf16 activations).
 template <typename T>
-inline void copy_to_cache(const T* src, int8_t* dst, int64_t n) {
+inline float row_absmax(const T* src, int64_t n) {
   float absmax = 0.f;
   int64_t i = 0;
 #if KVSERVE_VEC
@@ -308,9 +308,17 @@ inline void copy_to_cache(const T* src, int8_t* dst, int64_t n) {
   absmax = vmaxall(peak);
 #endif
   for (; i < n; ++i) absmax = std::max(absmax, std::fabs(to_float(src[i])));
-  const float scale = absmax / 127.f;
+  return absmax;
+}
+
+// One head's row into an int8 cache row: scale = absmax / 127, codes = round(x / scale) to
+// nearest even (an all-zero row: scale 0, codes 0), the scale stored after the n codes. The same
+// float operations as reference.quantize_kv_rows, so both write the same bytes.
+template <typename T>
+inline void copy_to_cache(const T* src, int8_t* dst, int64_t n) {
+  const float scale = row_absmax(src, n) / 127.f;
   const float divisor = scale > 0.f ? scale : 1.f;
-  i = 0;
+  int64_t i = 0;
 #if KVSERVE_VEC
   const vf d = vset1(divisor), low = vset1(-127.f), high = vset1(127.f);
   for (; i + kLanes <= n; i += kLanes) {
@@ -322,6 +330,33 @@ inline void copy_to_cache(const T* src, int8_t* dst, int64_t n) {
     dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
   }
   std::memcpy(dst + n, &scale, sizeof(float));
+}
+
+// One head's row into an fp8 cache row: scale = absmax / 448 (e4m3's largest value), codes =
+// x / scale clamped to +-448 and rounded to the nearest e4m3 value, ties to even (c10's
+// conversion, which torch's .to(torch.float8_e4m3fn) uses: reference.quantize_kv_rows writes the
+// same bytes); an all-zero row: scale 0, codes 0. Scalar: a row is written once per token, read
+// by every later step.
+template <typename T>
+inline void copy_to_cache(const T* src, c10::Float8_e4m3fn* dst, int64_t n) {
+  constexpr float kMax = 448.f;
+  const float scale = row_absmax(src, n) / kMax;
+  const float divisor = scale > 0.f ? scale : 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = c10::Float8_e4m3fn(std::min(kMax, std::max(-kMax, to_float(src[i]) / divisor)));
+  }
+  std::memcpy(dst + n, &scale, sizeof(float));
+}
+
+// The cache's elements as C: an fp8 cache is a uint8 tensor of e4m3 bytes (reference.py says
+// why), which data_ptr<c10::Float8_e4m3fn>() would refuse.
+template <typename C>
+C* cache_data(const at::Tensor& kv_cache) {
+  if constexpr (std::is_same<C, c10::Float8_e4m3fn>::value) {
+    return reinterpret_cast<C*>(kv_cache.data_ptr<uint8_t>());
+  } else {
+    return kv_cache.data_ptr<C>();
+  }
 }
 
 template <typename T, typename C>
@@ -337,7 +372,7 @@ void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at:
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* table = cos_sin.data_ptr<float>();
-  C* cache = kv_cache.data_ptr<C>();
+  C* cache = cache_data<C>(kv_cache);
   TORCH_CHECK(kv_cache.size(4) == cache_row && kv_cache.stride(1) == block_size * slot_stride,
               "kv_cache must be contiguous [2, blocks, block_size, kv_heads, row]");
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
@@ -361,14 +396,15 @@ void rope_and_cache_impl(at::Tensor& qkv, const at::Tensor& positions, const at:
   });
 }
 
-// The cache holds qkv's dtype, or bf16 beside float32 activations (half the KV bytes), or int8
-// rows with their scales beside either.
+// The cache holds qkv's dtype, or bf16 beside float32 activations (half the KV bytes), or
+// quantized rows with their scales beside either: int8 (kChar) or fp8 e4m3 (stored as kByte).
 void check_cache_dtype(const at::Tensor& qkv, const at::Tensor& kv_cache, const char* op) {
   const auto q = qkv.scalar_type(), c = kv_cache.scalar_type();
   TORCH_CHECK((q == at::kFloat || q == at::kBFloat16) &&
-                  (c == q || c == at::kChar || (q == at::kFloat && c == at::kBFloat16)),
+                  (c == q || c == at::kChar || c == at::kByte ||
+                   (q == at::kFloat && c == at::kBFloat16)),
               op, ": the KV cache must be in qkv's dtype (float32 or bfloat16), bfloat16 "
-              "with float32 qkv, or int8");
+              "with float32 qkv, int8 rows, or fp8 e4m3 rows (a uint8 tensor); it is ", c);
 }
 
 // Runs fn with (T, C) the element types of qkv and the cache (after check_cache_dtype).
@@ -379,6 +415,10 @@ void dispatch_cache_types(const at::Tensor& qkv, const at::Tensor& kv_cache, Fn&
     case at::kChar:
       if (bf16) fn(BFloat16{}, int8_t{});
       else fn(float{}, int8_t{});
+      break;
+    case at::kByte:  // fp8 e4m3 rows
+      if (bf16) fn(BFloat16{}, c10::Float8_e4m3fn{});
+      else fn(float{}, c10::Float8_e4m3fn{});
       break;
     case at::kBFloat16:
       if (bf16) fn(BFloat16{}, BFloat16{});
@@ -676,12 +716,12 @@ bool weigh_values_fast(ForEachRow& for_each_row, const T* const* listed, int64_t
   return false;
 }
 
-// Whether attend_seq_head takes the listed passes: an AVX2 build, float or bf16 rows (int8 rows
-// scale each dot product after it), a head size they take, and more rows than one token's query
-// heads (a decode's few rows reuse each key row from L1 anyway).
+// Whether attend_seq_head takes the listed passes: an AVX2 build, float or bf16 rows (quantized
+// rows, int8 or fp8, scale each dot product after it), a head size they take, and more rows than
+// one token's query heads (a decode's few rows reuse each key row from L1 anyway).
 template <typename C>
 bool lists_rows(int64_t rows, int64_t group, int64_t dim) {
-  if constexpr (std::is_same<C, int8_t>::value || KVSERVE_VEC != 8) return false;
+  if constexpr (kQuantizedRows<C> || KVSERVE_VEC != 8) return false;
   return (dim == 64 || dim == 128) && rows > group;
 }
 
@@ -810,7 +850,7 @@ void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& kv_cache, at:
                           const PagedArgs& a, int64_t num_tasks_seqs) {
   const int64_t seq_tasks = num_tasks_seqs * a.num_kv_heads;
   const T* qkv_ptr = qkv.data_ptr<T>();
-  const C* cache = kv_cache.data_ptr<C>();
+  const C* cache = cache_data<C>(kv_cache);
   T* out_ptr = out.data_ptr<T>();
   // bf16 on AVX512-BF16: the dot-product-instruction version (decode_attention.cpp)
   bool bf16_fast = false;

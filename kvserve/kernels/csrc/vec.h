@@ -8,6 +8,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,14 @@ inline vf vload(const int8_t* p) {  // int8 codes -> float
 inline void vstore_codes(int8_t* p, vf v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
 }
+// fp8 e4m3 codes -> their values / 256 (fp8_bits_as_half: exact; row_scale folds the 256 in).
+inline vf vload(const c10::Float8_e4m3fn* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_or_si256(
+      _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7),
+      _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(half);
+}
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vset1(float v) { return _mm512_set1_ps(v); }
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -78,6 +88,12 @@ inline vf vload(const c10::BFloat16* p) {
 inline vf vload(const int8_t* p) {
   const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+}
+inline vf vload(const c10::Float8_e4m3fn* p) {  // see the AVX-512 one
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7),
+                                    _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(half);
 }
 inline void vstore_codes(int8_t* p, vf v) {
   const __m256i words = _mm256_cvtps_epi32(v);
@@ -270,24 +286,50 @@ inline void interleave_bf16(__m512i a, __m512i b, __m512i& low, __m512i& high) {
 }
 #endif
 
-// ---- KV cache rows. A float or bf16 cache row is head_dim values; an int8 row is head_dim codes
-// followed by its float32 scale (4 bytes): value = code * scale (kvserve/kernels/reference.py's
-// quantize_kv_rows). The scale travels with its row, so block copies need no side tensor.
+// ---- KV cache rows. A float or bf16 cache row is head_dim values; a quantized row is head_dim
+// codes followed by its float32 scale (4 bytes): value = code * scale (kvserve/kernels/
+// reference.py's quantize_kv_rows). The codes are int8, or fp8 e4m3 (c10::Float8_e4m3fn: an
+// fp8 cache is a uint8 tensor of its bytes). The scale travels with its row, so block copies
+// need no side tensor.
 template <typename C> constexpr int64_t kRowExtra = 0;
 template <> constexpr int64_t kRowExtra<int8_t> = 4;
+template <> constexpr int64_t kRowExtra<c10::Float8_e4m3fn> = 4;
+template <typename C> constexpr bool kQuantizedRows = kRowExtra<C> != 0;
 
 // Elements from one cached row to the next head's (or token's) in a cache of element type C.
 template <typename C> constexpr int64_t cache_row_width(int64_t head_dim) {
   return head_dim + kRowExtra<C>;
 }
 
-// The factor a row's stored values carry: 1 for float and bf16 rows, the scale for int8 rows.
+// fp8 e4m3 -> float, exactly, as value / 256: the 7 bits below the sign shifted left by 7 are
+// an fp16 whose 5-bit exponent field holds e4m3's 4 bits (bias 15 against 7: 2^-8) and whose
+// mantissa starts with e4m3's 3 bits; fp16 subnormals are e4m3's, at the same 2^-8. The vector
+// loads (vload) convert the fp16 with F16C; row_scale multiplies the 256 back into the scale
+// (powers of two: the products are exact). NaN codes (0x7F, 0xFF) are never written.
+inline uint16_t fp8_bits_as_half(uint8_t bits) {
+  return static_cast<uint16_t>(((bits & 0x7F) << 7) | ((bits & 0x80) << 8));
+}
+constexpr float kFp8LoadFactor = 256.f;
+
+// One code as the vector loads give it (the scalar tails' vload): int8 as it is, fp8 / 256.
+inline float loaded_code(int8_t code) { return static_cast<float>(code); }
+inline float loaded_code(c10::Float8_e4m3fn code) {
+  return static_cast<float>(c10::Half(fp8_bits_as_half(code.x), c10::Half::from_bits()));
+}
+
+// The factor a row's stored values carry: 1 for float and bf16 rows, the scale for int8 rows,
+// the scale x 256 for fp8 rows (loaded as value / 256).
 inline float row_scale(const float*, int64_t) { return 1.f; }
 inline float row_scale(const c10::BFloat16*, int64_t) { return 1.f; }
 inline float row_scale(const int8_t* row, int64_t head_dim) {
   float scale;
   std::memcpy(&scale, row + head_dim, sizeof(float));
   return scale;
+}
+inline float row_scale(const c10::Float8_e4m3fn* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale * kFp8LoadFactor;
 }
 
 // Element offset of the K row of token `pos` for one KV head in a paged cache half laid out

@@ -91,8 +91,8 @@ class LatentAttention(nn.Module):
         return self._rotary[0]
 
     def kv_page_layout(self, dtype: torch.dtype) -> KVPageLayout:
-        """One row per token: the latent, then the RoPE key; in an int8 cache each of the two
-        quantized on its own, codes then its float32 scale (their ranges differ)."""
+        """One row per token: the latent, then the RoPE key; in an int8 or fp8 cache each of
+        the two quantized on its own, codes then its float32 scale (their ranges differ)."""
         return KVPageLayout(1, 1, kv_row_width(self.kv_lora_rank, dtype)
                             + kv_row_width(self.rope_dim, dtype), dtype)
 

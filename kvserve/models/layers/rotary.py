@@ -226,9 +226,9 @@ class RotaryEmbedding(nn.Module):
 
 def rotate_cached_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
                        ) -> torch.Tensor:
-    """keys [..., D] (any float dtype, or an int8 cache's rows [..., D + 4]) rotated by
-    `rotation` (RotaryEmbedding.rotation), in float32, returned as they were stored (int8 rows
-    quantized again)."""
+    """keys [..., D] (any float dtype, or an int8 or fp8 cache's rows [..., D + 4]) rotated by
+    `rotation` (RotaryEmbedding.rotation), in float32, returned as they were stored (quantized
+    rows quantized again)."""
     cos, sin = rotation
     rotated = _rotate(kv_as(keys, torch.float32), cos, sin)
     return to_cache_rows(rotated, keys.dtype)
