@@ -185,7 +185,7 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config",
                            speculative_config_text(self.speculative_config))
-        from kvserve.distributed.eplb_config import eplb_config_text
+        from kvserve.eplb_config import eplb_config_text
 
         object.__setattr__(self, "eplb_config", eplb_config_text(self.eplb_config))
         if self.enable_eplb and not self.enable_expert_parallel:
@@ -214,8 +214,8 @@ class EngineConfig:
                              f"--distributed-executor-backend mp (this host) or ray")
 
     def eplb(self):
-        """The parsed --eplb-config (distributed/eplb_config.py)."""
-        from kvserve.distributed.eplb_config import parse_eplb_config
+        """The parsed --eplb-config (kvserve/eplb_config.py)."""
+        from kvserve.eplb_config import parse_eplb_config
 
         return parse_eplb_config(self.eplb_config)
 

@@ -1172,3 +1172,113 @@ def kv_cache_perplexities(source, row_dtype, act_dtype: str = "float32", max_win
     return tuple(perplexity(model, tokens, max_windows=max_windows, kv_dtype=kv_dtype,
                             bos_token_id=bos)["perplexity"]
                  for kv_dtype in (getattr(torch, act_dtype), row_dtype))
+
+
+# ---- tensor- and expert-parallel runs (test_tensor_parallel.py, test_expert_parallel.py) --
+
+# heads, KV heads and MLP width divide by the world size, and each rank's o_proj/down_proj slice
+# is a multiple of 32 input features (int4 groups)
+TP_CONFIGS = {
+    2: dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128),
+    3: dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192),
+}
+TP_VOCAB = 1000  # not a multiple of 3: the last vocabulary shard is padded
+TP_PROMPTS = [[(11 * i + 7 * j) % (TP_VOCAB - 10) + 5 for j in range(3 + 2 * i)]
+              for i in range(16)]
+TP_DECODE_STEPS = 4
+# ragged_run's logits rows of prompt tokens (no greedy token fed back): the first step's, and
+# the second step's for the prompts finished in two chunks
+TP_PROMPT_ROWS = [*range(len(TP_PROMPTS)), *range(len(TP_PROMPTS) * 3 // 2,
+                                                 2 * len(TP_PROMPTS))]
+
+
+def ragged_run(model, prompts: list[list[int]] | None = None,
+               decode_steps: int = TP_DECODE_STEPS,
+               between_steps=lambda step: None):
+    """Greedy tokens and every step's last-position logits over: the first half of the prompts
+    whole beside the first halves of the others; then decodes of the first half beside the
+    other halves' second chunks; then `decode_steps` decodes of all. `between_steps(n)` runs
+    after step n (from 1)."""
+    import torch
+
+    from kvserve.models.paged_loop import PagedLoop
+
+    prompts = TP_PROMPTS if prompts is None else prompts
+    count = len(prompts)
+    loop = PagedLoop(model, count, max(len(p) for p in prompts) + decode_steps + 2)
+    first, rest, everyone = range(count // 2), range(count // 2, count), list(range(count))
+    halves = {i: len(prompts[i]) // 2 for i in rest}
+    chunks = [prompts[i] for i in first] + [prompts[i][: halves[i]] for i in rest]
+    lengths = [len(prompts[i]) for i in first] + [halves[i] for i in rest]
+    step_logits = [torch.stack(loop.step(chunks, lengths, everyone))]
+    between_steps(1)
+    tokens = [[int(step_logits[0][i].argmax())] for i in first]
+    chunks = [[t[-1]] for t in tokens] + [prompts[i][halves[i]:] for i in rest]
+    lengths = [len(prompts[i]) + 1 for i in first] + [len(prompts[i]) for i in rest]
+    step_logits.append(torch.stack(loop.step(chunks, lengths, everyone)))
+    between_steps(2)
+    tokens = [t + [int(step_logits[1][i].argmax())] for i, t in enumerate(tokens)]
+    tokens += [[int(step_logits[1][i].argmax())] for i in rest]
+    for _ in range(decode_steps):
+        lengths = [len(prompts[i]) + len(tokens[i]) for i in everyone]
+        logits = torch.stack(loop.step([[t[-1]] for t in tokens], lengths, everyone))
+        step_logits.append(logits)
+        between_steps(len(step_logits))
+        tokens = [t + [int(logits[i].argmax())] for i, t in enumerate(tokens)]
+    return tokens, torch.cat(step_logits)
+
+
+def deepseek_ep_config(world_size: int, vocab_size: int = TP_VOCAB):
+    """A tiny DeepSeek-V3 for expert parallelism (8 routed experts in 4 groups, a shared
+    expert, a dense first layer), shaped for `world_size` tensor-parallel ranks."""
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        vocab_size=vocab_size, **TP_CONFIGS[world_size], num_hidden_layers=3,
+        moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        initializer_range=0.2)
+
+
+# ---- block-scaled fp8 checkpoints (DeepSeek-V3's, Qwen3-FP8's layout) ----------------------
+
+def _is_fp8_quantized(name: str, tensor) -> bool:
+    """What DeepSeek's fp8 checkpoints quantize: every projection in the decoder layers (the
+    router, norms, embedding and LM head stay float)."""
+    return tensor.dim() == 2 and name.startswith("model.layers.") and \
+        not name.endswith("mlp.gate.weight")
+
+
+def write_fp8_checkpoint(source, target, block=(128, 128), drop_scale: str | None = None,
+                         bad_scale: str | None = None, keep_float: str = "") -> None:
+    """`source`'s float checkpoint as a block-scaled fp8 one in `target` (optionally with one
+    scale missing or of the wrong shape, or the projections named with `keep_float` left
+    float)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.weights.fp8_checkpoint import quantize_fp8_blocks
+
+    shutil.copytree(source, target)
+    for file in target.glob("*.safetensors"):
+        file.unlink()
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if not _is_fp8_quantized(name, tensor) or (keep_float and keep_float in name):
+            tensors[name] = tensor
+            continue
+        fp8 = quantize_fp8_blocks(tensor, block, name)
+        tensors[name] = fp8.codes
+        scale = fp8.scale_inv
+        if name == bad_scale:
+            scale = scale[:, :-1].contiguous()
+        if name != drop_scale:
+            tensors[name + "_scale_inv"] = scale
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": list(block)}
+    (target / "config.json").write_text(json.dumps(config))

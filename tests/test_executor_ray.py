@@ -183,10 +183,9 @@ def test_ray_actors_run_expert_parallel_with_eplb(ray_cluster, tmp_path, tokeniz
     """DeepSeek-V3 over two Ray actors with its experts split whole between them and EPLB
     re-placing two redundant copies every 4 steps (point to point between the actors): one
     process's tokens and logprobs (the mp executor's test: tests/test_expert_parallel.py)."""
-    from tests.helpers import save_hf_checkpoint
-    from tests.test_expert_parallel import _deepseek
+    from tests.helpers import deepseek_ep_config, save_hf_checkpoint
 
-    save_hf_checkpoint(_deepseek(2, 49152), tmp_path, tokenizer)
+    save_hf_checkpoint(deepseek_ep_config(2, 49152), tmp_path, tokenizer)
     reference = mixed_workload_reference(tmp_path)[:2]
     llm = _ray_llm(tmp_path, "thread", tensor_parallel_size=2, enable_expert_parallel=True,
                    enable_eplb=True,

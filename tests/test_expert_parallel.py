@@ -11,23 +11,15 @@ import random
 import re
 
 import pytest
-import torch
 
 from kvserve.errors import UnsupportedArchitectureError
 from kvserve.models.layers.expert_placement import ExpertPlacement, rebalanced
 from kvserve.testing.rank_pool import RankError, RankPool
-from tests.test_tensor_parallel import CONFIGS, VOCAB, ragged_run
+from tests.helpers import TP_CONFIGS as CONFIGS
+from tests.helpers import TP_VOCAB as VOCAB
+from tests.helpers import deepseek_ep_config, ragged_run
 
 transformers = pytest.importorskip("transformers")
-
-
-def _deepseek(world_size: int, vocab_size: int = VOCAB):
-    """DeepSeek-V3 (8 routed experts in 4 groups, a shared expert, a dense first layer)."""
-    return transformers.DeepseekV3Config(
-        vocab_size=vocab_size, **CONFIGS[world_size], num_hidden_layers=3, moe_intermediate_size=48,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
-        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=12, initializer_range=0.2)
 
 
 def _qwen2_moe(world_size: int):
@@ -96,7 +88,7 @@ def test_expert_parallel_matches_one_process(pool, tmp_path, tokenizer, family):
     process's numbers. DeepSeek's 8 experts over 3 ranks take one redundant copy."""
     from tests.helpers import save_hf_checkpoint
 
-    config = (_deepseek if family == "deepseek_v3" else _qwen2_moe)(pool.world_size)
+    config = (deepseek_ep_config if family == "deepseek_v3" else _qwen2_moe)(pool.world_size)
     save_hf_checkpoint(config, tmp_path, tokenizer)
     experts = getattr(config, "n_routed_experts", None) or config.num_experts
     redundant = (-experts) % pool.world_size
@@ -113,7 +105,7 @@ def test_eplb_rebalances_mid_run_without_changing_outputs(pool, tmp_path, tokeni
     logits and tokens."""
     from tests.helpers import save_hf_checkpoint
 
-    save_hf_checkpoint(_deepseek(pool.world_size), tmp_path, tokenizer)
+    save_hf_checkpoint(deepseek_ep_config(pool.world_size), tmp_path, tokenizer)
     redundant = 2 if pool.world_size == 2 else 4
     results = _check(pool, tmp_path, redundant=redundant, rebalance_after=2)
     assert any(before != after for *_, before, after, _ in results)
@@ -173,7 +165,7 @@ def test_the_engine_serves_with_expert_parallel_and_eplb(tmp_path, tokenizer, ca
     from tests.helpers import run_mixed_workload, save_hf_checkpoint, small_pool_options
 
     logging.getLogger().setLevel(logging.INFO)  # the workers log at the engine's level
-    save_hf_checkpoint(_deepseek(2, 49152), tmp_path, tokenizer)
+    save_hf_checkpoint(deepseek_ep_config(2, 49152), tmp_path, tokenizer)
     expected, expected_logprobs, _ = mixed_workload_reference(tmp_path)
     llm = LLM(model=str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="mp",
               enable_expert_parallel=True, enable_eplb=True,

@@ -22,8 +22,12 @@ from kvserve.weights.fp8_checkpoint import (
     expand_block_scales,
     quantize_fp8_blocks,
 )
-from tests.fp8_checkpoints import write_fp8_checkpoint
-from tests.helpers import TINY_FAMILY_SHAPE, hf_reference, save_hf_checkpoint
+from tests.helpers import (
+    TINY_FAMILY_SHAPE,
+    hf_reference,
+    save_hf_checkpoint,
+    write_fp8_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.attention import build_attention_metadata
 from kvserve.kernels import reference
-from tests import helpers
+import tests.helpers as helpers
 
 FP8 = reference.FP8_KV_DTYPE
 # e4m3's finite magnitudes by code 0..126 (code 127 is NaN), from the format's definition:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.kernels import reference
-from tests import helpers
+import tests.helpers as helpers
 
 
 @pytest.fixture

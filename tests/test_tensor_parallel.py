@@ -25,57 +25,18 @@ from kvserve.distributed.sharding import (
     vocab_range,
 )
 from kvserve.models import random_model
-from kvserve.models.paged_loop import PagedLoop
 from kvserve.testing.rank_pool import RankError, RankPool
 from kvserve.testing.tiny import tiny_config
+from tests.helpers import TP_CONFIGS as CONFIGS
+from tests.helpers import TP_PROMPT_ROWS as PROMPT_ROWS
+from tests.helpers import TP_VOCAB as VOCAB
+from tests.helpers import ragged_run
 
-# heads, KV heads and MLP width divide by the world size, and each rank's o_proj/down_proj slice
-# is a multiple of 32 input features (int4 groups)
-CONFIGS = {
-    2: dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128),
-    3: dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192),
-}
 # more ranks than KV heads: each rank holds a copy of the one its query heads read
 REPLICATED_KV = {
     2: dict(num_attention_heads=4, num_key_value_heads=1, hidden_size=64, intermediate_size=128),
     3: dict(num_attention_heads=6, num_key_value_heads=1, hidden_size=96, intermediate_size=192),
 }
-VOCAB = 1000  # not a multiple of 3: the last vocabulary shard is padded
-PROMPTS = [[(11 * i + 7 * j) % (VOCAB - 10) + 5 for j in range(3 + 2 * i)] for i in range(16)]
-DECODE_STEPS = 4
-# ragged_run's logits rows of prompt tokens (no greedy token fed back): the first step's, and
-# the second step's for the prompts finished in two chunks
-PROMPT_ROWS = [*range(len(PROMPTS)), *range(len(PROMPTS) * 3 // 2, 2 * len(PROMPTS))]
-
-
-def ragged_run(model, prompts: list[list[int]] = PROMPTS, decode_steps: int = DECODE_STEPS,
-               between_steps=lambda step: None) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy tokens and every step's last-position logits over: the first half of the prompts
-    whole beside the first halves of the others; then decodes of the first half beside the
-    other halves' second chunks; then `decode_steps` decodes of all. `between_steps(n)` runs
-    after step n (from 1)."""
-    count = len(prompts)
-    loop = PagedLoop(model, count, max(len(p) for p in prompts) + decode_steps + 2)
-    first, rest, everyone = range(count // 2), range(count // 2, count), list(range(count))
-    halves = {i: len(prompts[i]) // 2 for i in rest}
-    chunks = [prompts[i] for i in first] + [prompts[i][: halves[i]] for i in rest]
-    lengths = [len(prompts[i]) for i in first] + [halves[i] for i in rest]
-    step_logits = [torch.stack(loop.step(chunks, lengths, everyone))]
-    between_steps(1)
-    tokens = [[int(step_logits[0][i].argmax())] for i in first]
-    chunks = [[t[-1]] for t in tokens] + [prompts[i][halves[i]:] for i in rest]
-    lengths = [len(prompts[i]) + 1 for i in first] + [len(prompts[i]) for i in rest]
-    step_logits.append(torch.stack(loop.step(chunks, lengths, everyone)))
-    between_steps(2)
-    tokens = [t + [int(step_logits[1][i].argmax())] for i, t in enumerate(tokens)]
-    tokens += [[int(step_logits[1][i].argmax())] for i in rest]
-    for _ in range(decode_steps):
-        lengths = [len(prompts[i]) + len(tokens[i]) for i in everyone]
-        logits = torch.stack(loop.step([[t[-1]] for t in tokens], lengths, everyone))
-        step_logits.append(logits)
-        between_steps(len(step_logits))
-        tokens = [t + [int(logits[i].argmax())] for i, t in enumerate(tokens)]
-    return tokens, torch.cat(step_logits)
 
 
 def _model(config_fields, backend, quantization, parallel=None, dtype="float32"):
@@ -228,8 +189,7 @@ def test_an_fp8_checkpoint_shards_match_one_process(pool, tmp_path, tokenizer):
     transformers = pytest.importorskip("transformers")
     from kvserve.model_source import resolve_model
     from kvserve.models import load_model
-    from tests.fp8_checkpoints import write_fp8_checkpoint
-    from tests.helpers import save_hf_checkpoint
+    from tests.helpers import save_hf_checkpoint, write_fp8_checkpoint
 
     fields = CONFIGS[pool.world_size]
     config = transformers.DeepseekV3Config(

@@ -58,6 +58,8 @@ class QuantPolicy:
             kernels = get_ops(True)
         self.mode, self.dtype, self.kernels, self.parallel = mode, dtype, kernels, parallel
         self.source_types = source_types or {}
+        # a block-scaled fp8 checkpoint (its safetensors dtypes name fp8 weights)
+        self.fp8_checkpoint = FP8_TYPE in set(self.source_types.values())
         self.pack_cache = pack_cache
 
     def stored_type(self, name: str) -> str | None:
@@ -86,7 +88,7 @@ class QuantPolicy:
     def kept_float(self, prefix: str, names: list[str]) -> bool:
         """An fp8 checkpoint stores this projection in float (a module it leaves unquantized,
         as DeepSeek's and Qwen's `modules_to_not_convert`): fp8 mode keeps it so."""
-        if FP8_TYPE not in self.source_types.values():
+        if not self.fp8_checkpoint:
             return False
         types = {self.source_types.get(f"{prefix}.{name}.weight") for name in names} - {None}
         return bool(types) and FP8_TYPE not in types
@@ -94,7 +96,7 @@ class QuantPolicy:
     def prepare(self, tensors, loaders: dict):
         """Checkpoint tensors as the layers take them: fp8 ones as their fp8 projections'
         Q8_0 rows, or as float values elsewhere (quant/fp8.py); the rest as they come."""
-        if self.mode != "fp8" and FP8_TYPE not in self.source_types.values():
+        if self.mode != "fp8" and not self.fp8_checkpoint:
             return tensors
         return Fp8Preparation().tensors(tensors, loaders)
 

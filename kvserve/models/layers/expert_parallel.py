@@ -43,6 +43,7 @@ class ExpertParallel:
         self.rebalances = 0
         # the last rebalance's (before, after): mean / max of the ranks' loads over its window
         self.balancedness: tuple[float, float] | None = None
+        self._owner_table: tuple | None = None  # (placement, holders, copies): `_owners`
 
     def holds(self, expert: int) -> bool:
         return expert in self.placement.experts_of(self.rank)
@@ -50,16 +51,24 @@ class ExpertParallel:
     def owned(self, experts: torch.Tensor) -> torch.Tensor:
         """Which (token, slot) pairs of the routed experts [T, k] this rank computes: the copy
         each pair goes to is the expert's (token index mod its copies)-th holder."""
-        placement = self.placement
-        owners = torch.full((placement.num_experts, self.ranks), -1, dtype=torch.int64)
-        counts = torch.zeros(placement.num_experts, dtype=torch.int64)
-        for expert in range(placement.num_experts):
-            holders = placement.holders(expert)
-            owners[expert, :len(holders)] = torch.tensor(holders)
-            counts[expert] = len(holders)
+        owners, counts = self._owners()
         tokens = torch.arange(experts.shape[0]).unsqueeze(1).expand_as(experts)
         copy_index = tokens % counts[experts]
         return owners[experts, copy_index] == self.rank
+
+    def _owners(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The placement's holders per expert [E, ranks] (-1 past its copies) and its copies
+        [E], made once a placement."""
+        if self._owner_table is None or self._owner_table[0] is not self.placement:
+            placement = self.placement
+            owners = torch.full((placement.num_experts, self.ranks), -1, dtype=torch.int64)
+            counts = torch.zeros(placement.num_experts, dtype=torch.int64)
+            for expert in range(placement.num_experts):
+                holders = placement.holders(expert)
+                owners[expert, :len(holders)] = torch.tensor(holders)
+                counts[expert] = len(holders)
+            self._owner_table = (placement, owners, counts)
+        return self._owner_table[1], self._owner_table[2]
 
     def rebalance(self, experts: nn.ModuleList, counters: torch.Tensor) -> bool:
         """Re-place the copies for the load since the last rebalance (`counters`: tokens routed
