@@ -40,7 +40,7 @@ from kvserve.quant import QuantPolicy, pack_cache, resolve_quantization
 from kvserve.quant.pack_cache import PackCache
 from kvserve.weights import gguf_file, gguf_stored
 from kvserve.weights import load_config as read_config
-from kvserve.weights.fp8_checkpoint import fp8_weight_names, iter_fp8_checkpoint
+from kvserve.weights.fp8_checkpoint import tensor_dtypes, iter_fp8_checkpoint
 from kvserve.weights.hf_dir import safetensors_files
 from kvserve.weights.sharded import iter_safetensors
 
@@ -263,7 +263,7 @@ def _source_types(source: ModelSource, reader, config: ModelConfig) -> dict[str,
     if reader is not None:
         return gguf_stored.tensor_types(reader, config)
     if config.source_weight_type == "fp8":
-        return fp8_weight_names(safetensors_files(source.path))
+        return tensor_dtypes(safetensors_files(source.path))
     return {}
 
 

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator
 import torch
 
 from kvserve.errors import CorruptModelFileError
+from kvserve.kernels.reference import quantize_int8_groupwise
 from kvserve.quant.stored import StoredMethod
 from kvserve.weights.fp8_checkpoint import Fp8Weight, quantize_fp8_blocks
 from kvserve.weights.quantized_rows import QuantizedRows
@@ -79,15 +80,14 @@ class Fp8Preparation:
 
 def fp8_as_q8_0(weight: Fp8Weight, name: str = "") -> QuantizedRows:
     """The fp8 weight's values as GGUF Q8_0 rows: per group of 32 along a row, d = absmax / 127
-    (stored in fp16), codes round(value / d), as llama.cpp's quantize_row_q8_0."""
+    (stored in fp16), codes round(value / d) (kernels/reference.py's groupwise int8)."""
     rows, cols = weight.shape
     if cols % Q8_GROUP:
         raise CorruptModelFileError(
             f"checkpoint tensor {name!r} has {cols} columns, not a multiple of {Q8_GROUP}: its "
             "fp8 blocks cannot be held in our int8 groups; load it with --quantization none")
-    groups = weight.dequantize().view(rows, cols // Q8_GROUP, Q8_GROUP)
-    scale = groups.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    codes = (groups * inverse).round().clamp(-127, 127).to(torch.int8)
+    codes, scale = quantize_int8_groupwise(weight.dequantize(), Q8_GROUP)
+    codes = codes.view(rows, cols // Q8_GROUP, Q8_GROUP)
+    scale = scale.unsqueeze(-1)
     blocks = torch.cat([scale.half().view(torch.uint8), codes.view(torch.uint8)], -1)
     return QuantizedRows("Q8_0", blocks.reshape(rows, -1).numpy(), cols, Q8_GROUP, name)

@@ -79,7 +79,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128
     return Fp8Weight(codes, scale, tuple(block), name)
 
 
-def fp8_weight_names(files: Iterable[Path]) -> dict[str, str]:
+def tensor_dtypes(files: Iterable[Path]) -> dict[str, str]:
     """Every tensor's dtype by name as safetensors names it ("F8_E4M3", "BF16", ...), from the
     headers alone."""
     from safetensors import safe_open
