@@ -6,9 +6,9 @@ Llama 3's 128256 by convert_hf_to_gguf.py). The model is never built in memory: 
 generated at a time into safetensors shards of about 2 GB (bfloat16), so the peak stays about one
 shard even for the 8B (16 GB). Deterministic: tensor i comes from torch.Generator(seed + i).
 
-Usage: make_random_llama.py SHAPE OUTDIR
+Usage: make_random_llama.py SHAPE OUTDIR [--mtp-chain]
        (SHAPE: llama-3.2-1b | llama-3.2-3b | llama-3.1-8b | olmoe-1b-7b | qwen3-moe-6l |
-               qwen3-moe-gqa-twin-3l | gpt-oss-4l | deepseek-v2-3l)
+               qwen3-moe-gqa-twin-3l | gpt-oss-4l | deepseek-v2-3l | deepseek-v3-3l-mtp)
 Then: benchmarks/peers/llamacpp.sh convert OUTDIR x-bf16.gguf bf16
       benchmarks/peers/llamacpp.sh quantize x-bf16.gguf x-q4_k_m.gguf Q4_K_M"""
 
@@ -85,11 +85,18 @@ SHAPES = {
                                                  "mscale_all_dim": 0.707,
                                                  "original_max_position_embeddings": 4096}),
 }
+# the same model as DeepSeek-V3 runs it (sigmoid routing with the correction bias over 8 groups
+# of 8 experts, the best 4 kept, renormalised and scaled) with V3's one MTP module after the 3
+# layers (an MoE layer, its own embedding and head): 2.0B parameters
+SHAPES["deepseek-v3-3l-mtp"] = dict(
+    SHAPES["deepseek-v2-3l"], topk_method="noaux_tc", n_group=8, topk_group=4,
+    norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1)
 # (config class, architecture) of the mixtures of experts; the rest are Llamas
 MOE_FAMILIES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
                 "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                 "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
-                "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")}
+                "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+                "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 COMMON = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
               rope_theta=500000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -103,7 +110,7 @@ CHUNK = 1 << 24  # elements generated in float32 at a time
 def tensor_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     if cfg.model_type == "gpt_oss":
         return gpt_oss_plan(cfg)
-    if cfg.model_type == "deepseek_v2":
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
         return deepseek_v2_plan(cfg)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
@@ -168,8 +175,15 @@ def deepseek_v2_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
     h, v, heads = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
     nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     plan = [("model.embed_tokens.weight", (v, h))]
-    for n in range(cfg.num_hidden_layers):
+    modules = getattr(cfg, "num_nextn_predict_layers", 0) if cfg.model_type == "deepseek_v3" \
+        else 0
+    for n in range(cfg.num_hidden_layers + modules):
         p = f"model.layers.{n}."
+        if n >= cfg.num_hidden_layers:  # V3's MTP module: its own embedding, norms and head
+            plan += [(p + "embed_tokens.weight", (v, h)), (p + "enorm.weight", (h,)),
+                     (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h)),
+                     (p + "shared_head.norm.weight", (h,)),
+                     (p + "shared_head.head.weight", (v, h))]
         plan.append((p + "input_layernorm.weight", (h,)))
         if cfg.q_lora_rank:
             plan += [(p + "self_attn.q_a_proj.weight", (cfg.q_lora_rank, h)),
@@ -186,6 +200,8 @@ def deepseek_v2_plan(cfg) -> list[tuple[str, tuple[int, ...]]]:
             mlps = [(p + "mlp.", cfg.intermediate_size)]
         else:
             plan.append((p + "mlp.gate.weight", (cfg.n_routed_experts, h)))
+            if cfg.model_type == "deepseek_v3":
+                plan.append((p + "mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,)))
             mlps = [(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
                     for e in range(cfg.n_routed_experts)]
             mlps.append((p + "mlp.shared_experts.",
@@ -207,6 +223,22 @@ def random_tensor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
         n = min(CHUNK, flat.numel() - start)
         flat[start:start + n] = torch.randn(n, generator=gen).mul_(0.02)
     return out
+
+
+def make_tensor(name: str, shape: tuple[int, ...], seed: int, args, seeds: dict[str, int]):
+    """A tensor of the plan: random, or (--mtp-chain) the rig's."""
+    if not args.mtp_chain:
+        return random_tensor(shape, seed)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if name.endswith("eh_proj.weight"):  # [embedding | hidden] -> the embedding
+        hidden = shape[0]
+        return torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1).bfloat16()
+    if name.endswith(".embed_tokens.weight"):
+        return random_tensor(shape, seeds["model.embed_tokens.weight"])
+    if name.endswith("shared_head.head.weight"):
+        return random_tensor(shape, seeds["lm_head.weight"])
+    return random_tensor(shape, seed)
 
 
 def write_tokenizer(out: Path) -> dict[str, int]:
@@ -232,6 +264,11 @@ def main() -> None:
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp-chain", action="store_true", help=(
+        "(deepseek-v3-3l-mtp) every attention output and MLP down projection zero, and the MTP "
+        "module passing the next token's embedding to the target's own head: the module then "
+        "predicts exactly the target's next token, so MTP drafts are all but always accepted "
+        "(a rig for the speed of drafting and verifying at this size, never for quality)"))
     args = parser.parse_args()
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +284,7 @@ def main() -> None:
         GenerationConfig(**special).save_pretrained(str(out))
 
     plan = tensor_plan(cfg)
+    seeds = {name: args.seed + idx for idx, (name, _) in enumerate(plan)}
     shards: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
     size = 0
     for idx, (name, shape) in enumerate(plan):
@@ -260,7 +298,8 @@ def main() -> None:
     weight_map, total = {}, 0
     for s, shard in enumerate(shards, 1):
         fname = f"model-{s:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: random_tensor(shape, args.seed + idx) for idx, name, shape in shard}
+        tensors = {name: make_tensor(name, shape, args.seed + idx, args, seeds)
+                   for idx, name, shape in shard}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname

@@ -115,6 +115,14 @@ SYSTEMS = {
     "kvserve-ep2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-tp", "2",
                                  "--enable-expert-parallel"],
+    # DeepSeek's MTP modules as the proposer (issue 56): 1 draft a step (V3 has one module), or
+    # 2 (the module reused one position on)
+    "kvserve-mtp": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                 "--disable-log-requests", "--speculative-config",
+                                 '{"method": "mtp", "num_speculative_tokens": 1}'],
+    "kvserve-mtp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                  "--disable-log-requests", "--speculative-config",
+                                  '{"method": "mtp", "num_speculative_tokens": 2}'],
     # pipeline stages: 2 worker processes, one batch in flight per stage (issue 13)
     "kvserve-pp2": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                  "--disable-log-requests", "-pp", "2"],

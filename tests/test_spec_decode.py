@@ -154,17 +154,14 @@ def test_a_request_whose_misses_stopped_its_drafts_tries_again():
         num_tokens: int = 20
         spec_token_ids: list = field(default_factory=list)
 
-    class Repeat:  # proposes the last 4 tokens again
-        def propose(self, request_id, tokens, num_prompt_tokens):
-            return list(tokens[-4:])
-
     cost = StepCostModel({1: 0.010, 2: 0.0105, 8: 0.014})
-    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), cost,
-                      proposer=Repeat())
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4), cost)
     request = Running()
+    repeat = {"r": request.all_token_ids[-4:]}  # the worker proposes the last 4 tokens again
     drafted = []
     for _ in range(64):
-        drafter.propose([request], 1)
+        assert drafter.limits([request], 1) == {"r": 4}  # a single stream: always asked
+        drafter.propose([request], 1, proposals=repeat)
         drafted.append(len(request.spec_token_ids))
         drafter.observe("r", len(request.spec_token_ids), 0)  # every draft misses
     pause = drafted.index(0)
@@ -172,10 +169,10 @@ def test_a_request_whose_misses_stopped_its_drafts_tries_again():
     # retries after 4, 8, 16 and 32 steps without drafts, one step each
     assert [b - a for a, b in zip([pause - 1] + retries, retries)] == [5, 9, 17, 33][
         :len(retries)] and len(retries) >= 3
-    drafter.propose([request], 1)
+    drafter.propose([request], 1, proposals=repeat)
     drafter.observe("r", len(request.spec_token_ids), 0)
     for _ in range(40):  # the answer starts copying: the next retry's drafts are accepted
-        drafter.propose([request], 1)
+        drafter.propose([request], 1, proposals=repeat)
         drafter.observe("r", len(request.spec_token_ids), len(request.spec_token_ids))
     assert len(request.spec_token_ids) == 4
 
@@ -226,7 +223,7 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
     assert 0 < gain < MIN_GAIN
     assert set(allocate_drafts(16, batch, linear).values()) == {0}
     assert allocate_drafts(1, {"one": [0.95, 0.9, 0.85]}, linear) == {"one": 3}
-    # where not even a sure draft pays, the drafter does not ask the proposer at all
+    # where not even a sure draft pays, the drafter allows the worker's proposer no drafts
     from types import SimpleNamespace
 
     from kvserve.spec_decode.config import SpeculativeConfig
@@ -234,10 +231,6 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
     from kvserve.spec_decode.drafter import Drafter
 
     assert not a_draft_can_pay(16, 16, linear) and a_draft_can_pay(1, 1, linear)
-
-    class Refusing:
-        def propose(self, *args):
-            raise AssertionError("asked for drafts no step could take")
 
     class Grammar:  # structured output's forced spans, as the engine always has them
         def __init__(self):
@@ -256,36 +249,45 @@ def test_a_draft_must_raise_tokens_per_second_by_more_than_the_margin():
 
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     for grammar in (None, Grammar()):
-        drafter = Drafter(config, linear, proposer=Refusing(), grammar=grammar)
+        drafter = Drafter(config, linear, grammar=grammar)
         requests = [Running(index) for index in range(16)]
-        drafter.propose(requests, 16)
+        assert drafter.limits(requests, 16) == {}
+        drafter.propose(requests, 16, proposals={})
         assert all(request.spec_token_ids == [] for request in requests)
     # a constrained request may get forced spans (their own prior): the proposals go on
     grammar = Grammar()
-    drafter = Drafter(config, linear, proposer=SimpleNamespace(propose=lambda *args: []),
-                      grammar=grammar)
-    drafter.propose([Running(index) for index in range(15)] + [Running(15, object())], 16)
+    drafter = Drafter(config, linear, grammar=grammar)
+    requests = [Running(index) for index in range(15)] + [Running(15, object())]
+    assert set(drafter.limits(requests, 16).values()) == {4}
+    drafter.propose(requests, 16, proposals={})
     assert grammar.asked == 1
 
 
 def test_outputs_of_requests_never_asked_for_drafts_still_join_the_suffix_store():
-    """At a batch where no draft can pay the drafter asks for none; the suffix proposer still
-    follows those requests, so their outputs draft later requests (before, they were lost)."""
+    """At a batch where no draft can pay the drafter allows none; the worker's suffix proposer
+    still follows those requests, so their outputs draft later requests (before, they were
+    lost)."""
     from types import SimpleNamespace
 
     from kvserve.spec_decode.config import SpeculativeConfig
     from kvserve.spec_decode.drafter import Drafter
+    from kvserve.spec_decode.proposers import ContextProposals, ProposalStep
 
     linear = StepCostModel({1: 0.006, 64: 0.069})  # no draft pays at 16 requests
-    drafter = Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4), linear)
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+    drafter, proposals = Drafter(config, linear), ContextProposals(config)
     requests = [SimpleNamespace(request_id=str(n), all_token_ids=[0, 1000 + n],
-                                num_prompt_tokens=1, num_tokens=2, spec_token_ids=[])
+                                prompt_token_ids=[0], num_tokens=2, spec_token_ids=[])
                 for n in range(16)]
-    drafter.propose(requests, 16)
+    limits = drafter.limits(requests, 16)
+    assert limits == {}
+    assert proposals.propose(ProposalStep({r.request_id: r for r in requests},
+                                          {r.request_id: r.all_token_ids[-1:] for r in requests},
+                                          limits)) == {}
     for request in requests:  # the answers go on after the skipped proposal
         request.all_token_ids += [2000 + request.all_token_ids[1], 7, 8, 9]
-        drafter.finish(request.request_id)
-    assert drafter.proposer.propose("later", [5, 1003, 3003], 1) == [7, 8]
+        proposals.finish(request.request_id)
+    assert proposals.proposer.propose("later", [5, 1003, 3003], 1) == [7, 8]
 
 
 def test_stale_sizes_of_the_step_cost_curve_make_no_draft_look_free():

@@ -51,7 +51,8 @@ RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
                  ("s11", "output_throughput", None), ("s12", "output_throughput", None))
 # structured output's scenarios -> the free-text scenario of the same shape
 STRUCTURED = {"s10": "s1", "s11": "s2"}
-SPECULATING = ("-ngram", "-suffix", "-draft")  # system-name endings of speculating variants
+# system-name endings of speculating variants
+SPECULATING = ("-ngram", "-suffix", "-draft", "-mtp", "-mtp2")
 # (column title, scenario, concurrency, roof_fractions key); every scenario is 256 in / 128 out
 ROOF_COLUMNS = (("s1 decode", "s1", 1, "output_fraction_of_roof"),
                 ("s1 prefill", "s1", 1, "single_prefill_fraction_of_roof"),

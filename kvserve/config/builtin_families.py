@@ -398,7 +398,8 @@ class DeepseekV3(FamilyRules):
             moe_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_layers=tuple(experts > 0 and i >= first_dense and i % (every or 1) == 0
-                             for i in range(hf["num_hidden_layers"])))
+                             for i in range(hf["num_hidden_layers"])),
+            num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
     def gguf_fields(self, meta: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

@@ -117,6 +117,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # DeepSeek-V3's multi-token prediction: next-token-prediction modules after the decoder
+    # layers (checkpoint layers num_hidden_layers..), which speculative decoding's `mtp` method
+    # runs as a proposer (kvserve/spec_decode/mtp.py); the model itself never runs them
+    num_nextn_predict_layers: int = 0
     # The longest sequence the engine serves (EngineConfig.max_model_len; None: the model's
     # context). A runtime choice, not the checkpoint's: LongRoPE picks its factor set by it, once.
     max_model_len: int | None = field(default=None, compare=False)

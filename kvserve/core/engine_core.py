@@ -50,9 +50,12 @@ from kvserve.protocol.engine_core import (
 )
 from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.spec_decode.config import (
+    SpeculativeConfig,
+    mtp_module_count,
+    parse_speculative_config,
+)
 from kvserve.spec_decode.cost import attention_reads
-from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.spec_decode.drafter import Drafter
 from kvserve.structured_output.compiler import shared_compiler
 from kvserve.structured_output.drafts import GrammarDrafts
@@ -89,8 +92,10 @@ class EngineCore:
         self.executor = executor or make_executor(config)
         self.model_config = self.executor.model_config
         groups = self._kv_cache_groups()
+        spec = parse_speculative_config(config.speculative_config)
         self.num_kv_blocks = self._num_kv_blocks(
-            layers_per_block(groups, self.model_config.num_hidden_layers))
+            layers_per_block(groups, self.model_config.num_hidden_layers)
+            + self._drafter_layers(spec))
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size,
                                          config.enable_prefix_caching, groups)
         self.kv_manager.pin_sessions(config.kv_session_ttl, config.kv_session_max_fraction)
@@ -116,7 +121,6 @@ class EngineCore:
         # model with experts for their routed-token counts, for /metrics)
         self.step_encoder = StepEncoder(
             EXPERT_REPORT_INTERVAL_S if self.model_config.num_experts else None)
-        spec = parse_speculative_config(config.speculative_config)
         self.drafter = self._make_drafter(spec) if spec is not None else None  # speculation
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
@@ -266,25 +270,20 @@ class EngineCore:
         self.kv_manager.reset_prefix_cache()
 
     def _make_drafter(self, spec: SpeculativeConfig) -> Drafter:
-        """Speculative decoding's drafter; a draft model is loaded here, in the engine core (the
-        workers verify), with the target's dtype and kernels and a KV pool for as many tokens
-        as the target's."""
-        if spec.method != "draft_model":
-            return Drafter(spec, grammar=GrammarDrafts(
-                self._grammar_compiler(), lambda: load_tokenizer(resolve_model(self.config.model)),
-                spec.num_speculative_tokens))
-        config = self.config
-        proposer = DraftModelProposer(
-            spec.model, spec.num_speculative_tokens,
-            target_vocab_size=self.model_config.vocab_size,
-            target_tokenizer_source=resolve_model(config.model), dtype=self.executor.dtype,
-            device=config.device, attention_backend=config.attention_backend,
-            use_cpu_kernels=config.cpu_kernels,
-            quantization=spec.quantization or config.quantization,
-            block_size=config.block_size, target_num_blocks=self.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs)
-        proposer.profile()
-        return Drafter(spec, proposer=proposer)
+        """Speculative decoding's judge of what drafting pays (the proposer itself runs in the
+        worker that samples: spec_decode/proposers.py), with structured output's forced spans
+        for constrained requests."""
+        return Drafter(spec, grammar=GrammarDrafts(
+            self._grammar_compiler(), lambda: load_tokenizer(resolve_model(self.config.model)),
+            spec.num_speculative_tokens))
+
+    def _drafter_layers(self, spec: SpeculativeConfig | None) -> int:
+        """KV layers the proposer keeps in the pool's blocks beside the model's: MTP's
+        modules (each attends over its own KV at the target's positions)."""
+        if spec is None or spec.method != "mtp":
+            return 0
+        return mtp_module_count(self.model_config.num_nextn_predict_layers,
+                                spec.num_speculative_tokens)
 
     def _profile_step_costs(self) -> None:
         """Speculative decoding's step-cost curve of this machine: steps of 1 to 64 tokens,
@@ -467,10 +466,13 @@ class EngineCore:
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
+        self._allow_drafts(scheduler_output)
         started = time.perf_counter()
         runner_output = self._execute(scheduler_output)
         if self.drafter is not None and scheduler_output.scheduled:
-            self._observe_step_cost(scheduler_output, time.perf_counter() - started)
+            drafting = sum(seconds for _, seconds in runner_output.draft_forwards)
+            self._observe_step_cost(scheduler_output,
+                                    time.perf_counter() - started - drafting)
         if not scheduler_output.scheduled:  # nothing to run but loads or compiles: no busy loop
             if self.scheduler.loading:
                 self._take_kv_reports(LOAD_WAIT_SECONDS)
@@ -532,6 +534,7 @@ class EngineCore:
         queue = self._batch_queue
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
+            self._allow_drafts(scheduler_output)
             if (scheduler_output.scheduled or scheduler_output.finished_ids
                     or scheduler_output.kv_connector_metadata is not None):
                 # finished ids or connector work alone: worker cleanup, transfers
@@ -563,7 +566,7 @@ class EngineCore:
             self._observe_drafts(scheduler_output, runner_output)
         self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.drafter is not None:
-            self._propose_drafts()
+            self._propose_drafts(runner_output.draft_token_ids)
         outputs, self._failed = self._failed, []
         drafts = {item.request.request_id: item.num_draft_tokens
                   for item in scheduler_output.scheduled if item.num_draft_tokens}
@@ -592,6 +595,7 @@ class EngineCore:
         """What each verification kept, for the acceptance estimates and counters; finished
         requests' proposer state is dropped."""
         drafter = self.drafter
+        drafter.observe_forwards(runner_output.draft_forwards)
         for request_id in scheduler_output.finished_ids:
             drafter.finish(request_id)
         rejected = runner_output.num_rejected_tokens
@@ -600,10 +604,27 @@ class EngineCore:
                 drafter.observe(item.request.request_id, item.num_draft_tokens,
                                 item.num_draft_tokens - rejected.get(item.request.request_id, 0))
 
-    def _propose_drafts(self) -> None:
-        """Drafts for the next step of every running request in decode, as many as pay for a
-        batch of this size (the step's other tokens: one per running request plus what
-        prefills may take of the budget)."""
+    def _allow_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """How many drafts the worker's proposer may make after this step for each request
+        that samples in it, for a next step of about one token per running request plus the
+        waiting prompts (the drafter's judgement; the drafts are cut to what pays once the
+        step lands)."""
+        if self.drafter is None or self._step_costs is not None:  # profiling: no drafts
+            return
+        sampling = [item.request for item in scheduler_output.scheduled if item.sample]
+        if not sampling:
+            return
+        scheduler = self.scheduler
+        base = len(scheduler.running) + sum(request.num_tokens for _, request
+                                            in scheduler.waiting)
+        reads = sum(attention_reads(1, request.num_tokens + 1) for request in scheduler.running)
+        scheduler_output.draft_limits = self.drafter.limits(
+            sampling, min(base, self.config.max_num_batched_tokens), reads)
+
+    def _propose_drafts(self, proposals: dict[str, list[int]]) -> None:
+        """Drafts for the next step of every running request in decode, from the worker's
+        `proposals`, as many as pay for a batch of this size (the step's other tokens: one per
+        running request plus what prefills may take of the budget)."""
         if self._step_costs is not None:  # profiling attention reads: steps without drafts
             return
         scheduler = self.scheduler
@@ -617,7 +638,7 @@ class EngineCore:
         base += sum(request.num_tokens for _, request in scheduler.waiting)
         base = min(base, self.config.max_num_batched_tokens)
         if decoding:
-            self.drafter.propose(decoding, base, reads)
+            self.drafter.propose(decoding, base, reads, proposals)
 
     @staticmethod
     def _delta(request: Request, new_tokens: list[int], first: bool,
@@ -651,7 +672,8 @@ class EngineCore:
         merged = ModelRunnerOutput.empty()
         for item in scheduler_output.scheduled:
             try:
-                result = self.executor.execute(self.step_encoder.encode_alone(item))
+                result = self.executor.execute(self.step_encoder.encode_alone(
+                    item, scheduler_output.draft_limits.get(item.request.request_id, 0)))
             except Exception as exc:
                 self.fail_request(item.request.request_id, "running it", exc)
                 continue

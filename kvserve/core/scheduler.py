@@ -75,6 +75,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the last step (runner cleanup)
     kv_connector_metadata: KVConnectorMetadata | None = None  # the connector's, for the workers
+    # speculative decoding: drafts the workers' proposer may make after this step, per request
+    # that samples in it (set by the engine core's drafter)
+    draft_limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

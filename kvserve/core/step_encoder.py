@@ -44,7 +44,8 @@ class StepEncoder:
                                            others, item.num_draft_tokens))
         return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
                            encode_connector_metadata(scheduler_output.kv_connector_metadata),
-                           report_expert_counts=self._expert_report_due())
+                           report_expert_counts=self._expert_report_due(),
+                           draft_limits=scheduler_output.draft_limits)
 
     def _expert_report_due(self) -> bool:
         if self._expert_interval is None:
@@ -55,7 +56,7 @@ class StepEncoder:
         self._next_expert_report = now + self._expert_interval
         return True
 
-    def encode_alone(self, item: ScheduledRequest) -> ExecuteStep:
+    def encode_alone(self, item: ScheduledRequest, draft_limit: int = 0) -> ExecuteStep:
         """One scheduled request again, on its own (after its batch raised): its prompt and
         whole block table, so the step is right whatever the failed one left applied."""
         request = item.request
@@ -67,7 +68,8 @@ class StepEncoder:
             [ScheduledData(request.request_id, item.token_ids, item.start_position,
                            tables[0], item.sample, reset_blocks=True,
                            new_group_block_ids=tables[1:],
-                           num_draft_tokens=item.num_draft_tokens)], [])
+                           num_draft_tokens=item.num_draft_tokens)], [],
+            draft_limits={request.request_id: draft_limit} if draft_limit else {})
 
 
 def _tables_delta(sent: list[list[int]], current: list[list[int]],

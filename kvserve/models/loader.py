@@ -94,7 +94,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     quant = QuantPolicy(quantization, dtype, kernels, parallel, source_types, pack_cache)
     with torch.device("meta"):
         model = model_class_for(config.architecture)(config, backend, parallel, quant)
-    _allocate(model, dtype, device)
+    allocate_parameters(model, dtype, device)
     model.model.rotary_emb.freq_factors.fill_(1.0)
     model.model.reset_rotary_tables()
     model.quantization = quantization
@@ -102,7 +102,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     return model.eval().requires_grad_(False)
 
 
-def _allocate(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+def allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
     """Give a model built on meta real (uninitialised) storage: parameters in `dtype`, buffers
     in their own. Factories with explicit shapes, not `to_empty`: its `empty_like` on meta
     tensors goes through torch's Python reference ops and imports sympy (~1-2 s at start-up)."""
@@ -255,6 +255,12 @@ def _checkpoint_tensors(source: ModelSource, reader, config: ModelConfig,
     if source.format == "hf":
         return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel))
     return gguf_stored.iter_gguf_stored(reader, config)
+
+
+def iter_hf_checkpoint(source: ModelSource, config: ModelConfig):
+    """An HF directory's tensors by name, as the model's own load reads them (fp8 weights
+    paired with their scales): for modules loaded beside the model (MTP's)."""
+    return _checkpoint_tensors(source, None, config, None)
 
 
 def _source_types(source: ModelSource, reader, config: ModelConfig) -> dict[str, str]:

@@ -46,6 +46,12 @@ class ModelRunnerOutput:
     # when the step asked (ExecuteStep.report_expert_counts): per MoE layer of the output
     # rank's stage, the tokens routed to each expert so far
     expert_counts: dict[int, list[int]] = field(default_factory=dict)
+    # speculative decoding: the worker's proposer's drafts for each request that sampled and
+    # was allowed some (ExecuteStep.draft_limits), for its next step; and the drafting
+    # forwards it ran (a draft model's, MTP's), (tokens, seconds) each, outside the target's
+    # step time
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_forwards: list[tuple[int, float]] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -56,6 +62,8 @@ class ModelRunnerOutput:
         self.logprobs.update(other.logprobs)
         self.num_rejected_tokens.update(other.num_rejected_tokens)
         self.expert_counts.update(other.expert_counts)
+        self.draft_token_ids.update(other.draft_token_ids)
+        self.draft_forwards.extend(other.draft_forwards)
 
 
 class KVConnectorOutput(msgspec.Struct, **_WIRE):
@@ -111,6 +119,9 @@ class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):
     # the KV connector's metadata for this step, msgpack of its own struct (None: nothing)
     kv_connector_metadata: bytes | None = None
     report_expert_counts: bool = False  # the output rank adds its experts' routed tokens
+    # speculative decoding: how many drafts the output rank's proposer may make, after this
+    # step, for each request that samples in it (the engine core's allocation: what pays)
+    draft_limits: dict[str, int] = {}
 
 
 class StopWorker(msgspec.Struct, tag=True, **_WIRE):

@@ -9,7 +9,9 @@ from typing import Any
 
 from kvserve.options import json_option_text
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
+# vLLM's older name for a checkpoint's own MTP modules (DeepSeek's)
+MTP_ALIASES = ("deepseek_mtp",)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class SpeculativeConfig:
     # target's)
     model: str | None = None
     quantization: str | None = None
+    # mtp: the target checkpoint's own next-token-prediction modules (DeepSeek-V3's
+    # num_nextn_predict_layers), run beside it in the worker; drafts past their count reuse them
     # our own: False keeps every proposed draft (no step-cost model); for measuring only
     adaptive: bool = True
 
@@ -49,6 +53,12 @@ class SpeculativeConfig:
                              "prompt_lookup_max")
 
 
+def mtp_module_count(num_nextn_predict_layers: int, num_speculative_tokens: int) -> int:
+    """The modules the proposer loads: one per draft position up to the checkpoint's count
+    (later drafts reuse them)."""
+    return min(num_nextn_predict_layers, num_speculative_tokens)
+
+
 def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
     """The config from its JSON text (the CLI's) or dict (the LLM API's); None when off."""
     if value is None or value == "":
@@ -64,6 +74,8 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
     if unknown:
         raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
                          f"{sorted(known)})")
+    if raw.get("method") in MTP_ALIASES:
+        raw["method"] = "mtp"
     if "model" in raw and "method" not in raw:  # as vLLM: a draft model names its method
         raw["method"] = "draft_model"
     if raw.get("method") == "suffix" and "num_speculative_tokens" not in raw:

@@ -1,6 +1,7 @@
 """Drafts from a smaller model with the same tokenizer (vLLM's `draft_model` method).
 
-The draft model runs in the engine core, beside the scheduler, on a paged KV pool of its own:
+The draft model runs in the worker that samples (spec_decode/proposers.py), on a paged KV pool
+of its own:
 each running request keeps its draft KV between steps, so a proposal feeds only the tokens the
 draft has not seen (the accepted drafts it already fed are kept, not recomputed), then decodes
 its drafts one position at a time for every request at once. Drafts are the draft model's
@@ -8,8 +9,9 @@ argmax: a point mass, so the verification (kvserve/sample/sampler.py `verify`: a
 equal to the token the target draws) keeps the target's distribution exactly at any
 temperature; the min(1, p/q) rule reduces to it for a point mass q.
 
-What drafting costs is timed per forward (`cost`, tokens in the forward -> seconds), profiled at
-start-up and kept current, so the drafter weighs it against what the drafts save (cost.py)."""
+What drafting costs is timed per forward (`forwards`, (tokens, seconds) each, which go to the
+engine core with the step's drafts), profiled when the worker starts and kept current, so the
+core's drafter weighs it against what the drafts save (cost.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class DraftModelProposer:
         self._sequences: dict[str, _DraftSequence] = {}
         self._clock = 0
         self.cost = StepCostModel()
+        self.forwards: list[tuple[int, float]] = []  # since the worker last reported them
         logger.info("draft model %s: %d KV blocks (%.1f MiB)", source.name, self.num_blocks,
                     self.num_blocks * per_block / 2**20)
 
@@ -164,14 +167,10 @@ class DraftModelProposer:
         hidden = self.model(input_ids, positions, metadata)
         last = torch.tensor(metadata.query_start_loc_host[1:], device=self.device) - 1
         tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
-        self.cost.observe(sum(query_lens), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cost.observe(sum(query_lens), seconds)
+        self.forwards.append((sum(query_lens), seconds))
         return tokens
-
-    def token_seconds(self, num_sequences: int) -> float:
-        """What one more draft token costs when a draft forward carries `num_sequences`
-        sequences (its share of the forward)."""
-        num_sequences = max(1, num_sequences)
-        return self.cost.cost(num_sequences) / num_sequences
 
     def finish(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id, None)

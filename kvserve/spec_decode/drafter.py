@@ -1,7 +1,15 @@
-"""The engine core's side of speculative decoding: after each step, every running request in
-decode gets drafts from the proposer, as many as the step-cost model says pay for this batch
-(`allocate_drafts`), and what was accepted feeds each request's acceptance estimate and the
-engine's counters (vLLM's spec_decode metrics)."""
+"""The engine core's side of speculative decoding. The proposers run in the worker that samples
+(spec_decode/proposers.py); the core decides what drafting pays and keeps the counters:
+
+- before a step goes out, `limits`: how many drafts each request that samples in it may get
+  afterwards, per the step-cost model (none at a batch where no draft can pay, so the worker's
+  proposer skips its work; a draft model's count weighed against what its forwards cost);
+- when the step's results land, `propose`: the worker's drafts for each request now in decode,
+  joined with structured output's forced spans, cut to what pays for this batch given each
+  request's acceptance estimate (`allocate_drafts`), become its `spec_token_ids`;
+- after a verification, `observe`: what was accepted feeds the estimate and the engine's
+  counters (vLLM's spec_decode metrics).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,6 @@ from dataclasses import dataclass, field
 
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.cost import StepCostModel, a_draft_can_pay, allocate_drafts
-from kvserve.spec_decode.ngram import NgramProposer
-from kvserve.spec_decode.suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,9 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight of a step's outcome in a request's running 
 # ends the backoff.
 RETRY_FIRST_STEPS = 4
 RETRY_MAX_STEPS = 64
+# proposers whose every draft position costs a forward (the worker reports them): the draft
+# count is decided before they run, priced with them
+PRICED_METHODS = ("draft_model", "mtp")
 
 
 @dataclass
@@ -48,30 +57,16 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
-def make_proposer(config: SpeculativeConfig):
-    """The context proposer `config.method` names: `propose(request_id, tokens,
-    num_prompt_tokens)` -> drafts, and `finish(request_id)`; optionally `follow(request_id,
-    tokens, num_prompt_tokens)`, told of requests on steps where none is asked to propose (a
-    draft model needs the engine's context: the engine core makes it, draft_model.py)."""
-    if config.method == "suffix":
-        return SuffixProposer(config.num_speculative_tokens,
-                              config.suffix_decoding_max_tree_depth,
-                              config.suffix_decoding_max_cached_requests,
-                              config.suffix_decoding_max_spec_factor,
-                              config.suffix_decoding_min_token_prob)
-    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
-                         config.num_speculative_tokens)
-
-
 class Drafter:
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None,
-                 proposer=None, grammar=None):
-        """`grammar`: structured output's drafts for constrained requests
-        (structured_output/drafts.py: `drafts(request_id, spec, outputs, proposed)` and
-        `finish(request_id)`), or None."""
+                 grammar=None):
+        """`cost`: the target's step costs; `grammar`: structured output's drafts for
+        constrained requests (structured_output/drafts.py: `drafts(request_id, spec, outputs,
+        proposed)` and `finish(request_id)`), or None."""
         self.config = config
         self.cost = cost or StepCostModel()
-        self.proposer = proposer or make_proposer(config)
+        # a draft model's (MTP's) forwards, by tokens in the forward (the worker times them)
+        self.draft_cost = StepCostModel()
         self.grammar = grammar
         # per-draft acceptance estimates, by request id (and (id, "forced") for forced spans)
         self.acceptance: dict[str | tuple[str, str], float] = {}
@@ -82,26 +77,68 @@ class Drafter:
             accepted_per_position=[0] * config.num_speculative_tokens)
         self._logged_at = time.monotonic()
 
-    def propose(self, requests, base_tokens: int, base_reads: int = 0) -> None:
-        """Set `spec_token_ids` of these requests (running, in decode: every token but the
-        last sampled one computed) for the next step, which runs `base_tokens` tokens and
-        `base_reads` attention reads (cost.py) besides drafts."""
-        if getattr(self.proposer, "batched", False):
-            self._propose_batched(requests, base_tokens, base_reads)
-            return
+    def limits(self, requests, base_tokens: int, base_reads: int = 0) -> dict[str, int]:
+        """Drafts the worker may make for each of these requests (they sample in the step
+        about to run, and decode next) for a next step of `base_tokens` tokens and
+        `base_reads` attention reads besides drafts. Context drafts and MTP's cost next to
+        nothing to make: each may get them all, unless no draft could pay at this batch. A
+        draft model's or MTP's forward per draft position is priced here, before it runs."""
+        if not requests:
+            return {}
+        if self.config.method in PRICED_METHODS:
+            return self._priced_limits(requests, base_tokens, base_reads)
         if self.config.adaptive and not self._any_constrained(requests) and not a_draft_can_pay(
                 len(requests), base_tokens, self.cost, base_reads,
                 min(request.num_tokens for request in requests)):
-            follow = getattr(self.proposer, "follow", None)
-            for request in requests:  # no draft could pay at this batch: skip the proposals
-                request.spec_token_ids = []
-                if follow is not None:
-                    follow(request.request_id, request.all_token_ids, request.num_prompt_tokens)
-            return
-        proposals = {}
+            return {}
+        limits = {request.request_id: min(self.config.num_speculative_tokens,
+                                          _room(request) - 1) for request in requests}
+        return {request_id: limit for request_id, limit in limits.items() if limit > 0}
+
+    def _priced_limits(self, requests, base_tokens: int, base_reads: int) -> dict[str, int]:
+        """Each request's draft count, decided before the proposer runs a forward per draft
+        position (a draft model; MTP's head and modules): from the acceptance estimates and
+        what a draft token costs to make and to verify."""
+        room = {request: min(self.config.num_speculative_tokens, _room(request) - 1)
+                for request in requests}
+        if not self.config.adaptive:
+            counts = room
+        else:
+            gains = {request: [self._acceptance(request.request_id) ** (j + 1)
+                               for j in range(max(0, limit))]
+                     for request, limit in room.items()}
+            counts = allocate_drafts(base_tokens, gains, self.cost,
+                                     self._draft_token_seconds(len(requests)), base_reads,
+                                     _draft_reads(requests))
+        for request, limit in room.items():
+            if limit > 0 and not counts[request]:
+                self._recover(request.request_id)
+        return {request.request_id: count for request, count in counts.items() if count > 0}
+
+    def _draft_token_seconds(self, num_sequences: int) -> float:
+        """What one more draft token costs when a draft forward carries `num_sequences`
+        sequences (its share of the forward); free until a forward was timed (MTP's first
+        drafts measure it; a draft model's are profiled when the worker starts)."""
+        if not self.draft_cost.points():
+            return 0.0
+        num_sequences = max(1, num_sequences)
+        return self.draft_cost.cost(num_sequences) / num_sequences
+
+    def observe_forwards(self, forwards) -> None:
+        """A draft model's forwards the worker ran, (tokens, seconds) each."""
+        for tokens, seconds in forwards:
+            self.draft_cost.observe(tokens, seconds)
+
+    def propose(self, requests, base_tokens: int, base_reads: int = 0,
+                proposals: dict[str, list[int]] | None = None) -> None:
+        """Set `spec_token_ids` of these requests (running, in decode: every token but the
+        last sampled one computed) for the next step, which runs `base_tokens` tokens and
+        `base_reads` attention reads (cost.py) besides drafts, from the worker's
+        `proposals` (made after the step that just landed), as many as pay."""
+        proposals = proposals or {}
+        kept = {}
         for request in requests:
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids,
-                                           request.num_prompt_tokens)
+            drafts = proposals.get(request.request_id, [])
             spec = request.sampling_params.structured_outputs
             forced = False
             if self.grammar is not None and spec is not None:
@@ -109,16 +146,16 @@ class Drafter:
                                                      request.output_token_ids, drafts)
             self._estimate_of[request.request_id] = (
                 (request.request_id, "forced") if forced else request.request_id)
-            proposals[request] = drafts[:_room(request)]
+            kept[request] = drafts[:_room(request)]
         if self.config.adaptive:
             gains = {request: [self._acceptance(request.request_id) ** (j + 1)
                                for j in range(len(drafts))]
-                     for request, drafts in proposals.items()}
+                     for request, drafts in kept.items()}
             counts = allocate_drafts(base_tokens, gains, self.cost, base_reads=base_reads,
-                                     draft_reads=_draft_reads(proposals))
+                                     draft_reads=_draft_reads(kept))
         else:
-            counts = {request: len(drafts) for request, drafts in proposals.items()}
-        for request, drafts in proposals.items():
+            counts = {request: len(drafts) for request, drafts in kept.items()}
+        for request, drafts in kept.items():
             request.spec_token_ids = drafts[:counts[request]]
             if drafts and not request.spec_token_ids:
                 self._recover(request.request_id)
@@ -131,29 +168,6 @@ class Drafter:
         us a request, ran on every step at 64 requests)."""
         return self.grammar is not None and any(
             request.sampling_params.structured_outputs is not None for request in requests)
-
-    def _propose_batched(self, requests, base_tokens: int, base_reads: int = 0) -> None:
-        """A draft model's proposals: how many each request gets is decided first (drafting
-        costs a forward per position), from the acceptance estimates and what a draft token
-        costs to make and to verify; then one batched drafting run."""
-        limits = {request: min(self.config.num_speculative_tokens, _room(request))
-                  for request in requests}
-        if self.config.adaptive:
-            gains = {request: [self._acceptance(request.request_id)
-                               ** (j + 1) for j in range(limit)]
-                     for request, limit in limits.items()}
-            counts = allocate_drafts(base_tokens, gains, self.cost,
-                                     self.proposer.token_seconds(len(requests)), base_reads,
-                                     _draft_reads(requests))
-        else:
-            counts = limits
-        drafts = self.proposer.propose_batch(
-            [(request.request_id, request.all_token_ids, counts[request])
-             for request in requests if counts[request]])
-        for request in requests:
-            request.spec_token_ids = drafts.get(request.request_id, [])
-            if limits[request] and not request.spec_token_ids:
-                self._recover(request.request_id)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: `num_accepted` of `num_drafts` drafts kept."""
@@ -197,7 +211,6 @@ class Drafter:
             retry[0], retry[1] = 0, min(2 * retry[1], RETRY_MAX_STEPS)
 
     def finish(self, request_id: str) -> None:
-        self.proposer.finish(request_id)
         if self.grammar is not None:
             self.grammar.finish(request_id)
         for key in (request_id, (request_id, "forced")):

@@ -20,6 +20,7 @@ from kvserve.models.layers.decoder import IntermediateTensors
 from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sample.logits_processor import LogitsProcessor
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow, SpecSamplerOutput
+from kvserve.spec_decode.proposal import ForwardView
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.request_state import RunnerInput, ScheduledItem
 from kvserve.worker.streaming import StreamingKV
@@ -62,6 +63,10 @@ class ModelRunner:
         self.sampler = Sampler(seed, ops, logits_processors)
         self.input_batch = InputBatch(emits_updates=samples)
         self._generators: dict[str, torch.Generator] = {}
+        # a proposer that reads the target's hidden states (MTP) asks each step's forward to
+        # be kept until it has drafted (`last_forward`)
+        self.keep_forward = False
+        self.last_forward: ForwardView | None = None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: RunnerInput) -> ModelRunnerOutput:
@@ -92,6 +97,8 @@ class ModelRunner:
             hidden = self._run_stage(input_ids, positions, metadata)
             if hidden is None:
                 return ModelRunnerOutput.empty()
+        if self.keep_forward:
+            self.last_forward = ForwardView(scheduled, positions, metadata, hidden)
         sampling = [s for s in scheduled if s.sample]
         if not sampling:
             return ModelRunnerOutput.empty()

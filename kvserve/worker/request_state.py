@@ -18,6 +18,8 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # prompt then output: one list that grows (speculative proposers index it in place)
+    all_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # KV cache group 0's table
     group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (hybrid layout)
     # attention sinks: the evicted tokens the window's cached keys are rotated for (their
@@ -26,7 +28,8 @@ class CachedRequestState:
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
-        return cls(new.request_id, new.prompt_token_ids, new.params)
+        return cls(new.request_id, new.prompt_token_ids, new.params,
+                   all_token_ids=list(new.prompt_token_ids))
 
 
 @dataclass

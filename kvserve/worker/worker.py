@@ -27,6 +27,7 @@ import msgspec
 import zmq
 
 from kvserve.engine_config import EngineConfig
+from kvserve.errors import UnsupportedArchitectureError
 from kvserve.model_source import resolve_model
 from kvserve.kv_transfer.aggregator import merge_reports
 from kvserve.platform import exit_when_parent_dies
@@ -51,6 +52,8 @@ from kvserve.sample.logits_processor import (
     ProcessorInit,
     load_processor_classes,
 )
+from kvserve.spec_decode.config import mtp_module_count, parse_speculative_config
+from kvserve.spec_decode.proposal import ProposalStep
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.request_state import CachedRequestState, RunnerInput, ScheduledItem
 
@@ -84,6 +87,13 @@ class Worker:
                 pipeline_parallel_size=config.pipeline_parallel_size)
             self.parallel = _with_expert_parallel(self.parallel, config)
         self.loaded = load_engine_model(config, self.parallel)
+        # speculative decoding's proposer runs here, on the rank that samples (made with the
+        # KV cache: a draft model or MTP sizes its KV by the pool)
+        self.spec = parse_speculative_config(config.speculative_config) \
+            if self.is_output_rank else None
+        self.mtp = self._load_mtp() if self.spec is not None and self.spec.method == "mtp" \
+            else None
+        self.proposer = None
         # EPLB: every rank re-places its experts at the same step (they all run every step)
         self.rebalance_every = config.eplb().step_interval if config.enable_eplb else 0
         self.log_balancedness = config.eplb().log_balancedness
@@ -107,6 +117,31 @@ class Worker:
                 logger.info("EPLB balancedness (mean / max tokens a rank took, per layer, "
                             "placement before -> after): %s", self.loaded.model.balancedness())
 
+    def _load_mtp(self):
+        """The checkpoint's MTP modules the `mtp` proposer drafts with."""
+        from kvserve.spec_decode.mtp import load_mtp_modules
+
+        if self.config.streaming_window is not None:
+            raise UnsupportedArchitectureError(
+                "speculative_config: MTP drafts with attention sinks' window "
+                "(--streaming-window) are not built (the window's positions are not the "
+                "tokens')")
+        model = self.loaded.model
+        count = mtp_module_count(model.full_config.num_nextn_predict_layers,
+                                 self.spec.num_speculative_tokens)
+        return load_mtp_modules(model, resolve_model(self.config.model), count)
+
+    def _make_proposer(self, num_blocks: int, block_size: int):
+        from kvserve.spec_decode.proposers import ProposerContext, make_worker_proposer
+
+        config, loaded = self.config, self.loaded
+        return make_worker_proposer(self.spec, ProposerContext(
+            vocab_size=loaded.config.vocab_size, model_source=resolve_model(config.model),
+            dtype=loaded.dtype, kv_dtype=loaded.kv_dtype, device=config.device,
+            attention_backend=config.attention_backend, use_cpu_kernels=config.cpu_kernels,
+            quantization=config.quantization, block_size=block_size, num_blocks=num_blocks,
+            max_num_seqs=config.max_num_seqs, model=loaded.model, mtp=self.mtp))
+
     def ready_message(self) -> WorkerReady:
         from kvserve.kernels.reference import kv_dtype_name
         from kvserve.worker.model_loading import kv_page_bytes
@@ -124,6 +159,9 @@ class Worker:
                                   logits_processors=self._logits_processors(),
                                   placement=(message.layer_groups, message.layer_tensors),
                                   streaming_sink_blocks=self.config.streaming_sink_blocks)
+        if self.spec is not None:
+            self.proposer = self._make_proposer(message.num_blocks, message.block_size)
+            self.runner.keep_forward = self.proposer.keeps_forward
         connector = self.kv_connector
         if connector is None:
             return KVCacheReady(self.rank)
@@ -172,6 +210,8 @@ class Worker:
         # first: a new request may reuse the id of one that finished in the step before
         for request_id in step.finished_ids:
             self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.finish(request_id)
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
             if new.request_id not in self.requests:
                 self.requests[new.request_id] = CachedRequestState.from_new(new)
@@ -183,10 +223,23 @@ class Worker:
         if not self.is_output_rank or not step.scheduled:  # the core waits for nothing else
             return None
         for request_id, tokens in output.sampled_token_ids.items():
-            self.requests[request_id].output_token_ids.extend(tokens)
+            request = self.requests[request_id]
+            request.output_token_ids.extend(tokens)
+            request.all_token_ids.extend(tokens)
+        if self.proposer is not None:
+            self._propose(step, output)
         if step.report_expert_counts:
             output.expert_counts = self.runner.model.expert_counts()
         return StepResult(output)
+
+    def _propose(self, step: ExecuteStep, output) -> None:
+        """The proposer's drafts for the requests that sampled, as many as the core allowed,
+        into the step's output (with the drafting forwards, which the core prices)."""
+        output.draft_token_ids = self.proposer.propose(ProposalStep(
+            self.requests, output.sampled_token_ids, step.draft_limits,
+            self.runner.last_forward))
+        output.draft_forwards = self.proposer.take_forwards()
+        self.runner.last_forward = None
 
     # ---- the KV connector's reports --------------------------------------------------------
     def _note_finished(self, finished_ids: list[str]) -> None:

@@ -194,26 +194,13 @@ class CausalLM(nn.Module):
 
     def checkpoint_loaders(self) -> dict[str, tuple]:
         """Every checkpoint name this stage takes -> (kind, target...): ("linear", layer, part,
-        weight or bias), ("param", parameter, its module's loader for it or None), ("head",)."""
-        loaders: dict[str, tuple] = {}
-        owned: set[int] = set()
-        for name, module in self.named_modules():
-            if isinstance(module, PartitionedLinear):
-                parent, _, own = name.rpartition(".")
-                for checkpoint, (part, kind) in module.checkpoint_names(parent, own).items():
-                    loaders[checkpoint] = ("linear", module, part, kind)
-                owned.update(id(p) for p in module.parameters())
-        for module in (self.lm_head, self.model.embed_tokens):
-            if module is not None:
-                owned.update(id(p) for p in module.parameters())
+        weight or bias), ("param", parameter, its module's loader for it or None), ("head",),
+        ("embedding",)."""
+        tables = [module for module in (self.lm_head, self.model.embed_tokens)
+                  if module is not None]
+        loaders = module_loaders(self, tables)
         if isinstance(self.model.embed_tokens, TokenEmbedding):
             loaders["model.embed_tokens.weight"] = ("embedding",)
-        for module_name, module in self.named_modules():
-            custom = getattr(module, "param_loaders", {})
-            for local, param in module.named_parameters(recurse=False):
-                if id(param) not in owned:
-                    name = f"{module_name}.{local}" if module_name else local
-                    loaders[name] = ("param", param, custom.get(local))
         if self.lm_head is not None and not self.lm_head.tied:
             loaders["lm_head.weight"] = ("head",)
         return loaders
@@ -236,66 +223,22 @@ class CausalLM(nn.Module):
             if name not in loaders:
                 raise CorruptModelFileError(f"checkpoint tensor {name!r} has no place in the "
                                             f"model (its config: {self.config.architecture})")
-            self._check_tensor(loaders[name], name, tensor)
-            self._load_one(loaders[name], name, tensor)
+            check_tensor(loaders[name], name, tensor, self.config)
+            self._load_one(loaders[name], tensor)
             loaded.add(name)
-        self._check_complete(loaders, loaded)
+        check_complete(self, loaders, loaded)
         self.model.reset_rotary_tables()
 
-    def _load_one(self, loader: tuple, name: str, tensor) -> None:
+    def _load_one(self, loader: tuple, tensor) -> None:
         kind = loader[0]
-        if kind == "linear":
-            _, layer, part, weight_or_bias = loader
-            layer.load(part, weight_or_bias, tensor)
-        elif kind == "head":
+        if kind == "head":
             self.lm_head.load(tensor)
         elif kind == "embedding":
             self.model.embed_tokens.load(tensor)
             if self.lm_head is not None and self.lm_head.tied:
                 self.lm_head.load(tensor)
         else:
-            _, param, load = loader
-            if load is not None:
-                load(param, tensor)
-            else:
-                param.data.copy_(_whole(tensor))
-
-    def _check_tensor(self, loader: tuple, name: str, tensor) -> None:
-        """Refuse a tensor whose shape disagrees with the config, or that holds no float (or
-        block-quantized) numbers, naming it: loading it would fail deep in a copy with a bare
-        size error, or worse, broadcast or cast it silently."""
-        shape, dtype = _shape_and_dtype(tensor)
-        if dtype is not None and dtype not in _WEIGHT_DTYPES:
-            raise CorruptModelFileError(f"checkpoint tensor {name!r} has type {dtype}; a weight "
-                                        "must be floating point")
-        expected = self._expected_shape(loader)
-        if expected is not None and tuple(shape) != expected:
-            raise CorruptModelFileError(
-                f"checkpoint tensor {name!r} has shape {list(shape)}, the config "
-                f"({self.config.architecture}) gives {list(expected)}")
-
-    def _expected_shape(self, loader: tuple) -> tuple[int, ...] | None:
-        """The whole model's shape of a checkpoint tensor (None: a custom loader checks)."""
-        kind = loader[0]
-        if kind == "linear":
-            _, layer, part, weight_or_bias = loader
-            parts = layer.parts if part is None else [layer.parts[part]]
-            rows = sum(p.full_rows for p in parts)
-            return (rows, layer.full_in_features) if weight_or_bias == "weight" else (rows,)
-        if kind in ("head", "embedding"):
-            return (self.config.vocab_size, self.config.hidden_size)
-        _, param, load = loader
-        return tuple(param.shape) if load is None else None
-
-    def _check_complete(self, loaders: dict[str, tuple], loaded: set[str]) -> None:
-        missing = sorted(name for name, loader in loaders.items()
-                         if loader[0] != "linear" and name not in loaded)
-        for name, module in self.named_modules():
-            if isinstance(module, PartitionedLinear) and not module.loaded:
-                missing += module.missing_names(name.rpartition(".")[0])
-        if missing:
-            raise CorruptModelFileError(
-                f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
+            load_tensor(loader, tensor)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """The whole model's checkpoint tensors this stage takes, HF names and shapes (random
@@ -339,6 +282,90 @@ class CausalLM(nn.Module):
                 raise NotImplementedError("a quantized LM head keeps no float weights to export")
             state["lm_head.weight"] = self.lm_head.weight.data.clone()
         return state
+
+
+# ---- loading any module by checkpoint name (the model, or modules beside it: MTP's layers) ----
+
+def module_loaders(root: nn.Module, tables: Iterable[nn.Module] = ()) -> dict[str, tuple]:
+    """The checkpoint names `root`'s projections and parameters take (their module paths):
+    ("linear", layer, part, weight or bias) and ("param", parameter, its module's loader for it
+    or None); `tables` (embeddings, heads) load whole and are left out."""
+    loaders: dict[str, tuple] = {}
+    owned: set[int] = set()
+    for name, module in root.named_modules():
+        if isinstance(module, PartitionedLinear):
+            parent, _, own = name.rpartition(".")
+            for checkpoint, (part, kind) in module.checkpoint_names(parent, own).items():
+                loaders[checkpoint] = ("linear", module, part, kind)
+            owned.update(id(p) for p in module.parameters())
+    for module in tables:
+        owned.update(id(p) for p in module.parameters())
+    for module_name, module in root.named_modules():
+        custom = getattr(module, "param_loaders", {})
+        for local, param in module.named_parameters(recurse=False):
+            if id(param) not in owned:
+                name = f"{module_name}.{local}" if module_name else local
+                loaders[name] = ("param", param, custom.get(local))
+    return loaders
+
+
+def load_tensor(loader: tuple, tensor) -> None:
+    """One checkpoint tensor through its loader: a projection's part, a parameter, or a table
+    ("table", module: an embedding or head of its own, `module.load(tensor)`)."""
+    kind = loader[0]
+    if kind == "linear":
+        _, layer, part, weight_or_bias = loader
+        layer.load(part, weight_or_bias, tensor)
+    elif kind == "table":
+        loader[1].load(tensor)
+    else:
+        _, param, load = loader
+        if load is not None:
+            load(param, tensor)
+        else:
+            param.data.copy_(_whole(tensor))
+
+
+def check_tensor(loader: tuple, name: str, tensor, config: ModelConfig) -> None:
+    """Refuse a tensor whose shape disagrees with the config, or that holds no float (or
+    block-quantized) numbers, naming it: loading it would fail deep in a copy with a bare
+    size error, or worse, broadcast or cast it silently."""
+    shape, dtype = _shape_and_dtype(tensor)
+    if dtype is not None and dtype not in _WEIGHT_DTYPES:
+        raise CorruptModelFileError(f"checkpoint tensor {name!r} has type {dtype}; a weight "
+                                    "must be floating point")
+    expected = _expected_shape(loader, config)
+    if expected is not None and tuple(shape) != expected:
+        raise CorruptModelFileError(
+            f"checkpoint tensor {name!r} has shape {list(shape)}, the config "
+            f"({config.architecture}) gives {list(expected)}")
+
+
+def _expected_shape(loader: tuple, config: ModelConfig) -> tuple[int, ...] | None:
+    """The whole model's shape of a checkpoint tensor (None: a custom loader checks)."""
+    kind = loader[0]
+    if kind == "linear":
+        _, layer, part, weight_or_bias = loader
+        parts = layer.parts if part is None else [layer.parts[part]]
+        rows = sum(p.full_rows for p in parts)
+        return (rows, layer.full_in_features) if weight_or_bias == "weight" else (rows,)
+    if kind in ("head", "embedding", "table"):
+        return (config.vocab_size, config.hidden_size)
+    _, param, load = loader
+    return tuple(param.shape) if load is None else None
+
+
+def check_complete(root: nn.Module, loaders: dict[str, tuple], loaded: set[str],
+                   what: str = "checkpoint") -> None:
+    """Every loader's tensor arrived (a projection counts its parts), or a named error."""
+    missing = sorted(name for name, loader in loaders.items()
+                     if loader[0] != "linear" and name not in loaded)
+    for name, module in root.named_modules():
+        if isinstance(module, PartitionedLinear) and not module.loaded:
+            missing += module.missing_names(name.rpartition(".")[0])
+    if missing:
+        raise CorruptModelFileError(
+            f"{what} lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
 
 
 # a checkpoint's weight types (torch's, and safetensors' names for a lazy slice's)
