@@ -65,6 +65,7 @@ def _install() -> None:
                 token, logprobs = _look_ahead(self, state)
                 tokens.append(token)
                 state.output_token_ids.append(token)
+                state.all_token_ids.append(token)
                 if logprobs is not None:
                     output.logprobs[request_id].append(logprobs)
             _counts["multi_token_steps"] += len(tokens) > 1

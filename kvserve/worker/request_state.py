@@ -18,13 +18,13 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
-    # prompt then output: one list that grows (speculative proposers index it in place)
-    all_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # KV cache group 0's table
     group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.. (hybrid layout)
     # attention sinks: the evicted tokens the window's cached keys are rotated for (their
     # positions are within the cache: evicted tokens dropped)
     kv_shift: int = 0
+    # prompt then output: one list that grows (speculative proposers index it in place)
+    all_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
