@@ -124,6 +124,21 @@ def test_logits_match_hf(case, backend):
     assert_last_logits_match_hf(_model(case, backend), case, MAX_LEN, 1e-4)
 
 
+@pytest.mark.parametrize("threshold", [1, 8])
+def test_the_expanded_form_matches_hf(case, threshold, monkeypatch):
+    """Prompt chunks of EXPANDED_MIN_TOKENS or more attend in the expanded form (per-head keys
+    and values from the latents, SDPA). Its default, 128, is past these prompts, so it is
+    lowered: to 8, the 40- and 90-token prompts take it beside the 7-token one absorbed in
+    the same batch; to 1, every step does, decodes over their cached context included. HF's
+    logits within 1e-4 and its greedy tokens, batched and alone."""
+    from kvserve.attention import latent
+
+    monkeypatch.setattr(latent, "EXPANDED_MIN_TOKENS", threshold)
+    model = _model(case)
+    assert_last_logits_match_hf(model, case, MAX_LEN, 1e-4)
+    assert_greedy_batched_and_alone(model, case["prompts"], case["tokens"], NEW_TOKENS, MAX_LEN)
+
+
 def test_greedy_tokens_match_hf_batched_and_alone(case):
     assert_greedy_batched_and_alone(_model(case), case["prompts"], case["tokens"], NEW_TOKENS,
                                     MAX_LEN)
@@ -186,16 +201,20 @@ def test_engine_chunked_prefill_and_prefix_hits_match_hf(case):
                                            NEW_TOKENS)
 
 
-def test_a_decode_step_reads_only_latents(case):
+@pytest.mark.parametrize("kernels", ["compiled", "reference"])
+def test_a_decode_step_reads_only_latents(case, kernels):
     """Every tensor a decode step makes, recorded under a dispatch mode: none holds a key or
     value per head for the context's tokens (a context-long dim beside a heads dim and a head
-    dim), which the expanded form would; the cached rows it reads are latent-wide."""
+    dim), which the expanded form would. The torch reference gathers the cached rows it reads,
+    latent-wide; the C++ kernel reads them in place and makes no context-long tensor at all
+    (its arguments are the rows and the queries in latent space)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kvserve.models.paged_loop import PagedLoop
 
     hf = case["hf_config"]
-    model = _model(case)
+    model, _ = load_model(resolve_model(case["dir"]), "float32", attention_backend="paged",
+                          use_cpu_kernels=kernels == "compiled")
     prompt = case["prompts"][2]
     context = len(prompt) + 1  # a length no weight has
     loop = PagedLoop(model, 1, MAX_LEN)
@@ -214,7 +233,10 @@ def test_a_decode_step_reads_only_latents(case):
         loop.step([[first]], [context], [0])
     per_head = {hf.qk_nope_head_dim, hf.v_head_dim, hf.qk_nope_head_dim + hf.qk_rope_head_dim}
     long = [shape for shape in shapes if context in shape]
-    assert (context, hf.kv_lora_rank + hf.qk_rope_head_dim) in long  # the latent rows read
+    if kernels == "reference":
+        assert (context, hf.kv_lora_rank + hf.qk_rope_head_dim) in long  # the latent rows read
+    else:
+        assert not long
     expanded = [shape for shape in long if hf.num_attention_heads in shape
                 and per_head & set(shape) - {context, hf.num_attention_heads}]
     assert not expanded

@@ -345,6 +345,44 @@ def test_flash_attention_sliding_window(window, block_size, compiled):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8", "fp8"])
+def test_latent_attention_ragged_causal(cache, compiled):
+    """MLA's absorbed attention over latent rows (the latent then the RoPE key, quantized parts
+    each with its scale): a prompt chunk over cached context, a fresh prompt and a decode row
+    in one call, blocks shuffled, within float32 rounding of the torch version."""
+    from kvserve.kernels.reference import FP8_KV_DTYPE, to_cache_rows
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
+             "fp8": FP8_KV_DTYPE}[cache]
+    torch.manual_seed(0)
+    heads, rank, rope, block_size = 5, 40, 8, 4  # rank past a whole vector: the scalar tail
+    seq_lens, new_tokens = [9, 6, 23], [3, 6, 1]
+    order = torch.randperm(24)[:13] + 1  # block 0 stays the tables' padding
+    tables, used = torch.zeros(3, 6, dtype=torch.int32), 0
+    for index, length in enumerate(seq_lens):
+        count = -(-length // block_size)
+        tables[index, :count] = order[used:used + count]
+        used += count
+    rows = torch.cat([to_cache_rows(torch.randn(25 * block_size, rank), dtype),
+                      to_cache_rows(torch.randn(25 * block_size, rope), dtype)], dim=-1)
+    tokens = sum(new_tokens)
+    query_start = torch.tensor([0, 3, 9, 10], dtype=torch.int32)
+    q_latent, q_rope = torch.randn(tokens, heads, rank), torch.randn(tokens, heads, rope)
+    args = (query_start, torch.tensor(seq_lens, dtype=torch.int32), tables, block_size, 0.3)
+    out, expected = torch.zeros(tokens, heads, rank), torch.zeros(tokens, heads, rank)
+    every = torch.arange(3, dtype=torch.int32)
+    compiled.latent_attention_(out, q_latent, q_rope, rows, every, *args)
+    reference.latent_attention_(expected, q_latent, q_rope, rows, every, *args)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # only the sequences asked for: the others' rows stay as they were
+    some = torch.full_like(out, 7.0)
+    chosen = torch.tensor([0, 2], dtype=torch.int32)
+    compiled.latent_attention_(some, q_latent, q_rope, rows, chosen, *args)
+    assert torch.equal(some[3:9], torch.full_like(some[3:9], 7.0))
+    torch.testing.assert_close(some[:3], expected[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(some[9:], expected[9:], atol=1e-5, rtol=1e-5)
+
+
 def test_reference_fallback_when_disabled():
     ops = get_ops(False)
     assert not ops.compiled and ops.paged_attention_ is reference.paged_attention_

@@ -250,7 +250,8 @@ def test_the_server_reports_mtp_acceptance_in_usage_and_metrics(chain_case, tmp_
     from tests.helpers import read_metrics, tiny_server_flags
 
     flags = tiny_server_flags(chain_case["dir"], "--speculative-config", json.dumps(
-        {"method": "deepseek_mtp", "num_speculative_tokens": 2}), kv_blocks=256,
+        {"method": "deepseek_mtp", "num_speculative_tokens": 2, "adaptive": False}),
+                              kv_blocks=256,
                               max_model_len=256)
     with ServerProcess(flags, log_path=tmp_path / "server.log") as server:
         answer = httpx.post(server.base_url + "/v1/completions", timeout=60, json={

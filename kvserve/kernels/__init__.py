@@ -19,7 +19,7 @@ from kvserve.kernels import isa
 
 OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gelu_tanh_and_mul",
             "swigluoai_and_mul",
-            "rope_and_cache_", "paged_attention_",
+            "rope_and_cache_", "paged_attention_", "latent_attention_",
             "flash_attention_", "flash_attention_supported", "quantize_per_token",
             "dequantize_int32", "argmax_rows", "top_p_mask_", "draw_rows",
             "apply_token_bitmask_", "int4_linear", "int4_linear_fast", "int8_linear",

@@ -280,6 +280,34 @@ def paged_attention_(qkv, kv_cache, out, seq_ids, query_start_loc, seq_lens, blo
         out[start:end] = attended.reshape(end - start, -1)
 
 
+def latent_attention_(out, q_latent, q_rope, rows, seq_ids, query_start_loc, seq_lens,
+                      block_tables, block_size: int, scale: float) -> None:
+    """Latent attention (MLA), absorbed, for the sequences in `seq_ids` (other rows of `out`
+    left as they are): `out` [T, H, R] gets each query token's and head's
+    softmax-weighted sum of its sequence's cached latents, scored as scale x (q_latent .
+    latent + q_rope . rope key) over positions up to its own. `rows` [slots, row]: the layer's
+    cache, one row a token (the latent, then the RoPE key; quantized parts each with its
+    scale); q_latent [T, H, R] and q_rope [T, H, P] float32."""
+    rank = q_latent.shape[-1]
+    split = kv_row_width(rank, rows.dtype)  # where the RoPE key's part starts
+    starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
+    for index in seq_ids.tolist():
+        length, start, end = lengths[index], starts[index], starts[index + 1]
+        if end == start:
+            continue
+        blocks = block_tables[index, :-(-length // block_size)].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        cached = rows[slots]
+        latents = kv_as(cached[:, :split], torch.float32)
+        keys_rope = kv_as(cached[:, split:], torch.float32)
+        scores = (torch.einsum("thr,lr->htl", q_latent[start:end], latents)
+                  + torch.einsum("thp,lp->htl", q_rope[start:end], keys_rope)) * scale
+        query_positions = torch.arange(length - (end - start), length)
+        future = torch.arange(length)[None, :] > query_positions[:, None]
+        probabilities = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("htl,lr->thr", probabilities, latents)
+
+
 # The flash kernel computes the same attention as the paged one (tiled, bf16 dot products).
 flash_attention_ = paged_attention_
 

@@ -18,6 +18,7 @@
 #include "decode_stack.h"
 #include "layer_ops.h"
 #include "flash_attention.h"
+#include "latent_attention.h"
 #include "bf16_gemm.h"
 #include "gguf_amx.h"
 #include "gguf_gemm.h"
@@ -42,31 +43,6 @@ template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
 
 // Round a float through the storage dtype (a no-op for float).
 template <typename T> inline float round_trip(float v) { return to_float(from_float<T>(v)); }
-
-inline void load_row(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-inline void load_row(const BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if KVSERVE_VEC
-  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// A quantized cache row (n int8 or fp8 codes, then its float32 scale) -> its n values, code *
-// scale (fp8 loads give code / 256 and its row_scale the scale x 256: vec.h).
-template <typename C, typename = std::enable_if_t<kQuantizedRows<C>>>
-inline void load_row(const C* src, float* dst, int64_t n) {
-  const float scale = row_scale(src, n);
-  int64_t i = 0;
-#if KVSERVE_VEC
-  const vf s = vset1(scale);
-  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vmul(vload(src + i), s));
-#endif
-  for (; i < n; ++i) dst[i] = loaded_code(src[i]) * scale;
-}
 
 inline void store_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -1148,6 +1124,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("latent_attention_", &kvserve::latent_attention_,
+        "latent attention (MLA) over the paged latent rows, absorbed: each head's weighted "
+        "sum of latents into out [T, H, R]",
+        py::arg("out"), py::arg("q_latent"), py::arg("q_rope"), py::arg("rows"),
+        py::arg("seq_ids"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("block_tables"), py::arg("block_size"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("flash_attention_", &kvserve::flash_attention_,
         "tiled causal attention over paged bf16 K/V (sequences with many new tokens), in place",

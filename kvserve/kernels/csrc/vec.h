@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -330,6 +331,32 @@ inline float row_scale(const c10::Float8_e4m3fn* row, int64_t head_dim) {
   float scale;
   std::memcpy(&scale, row + head_dim, sizeof(float));
   return scale * kFp8LoadFactor;
+}
+
+// A cached row -> its n values as floats: float rows copied, bf16 rows widened, quantized rows
+// (n int8 or fp8 codes, then their float32 scale) code * scale (fp8 loads give code / 256 and
+// their row_scale the scale x 256).
+inline void load_row(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if KVSERVE_VEC
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename C, typename = std::enable_if_t<kQuantizedRows<C>>>
+inline void load_row(const C* src, float* dst, int64_t n) {
+  const float scale = row_scale(src, n);
+  int64_t i = 0;
+#if KVSERVE_VEC
+  const vf s = vset1(scale);
+  for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vmul(vload(src + i), s));
+#endif
+  for (; i < n; ++i) dst[i] = loaded_code(src[i]) * scale;
 }
 
 // Element offset of the K row of token `pos` for one KV head in a paged cache half laid out

@@ -8,8 +8,9 @@ key up-projection is folded into each head's query (q_nope W_UK: a query in late
 the value up-projection applied after the weighted sum of latents (W_UV), so neither keys nor
 values are ever expanded per head; a step reads only the cached latents. It is the expanded
 form's arithmetic regrouped (equal within float32 rounding: tests/test_deepseek.py against HF).
-The attention itself is in torch for now (kvserve/attention/latent.py), so models with this
-layer keep the Python loop rather than the C++ decode stack.
+The attention over the cached rows is a C++ kernel of its own (kvserve/attention/latent.py,
+kernels/csrc/latent_attention.cpp), not yet part of the C++ decode stack, so models with this
+layer keep the Python loop over their layers.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class LayerOps:
         rank = attention.kv_lora_rank
         latent = self.rms_norm(compressed[:, :rank].contiguous(), attention.kv_a_layernorm)
         return latent_attention(attention, query, latent, compressed[:, rank:], positions,
-                                metadata)
+                                metadata, self.kernels)
 
     def moe(self, moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """A mixture of experts (models/layers/moe.py): routing, each active expert's
