@@ -10,12 +10,12 @@ the whole context. Rows past what a verification kept were fed rejected drafts; 
 positions are written again by the next step, before anything reads them.
 
 A request that sampled then drafts from the row of its last known token: the argmax of the
-module's head is the first draft (the token after the one just sampled). Drafting (the head,
-and each further position) is timed per draft position and priced by the engine core as a
-draft model's forwards are, so where drafts do not pay the module only keeps its KV. Each further draft
+module's head is the first draft (the token after the one just sampled). Each further draft
 runs a module one position on, on its own previous output and the draft before (module j of n
 for draft j, reused round-robin past n, as vLLM does), while its position stays within the
-request's allocated blocks. Drafts are argmax, a point mass, so verification keeps the target's
+request's allocated blocks. Drafting (the head, and each further position) is timed per draft
+position and priced by the engine core as a draft model's forwards are, so where drafts do not
+pay the module only keeps its KV. Drafts are argmax, a point mass, so verification keeps the target's
 distribution exactly (sample/sampler.py `verify`); greedy output is the target's own.
 """
 
