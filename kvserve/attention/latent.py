@@ -58,33 +58,40 @@ def latent_attention(layer, query: torch.Tensor, latent: torch.Tensor, key_rope:
         [to_cache_rows(latent, rows.dtype),
          to_cache_rows(rotate(key_rope, cos, sin, layer.interleaved).to(latent.dtype),
                        rows.dtype)], dim=-1)
-    w_uk, w_uv = layer.absorbed()
     starts, lengths = metadata.query_start_loc_host, metadata.seq_lens_host
     expanded = [index for index in range(len(lengths))
                 if starts[index + 1] - starts[index] >= EXPANDED_MIN_TOKENS]
     absorbed = [index for index in range(len(lengths))
                 if 0 < starts[index + 1] - starts[index] < EXPANDED_MIN_TOKENS]
-    out = torch.empty(tokens, heads, layer.v_dim, dtype=torch.float32)
-    if absorbed:
-        rows_of = [position for index in absorbed
-                   for position in range(starts[index], starts[index + 1])]
-        # each head's query in latent space: q_nope W_UK [T, heads, kv_lora_rank]
-        query_latent = torch.einsum("thd,hdr->thr", query[..., :nope].float(),
-                                    w_uk).contiguous()
-        weighted = torch.empty_like(query_latent)
-        kernels.latent_attention_(weighted, query_latent, query_rope.contiguous(), rows,
-                                  torch.tensor(absorbed, dtype=torch.int32),
-                                  metadata.query_start_loc, metadata.seq_lens,
-                                  metadata.block_tables.contiguous(), metadata.block_size,
-                                  layer.scale)
-        index = torch.tensor(rows_of)
-        out[index] = torch.einsum("thr,hvr->thv", weighted[index], w_uv)
+    if absorbed:  # every token's row; the expanded sequences' are overwritten below
+        out = _absorbed(layer, query[..., :nope], query_rope, rows, metadata, absorbed,
+                        kernels, partial=bool(expanded))
+    else:
+        out = torch.empty(tokens, heads, layer.v_dim, dtype=torch.float32)
     for sequence in expanded:
         start, end = starts[sequence], starts[sequence + 1]
         out[start:end] = _expanded(layer, query[start:end, :, :nope].float(),
                                    query_rope[start:end], rows, metadata, sequence,
                                    lengths[sequence])
     return out.reshape(tokens, heads * layer.v_dim).to(query.dtype)
+
+
+def _absorbed(layer, query_nope: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tensor,
+              metadata: AttentionMetadata, sequences: list[int], kernels,
+              partial: bool) -> torch.Tensor:
+    """The absorbed form for `sequences` (the op set's kernel over the cached rows), each
+    step's W_UK and W_UV as one batched matmul over every token: [T, heads, v] in float32, the
+    rows of tokens outside `sequences` zero (`partial`) or unset."""
+    w_uk, w_uv = layer.absorbed()
+    # each head's query in latent space: q_nope W_UK [T, heads, kv_lora_rank]
+    query_latent = torch.einsum("thd,hdr->thr", query_nope.float(), w_uk).contiguous()
+    weighted = torch.zeros_like(query_latent) if partial else torch.empty_like(query_latent)
+    kernels.latent_attention_(weighted, query_latent, query_rope.contiguous(), rows,
+                              torch.tensor(sequences, dtype=torch.int32),
+                              metadata.query_start_loc, metadata.seq_lens,
+                              metadata.block_tables.contiguous(), metadata.block_size,
+                              layer.scale)
+    return torch.einsum("thr,hvr->thv", weighted, w_uv)
 
 
 def _expanded(layer, query_nope: torch.Tensor, query_rope: torch.Tensor, rows: torch.Tensor,
