@@ -601,3 +601,16 @@ def test_bench_offline_runs_the_engine_and_reports_its_dtype(tiny_model_dir, tmp
     result = json.loads(out.read_text())
     assert result["requests"] == 2 and result["output_throughput"] > 0
     assert (result["dtype"], result["quantization"]) == ("float32", "none")
+
+
+def test_the_configuration_line_names_what_was_served(tmp_path):
+    """A GGUF (or a short name) is every system's file; an HF directory is served as it is,
+    with no GGUF in the line."""
+    from kvserve.bench.run_report import configuration_line
+
+    roof = {"weight_format": {"dtype": "bfloat16", "quantization": "none"},
+            "cpu": {"isa_level": "avx2"}}
+    assert "its bundled GGUF" in configuration_line(roof, "/models/x-q4_k_m.gguf")
+    line = configuration_line(roof, str(tmp_path))
+    assert "an HF directory every system served as it is" in line and "GGUF" not in line
+    assert "bfloat16" in line and "avx2" in line

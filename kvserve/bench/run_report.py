@@ -74,6 +74,11 @@ def machine_line(header: dict, kernel_release: str, versions: dict) -> str:
 def configuration_line(roof: dict | None, model: str = DEFAULT_MODEL) -> str:
     fmt = (roof or {}).get("weight_format") or {"dtype": "?", "quantization": "?"}
     isa_level = (roof or {}).get("cpu", {}).get("isa_level", "?")
+    if model != DEFAULT_MODEL and Path(model).is_dir():
+        return (f"Model: {model}, an HF directory every system served as it is. "
+                f"Configurations: kvserve = defaults on this CPU ({fmt['dtype']}, "
+                f"`--quantization auto` = {fmt['quantization']}; fused C++ CPU kernels built "
+                f"for {isa_level}, paged attention).")
     if model != DEFAULT_MODEL:
         return (f"Model: {model}, its bundled GGUF for every system. Configurations: kvserve = "
                 f"defaults on this CPU ({fmt['dtype']}, `--quantization auto` = "
