@@ -80,9 +80,9 @@ class Drafter:
     def limits(self, requests, base_tokens: int, base_reads: int = 0) -> dict[str, int]:
         """Drafts the worker may make for each of these requests (they sample in the step
         about to run, and decode next) for a next step of `base_tokens` tokens and
-        `base_reads` attention reads besides drafts. Context drafts and MTP's cost next to
-        nothing to make: each may get them all, unless no draft could pay at this batch. A
-        draft model's or MTP's forward per draft position is priced here, before it runs."""
+        `base_reads` attention reads besides drafts. Context drafts cost next to nothing to
+        make: each may get them all, unless no draft could pay at this batch. A draft model's
+        or MTP's forward per draft position is priced here, before it runs."""
         if not requests:
             return {}
         if self.config.method in PRICED_METHODS:
@@ -91,16 +91,19 @@ class Drafter:
                 len(requests), base_tokens, self.cost, base_reads,
                 min(request.num_tokens for request in requests)):
             return {}
-        limits = {request.request_id: min(self.config.num_speculative_tokens,
-                                          _room(request) - 1) for request in requests}
+        limits = {request.request_id: self._next_room(request) for request in requests}
         return {request_id: limit for request_id, limit in limits.items() if limit > 0}
+
+    def _next_room(self, request) -> int:
+        """Drafts the request can take after the step about to run (which emits at least one
+        of its tokens)."""
+        return min(self.config.num_speculative_tokens, _room(request) - 1)
 
     def _priced_limits(self, requests, base_tokens: int, base_reads: int) -> dict[str, int]:
         """Each request's draft count, decided before the proposer runs a forward per draft
         position (a draft model; MTP's head and modules): from the acceptance estimates and
         what a draft token costs to make and to verify."""
-        room = {request: min(self.config.num_speculative_tokens, _room(request) - 1)
-                for request in requests}
+        room = {request: self._next_room(request) for request in requests}
         if not self.config.adaptive:
             counts = room
         else:
@@ -125,7 +128,8 @@ class Drafter:
         return self.draft_cost.cost(num_sequences) / num_sequences
 
     def observe_forwards(self, forwards) -> None:
-        """A draft model's forwards the worker ran, (tokens, seconds) each."""
+        """The drafting forwards the worker ran (a draft model's, MTP's), (tokens, seconds)
+        each."""
         for tokens, seconds in forwards:
             self.draft_cost.observe(tokens, seconds)
 
