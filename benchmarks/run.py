@@ -23,6 +23,8 @@ The standard scenarios are fixed so numbers compare across time:
       (not in the default set; read beside s1 and s2 of the same run)
   s12: s2 at concurrency 64, 128 requests (not in the default set: speculative decoding's
       "never slower" at the top of 1-64 requests at once)
+  s13, s14: the 1-8B scenarios (not in the default set): 1 stream, 6 requests, 512 / 128, and 32
+      requests at concurrency 16, 512 / 128
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ SCENARIOS = {
     # s2 at 64 requests at once: where no draft pays, speculation must cost nothing
     "s12": ["--workload", "random", "--num-prompts", "128", "--max-concurrency", "64",
             "--input-len", "256", "--output-len", "128", "--seed", "12"],
+    # models people run (1-8B, MoE): longer prompts, and a batch of 16 that 2 cores still serve
+    "s13": ["--workload", "random", "--num-prompts", "6", "--max-concurrency", "1",
+            "--input-len", "512", "--output-len", "128", "--seed", "13"],
+    "s14": ["--workload", "random", "--num-prompts", "32", "--max-concurrency", "16",
+            "--input-len", "512", "--output-len", "128", "--seed", "14"],
     # its own prompts (--seed): with s2's, s5 ran on the prefix cache s2 had just filled
     "s5": ["--workload", "random", "--num-prompts", "64", "--max-concurrency", "32",
            "--input-len", "256", "--output-len", "128", "--temperature", "0.8",

@@ -154,8 +154,9 @@ def _body(args) -> dict:
 def test_s5_is_s2_sampled_on_its_own_prompts_and_its_body_carries_temperature_and_top_p():
     """Its own seed: on s2's prompts it ran on the prefix cache s2 had just filled."""
     scenarios = _run_script().SCENARIOS
-    # the standard five, then the ones run on request (long context, speculative decoding)
-    assert sorted(scenarios, key=lambda s: int(s[1:])) == [f"s{i}" for i in range(1, 13)]
+    # the standard five, then the ones run on request (long context, speculative decoding,
+    # the 1-8B shapes)
+    assert sorted(scenarios, key=lambda s: int(s[1:])) == [f"s{i}" for i in range(1, 15)]
     assert [a for a in scenarios["s5"] if a not in scenarios["s2"]] == [
         "--temperature", "0.8", "--top-p", "0.95", "--seed", "5"]
     assert "--seed" not in scenarios["s2"]  # s2 keeps the default seed, 0

@@ -41,23 +41,32 @@ EXTRA_COLUMNS = (
     ("s10 TPOT p50 ms", "s10", "tpot_s", "p50", 1000),
     ("s11 out tok/s", "s11", "output_throughput", None, 1),
     ("s12 out tok/s", "s12", "output_throughput", None, 1),
-    ("s12 TPOT p50 ms", "s12", "tpot_s", "p50", 1000))
+    ("s12 TPOT p50 ms", "s12", "tpot_s", "p50", 1000),
+    ("s13 TPOT p50 ms", "s13", "tpot_s", "p50", 1000),
+    ("s13 TTFT p50 ms", "s13", "ttft_s", "p50", 1000),
+    ("s14 out tok/s", "s14", "output_throughput", None, 1),
+    ("s14 TPOT p50 ms", "s14", "tpot_s", "p50", 1000))
 RATIO_METRICS = (("s1", "tpot_s", "p50"), ("s1", "ttft_s", "p50"),
                  ("s2", "output_throughput", None), ("s3", "ttft_s", "p50"),
                  ("s3", "output_throughput", None), ("s4", "output_throughput", None),
                  ("s5", "output_throughput", None), ("s6", "output_throughput", None),
                  ("s7", "tpot_s", "p50"), ("s8", "output_throughput", None),
                  ("s9", "tpot_s", "p50"), ("s10", "tpot_s", "p50"),
-                 ("s11", "output_throughput", None), ("s12", "output_throughput", None))
+                 ("s11", "output_throughput", None), ("s12", "output_throughput", None),
+                 ("s13", "tpot_s", "p50"), ("s13", "ttft_s", "p50"),
+                 ("s14", "output_throughput", None))
 # structured output's scenarios -> the free-text scenario of the same shape
 STRUCTURED = {"s10": "s1", "s11": "s2"}
 # system-name endings of speculating variants
 SPECULATING = ("-ngram", "-suffix", "-draft", "-mtp", "-mtp2")
-# (column title, scenario, concurrency, roof_fractions key); every scenario is 256 in / 128 out
-ROOF_COLUMNS = (("s1 decode", "s1", 1, "output_fraction_of_roof"),
-                ("s1 prefill", "s1", 1, "single_prefill_fraction_of_roof"),
-                ("s2 decode", "s2", 32, "output_fraction_of_roof"),
-                ("s5 decode", "s5", 32, "output_fraction_of_roof"))
+# (column title, scenario, concurrency, prompt tokens, roof_fractions key); 128 outputs each
+ROOF_COLUMNS = (("s1 decode", "s1", 1, 256, "output_fraction_of_roof"),
+                ("s1 prefill", "s1", 1, 256, "single_prefill_fraction_of_roof"),
+                ("s2 decode", "s2", 32, 256, "output_fraction_of_roof"),
+                ("s5 decode", "s5", 32, 256, "output_fraction_of_roof"),
+                ("s13 decode", "s13", 1, 512, "output_fraction_of_roof"),
+                ("s13 prefill", "s13", 1, 512, "single_prefill_fraction_of_roof"),
+                ("s14 decode", "s14", 16, 512, "output_fraction_of_roof"))
 
 
 def _value(summary: dict, key: str, percentile: str | None) -> float:
@@ -189,8 +198,11 @@ def structured_lines(records: list[dict]) -> list[str]:
 
 
 def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
-    """s1, s2 and s5 output rates as fractions of the roof of the engine's default format."""
-    if not roof:
+    """The output and prefill rates of the scenarios run as fractions of the roof of the engine's
+    default format."""
+    columns = [column for column in ROOF_COLUMNS
+               if any(column[1] in record["scenarios"] for record in records)]
+    if not roof or not columns:
         return []
     machine, cost = MachineRoof(**roof["machine"]), ModelCost(**roof["model"])
     gemm_dtype = roof.get("roof_gemm_dtype", "bfloat16")  # runs before per-CPU results: bf16
@@ -202,24 +214,24 @@ def roof_lines(records: list[dict], roof: dict | None) -> list[str]:
              f"Fractions of the roof of {fmt['dtype']}, quantization {fmt['quantization']} "
              f"({cost.weight_bytes / 1e6:.0f} MB read per step, {gemm_dtype} GEMM rate; decode: "
              "min of bandwidth and GEMM bounds at the scenario's concurrency; prefill: TTFT p50 "
-             "of s1 against the GEMM bound):", "",
-             "| system | " + " | ".join(column[0] for column in ROOF_COLUMNS) + " |",
-             "|" + "---|" * (1 + len(ROOF_COLUMNS))]
+             "of one stream against the GEMM bound):", "",
+             "| system | " + " | ".join(column[0] for column in columns) + " |",
+             "|" + "---|" * (1 + len(columns))]
     for record in records:
-        cells = [_roof_cell(record["scenarios"].get(scenario), scenario, concurrency, key, cost,
+        cells = [_roof_cell(record["scenarios"].get(scenario), concurrency, input_len, key, cost,
                             machine, gemm_dtype)
-                 for _, scenario, concurrency, key in ROOF_COLUMNS]
+                 for _, scenario, concurrency, input_len, key in columns]
         lines.append(f"| {record['system']} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _roof_cell(summary: dict | None, scenario: str, concurrency: int, key: str,
+def _roof_cell(summary: dict | None, concurrency: int, input_len: int, key: str,
                cost: ModelCost, machine: MachineRoof, gemm_dtype: str) -> str:
     if not summary:
         return "-"
     if concurrency == 1:  # one stream: its output rate is 1 / TPOT
         summary = dict(summary, output_throughput=1 / summary["tpot_s"]["p50"])
-    fractions = roof_fractions(summary, cost, machine, concurrency, 256, 128, gemm_dtype)
+    fractions = roof_fractions(summary, cost, machine, concurrency, input_len, 128, gemm_dtype)
     return f"{fractions[key]:.0%}"
 
 
