@@ -15,9 +15,11 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.outputs",
     "RequestOutput": "kvserve.outputs",
     "SamplingParams": "kvserve.sampling_params",
+    "RequestOutputKind": "kvserve.sampling_params",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -139,7 +139,9 @@ class EngineMetrics:
         """A request the engine failed (an exception of its own); label "error"."""
         self._success.labels(self.model_name, "error").inc()
 
-    def record_finished(self, output) -> None:
+    def record_finished(self, output, num_output_tokens: int) -> None:
+        """A finished request: `num_output_tokens` is counted by the caller, since its final
+        output may carry only the last delta."""
         metrics = output.metrics
         reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")
         self._success.labels(self.model_name, reason).inc()
@@ -148,7 +150,7 @@ class EngineMetrics:
         if metrics.queue_time is not None:
             self.queue_time.observe(metrics.queue_time)
         self.prompt_len.observe(len(output.prompt_token_ids))
-        self.output_len.observe(sum(len(o.token_ids) for o in output.outputs))
+        self.output_len.observe(num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,7 @@ request ever reaches the engine loop.
 from __future__ import annotations
 
 import copy
+import enum
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,18 @@ class StructuredOutputsParams:
                                   "structural_tag") if getattr(self, name) not in (None, False)]
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names): everything so far, only
+    what is new since the previous output, or one output when the request finishes. A stream
+    that forwards deltas takes DELTA, so no step copies a request's whole text, token ids and
+    logprobs again (O(n^2) over a long answer); a caller that waits for the end takes
+    FINAL_ONLY, so unfinished steps build no output at all."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -107,6 +120,8 @@ class SamplingParams:
     # arguments for custom logits processors (vLLM's extra_args; `vllm_xargs` over HTTP)
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # the front-end's: what each RequestOutput carries (the core never reads it)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled by the engine: the model's EOS plus stop_token_ids
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

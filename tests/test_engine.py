@@ -242,3 +242,48 @@ def test_a_finished_requests_id_can_be_used_again(tiny_model_dir, engine_core):
     finally:
         engine.shutdown()
     assert len(answers) == 3 and answers[0] == answers[1] == answers[2]
+
+
+def _run_kinds(engine, prompt: str, params: SamplingParams) -> dict:
+    """The same request under each output kind, all in one batch: every output it produced."""
+    from kvserve.sampling_params import RequestOutputKind
+
+    outputs: dict = {}
+    for kind in RequestOutputKind:
+        kind_params = params.clone()
+        kind_params.output_kind = kind
+        engine.add_request(kind.name, prompt, kind_params)
+        outputs[kind.name] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    return outputs
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_delta_outputs_add_up_to_the_cumulative_one_and_final_only_comes_once(tiny_llm, stop):
+    """DELTA outputs carry each token, logprob and character once (the stop-string holdback
+    too); FINAL_ONLY builds one output, equal to CUMULATIVE's last."""
+    engine = tiny_llm.llm_engine
+    prompt = "Once upon a time"
+    params = SamplingParams(max_tokens=24, logprobs=2, n=2, seed=3, temperature=0.9)
+    if stop:
+        free = _run_kinds(engine, prompt, params)["CUMULATIVE"][-1].outputs[0].text
+        params.stop = [free[8:11]]
+    outputs = _run_kinds(engine, prompt, params)
+    final = outputs["CUMULATIVE"][-1]
+    assert final.finished and len(outputs["CUMULATIVE"]) > 3
+    if stop:
+        assert final.outputs[0].finish_reason == "stop"
+    assert len(outputs["FINAL_ONLY"]) == 1 and outputs["FINAL_ONLY"][0].finished
+    assert [o.text for o in outputs["FINAL_ONLY"][0].outputs] == [o.text for o in final.outputs]
+    deltas = outputs["DELTA"]
+    for index, whole in enumerate(final.outputs):
+        pieces = [sample for output in deltas for sample in output.outputs
+                  if sample.index == index]
+        assert "".join(p.text for p in pieces) == whole.text
+        assert [t for p in pieces for t in p.token_ids] == whole.token_ids
+        assert [e for p in pieces for e in p.logprobs] == whole.logprobs
+        assert pieces[-1].finish_reason == whole.finish_reason
+        assert pieces[-1].cumulative_logprob == pytest.approx(whole.cumulative_logprob)
+    assert max(len(s.token_ids) for o in deltas for s in o.outputs) == 1  # one token a step

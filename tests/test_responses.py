@@ -30,6 +30,7 @@ from kvserve.entrypoints.openai.serving import Job
 from kvserve.entrypoints.openai.tools.formats import HERMES
 from kvserve.errors import RequestFailedError
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import RequestOutputKind
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers",
        "parameters": {"type": "object", "properties": {
@@ -237,7 +238,8 @@ class _Engine:
     def __init__(self, text: str, fail: bool = False):
         self.text, self.fail = text, fail
 
-    async def generate(self, prepared):
+    async def generate(self, prepared, output_kind):
+        assert output_kind == RequestOutputKind.CUMULATIVE  # the parsers read whole replies
         cuts = [len(self.text) // 3, 2 * len(self.text) // 3]
         for cut in cuts:
             yield _result(self.text[:cut], None)

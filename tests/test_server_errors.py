@@ -3,6 +3,8 @@ server keeps serving, and the auxiliary routes work."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -156,3 +158,53 @@ def test_queue_limit_gives_503(locked_server):
                           headers={"Authorization": "Bearer s3cret"}, json={"prompt": "x"})
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "overloaded"
+
+
+def _stream(server, path: str, payload: dict) -> list[dict]:
+    with httpx.stream("POST", server.base_url + path, json={**payload, "stream": True},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[len("data: "):] for line in response.iter_lines()
+                 if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _counts(usage: dict) -> dict:
+    """Usage without the cached-token details (a repeated prompt hits the prefix cache)."""
+    return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
+
+
+def test_streamed_completions_add_up_to_the_whole_response(tiny_server):
+    """Streams are built from the engine's deltas: echo, text, logprobs with their offsets, the
+    stop string and usage add up to what the same request returns whole."""
+    payload = {"prompt": ["abc", "def ghi"], "max_tokens": 10, "echo": True, "n": 2, "seed": 5,
+               "temperature": 0.9, "logprobs": 1}
+    whole = post(tiny_server, "/v1/completions", payload).json()
+    payload["stop"] = [whole["choices"][1]["text"][len("abc") + 3:][:2]]
+    whole = post(tiny_server, "/v1/completions", payload).json()
+    chunks = _stream(tiny_server, "/v1/completions",
+                     {**payload, "stream_options": {"include_usage": True}})
+    assert _counts(chunks[-1]["usage"]) == _counts(whole["usage"])
+    for choice in whole["choices"]:
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"]
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert [v for c in mine if c["logprobs"] for v in c["logprobs"][key]] == \
+                choice["logprobs"][key]
+    assert whole["choices"][1]["finish_reason"] == "stop"
+
+
+def test_streamed_chat_logprobs_and_usage_match_the_whole_response(tiny_server):
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+               "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = post(tiny_server, "/v1/chat/completions", payload).json()
+    chunks = _stream(tiny_server, "/v1/chat/completions",
+                     {**payload, "stream_options": {"include_usage": True}})
+    assert _counts(chunks[-1]["usage"]) == _counts(whole["usage"])
+    deltas = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["delta"].get("content", "") for c in deltas) == \
+        whole["choices"][0]["message"]["content"]
+    assert [e for c in deltas if c["logprobs"] for e in c["logprobs"]["content"]] == \
+        whole["choices"][0]["logprobs"]["content"]

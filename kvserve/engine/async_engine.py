@@ -23,6 +23,8 @@ the server exits non-zero and an orchestrator restarts it.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +33,7 @@ from typing import AsyncIterator
 
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
+from kvserve.engine.output_processor import StepProgress
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import (
     EngineDeadError,
@@ -41,7 +44,7 @@ from kvserve.errors import (
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.protocol.engine_core import SchedulerStats
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +169,18 @@ class AsyncEngine:
 
             await validate_async(params.structured_outputs)
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs until finished; closing the stream early aborts the request."""
+    async def generate(self, prepared: PreparedRequest,
+                       output_kind: RequestOutputKind | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs until finished; closing the stream early aborts the request.
+        `output_kind`, when given, replaces the one in the request's params: how the caller
+        reads its outputs (deltas, or the final one only)."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not running")
+        if output_kind is not None and output_kind != prepared.params.output_kind:
+            params = copy.copy(prepared.params)
+            params.output_kind = output_kind
+            prepared = dataclasses.replace(prepared, params=params)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = prepared.request_id
@@ -312,25 +323,30 @@ class AsyncEngine:
             self.metrics.record_failed()
             self._deliver(request_id, error)
         now = time.monotonic()
+        totals = {}
+        for progress in self.engine.last_progress:
+            self._observe_tokens(progress, now)
+            totals[progress.request_id] = progress.num_output_tokens
         for output in outputs:
-            self._observe_tokens(output, now)
             if output.finished:
-                self.metrics.record_finished(output)
+                self.metrics.record_finished(output, totals.get(output.request_id, 0))
         self._deliver_many([(output.request_id, output) for output in outputs])
 
-    def _observe_tokens(self, output: RequestOutput, now: float) -> None:
-        count = sum(len(o.token_ids) for o in output.outputs)
-        previous = self._last_token_time.get(output.request_id)
+    def _observe_tokens(self, progress: StepProgress, now: float) -> None:
+        """TTFT, inter-token latency and the token counter, from the request's running total
+        (its outputs may carry only a delta, or nothing until the end)."""
+        count = progress.num_output_tokens
+        previous = self._last_token_time.get(progress.request_id)
         if previous is None:
-            if output.metrics and output.metrics.time_to_first_token is not None:
-                self.metrics.ttft.observe(output.metrics.time_to_first_token)
+            if count and progress.time_to_first_token is not None:
+                self.metrics.ttft.observe(progress.time_to_first_token)
         elif count > previous[0]:
             self.metrics.itl.observe(now - previous[1])
         self.metrics.generation_tokens.inc(count - (previous[0] if previous else 0))
-        if output.finished:
-            self._last_token_time.pop(output.request_id, None)
-        else:
-            self._last_token_time[output.request_id] = (count, now)
+        if progress.finished:
+            self._last_token_time.pop(progress.request_id, None)
+        elif count:  # a step with no token yet (a prefill chunk) starts no interval
+            self._last_token_time[progress.request_id] = (count, now)
 
     def _deliver(self, request_id: str, item) -> None:
         self._deliver_many([(request_id, item)])

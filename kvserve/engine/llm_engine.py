@@ -16,7 +16,7 @@ from typing import Iterable
 
 from kvserve.engine.core_client import InprocClient, make_core_client
 from kvserve.engine.input_processor import InputProcessor, PromptType
-from kvserve.engine.output_processor import RequestGroup, SampleState
+from kvserve.engine.output_processor import RequestGroup, SampleState, StepProgress
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import (
     InvalidRequestError,
@@ -89,6 +89,8 @@ class LLMEngine:
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
         self.last_stats = SchedulerStats()
+        # every changed request's totals after the last processed step, outputs or not
+        self.last_progress: list[StepProgress] = []
         logger.info("engine ready in %.2fs: %s, core in a %s, max_model_len %d",
                     time.perf_counter() - start, self.source.name, config.engine_core,
                     self.max_model_len)
@@ -232,12 +234,13 @@ class LLMEngine:
                 continue
             changed[state.group_id] = group
         self.core.abort_requests(stopped_here)
-        outputs = [group.output() for group in changed.values()
-                   if group.request_id in self.groups]
-        for output in outputs:
-            if output.finished:
-                self._forget(output.request_id)
-        return outputs
+        groups = [group for group in changed.values() if group.request_id in self.groups]
+        self.last_progress = [group.progress() for group in groups]
+        outputs = [group.output() for group in groups]
+        for group in groups:
+            if group.finished:
+                self._forget(group.request_id)
+        return [output for output in outputs if output is not None]
 
     def take_failures(self) -> list[tuple[str, RequestFailedError]]:
         """(request id, error) of user requests failed by their own fault since the last call;

@@ -5,6 +5,10 @@ RequestOutput.
 Stop strings are matched on text, so they live here rather than in the core; a match finishes
 the sample here and the front-end tells the core to drop it. While a request runs, the last
 (longest stop string - 1) characters are held back so a stop string is never half-emitted.
+
+Each output is built as the request's `output_kind` asks: the whole sample so far (CUMULATIVE),
+what is new since its previous output (DELTA: what a stream forwards, at a cost per step that
+does not grow with the answer), or nothing until it finishes (FINAL_ONLY).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from kvserve.core.request import RequestTimes
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.protocol.engine_core import EngineCoreOutput
 from kvserve.protocol.worker import TokenLogprobs
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
@@ -46,6 +50,8 @@ class SampleState:
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
         self.times = RequestTimes(arrival=arrival_time)
+        # DELTA outputs: how much text and how many tokens earlier outputs carried
+        self.text_emitted = self.tokens_emitted = 0
 
     @property
     def finished(self) -> bool:
@@ -122,19 +128,37 @@ class SampleState:
         return entries
 
     def output(self) -> CompletionOutput:
-        visible = self.text if self.finished or not self.stop_strings else \
-            self.text[: max(0, len(self.text) - self.holdback)]
+        """The sample as its output kind asks: all of it so far, or (DELTA) what is new since
+        the previous call. Text inside the stop-string holdback is not shown yet."""
+        visible_end = len(self.text) if self.finished or not self.stop_strings else \
+            max(0, len(self.text) - self.holdback)
+        text_start = token_start = 0
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            text_start, token_start = self.text_emitted, self.tokens_emitted
+            self.text_emitted = max(text_start, visible_end)
+            self.tokens_emitted = len(self.output_token_ids)
         return CompletionOutput(
             index=self.index,
-            text=visible,
-            token_ids=list(self.output_token_ids),
+            text=self.text[text_start:visible_end],
+            token_ids=self.output_token_ids[token_start:],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs[token_start:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
         )
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Where one user request stands after a step, whatever its outputs carry: what the
+    server's token metrics count (DELTA and FINAL_ONLY outputs hold no running totals)."""
+
+    request_id: str
+    num_output_tokens: int
+    time_to_first_token: float | None
+    finished: bool
 
 
 @dataclass
@@ -150,8 +174,17 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
 
-    def output(self) -> RequestOutput:
+    def progress(self) -> StepProgress:
+        first = _earliest(s.times.first_token for s in self.samples)
+        return StepProgress(self.request_id, sum(len(s.output_token_ids) for s in self.samples),
+                            None if first is None else first - self.samples[0].times.arrival,
+                            self.finished)
+
+    def output(self) -> RequestOutput | None:
+        """This step's output; None for a FINAL_ONLY request that has not finished."""
         samples = self.samples
+        if samples[0].params.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
         cached = max(0, samples[0].num_cached_tokens)
         return RequestOutput(
             request_id=self.request_id,

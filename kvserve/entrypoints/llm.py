@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine_config import EngineConfig
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -78,13 +78,18 @@ class LLM:
 
     @staticmethod
     def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        """One copy a prompt, FINAL_ONLY: generate() returns finished outputs only, so no
+        step builds the others (as vLLM's LLM does)."""
         if sampling_params is None:
-            return [SamplingParams() for _ in range(count)]
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params.clone() for _ in range(count)]
+            sampling_params = [sampling_params] * count
         if len(sampling_params) != count:
             raise ValueError("give one SamplingParams, or one per prompt")
-        return [p.clone() for p in sampling_params]
+        copies = [p.clone() for p in sampling_params]
+        for copy in copies:
+            copy.output_kind = RequestOutputKind.FINAL_ONLY
+        return copies
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.tools.formats import ToolFormat
 from kvserve.entrypoints.openai.harmony import StreamingHarmonyParser, parse_reply
 from kvserve.entrypoints.openai.tools.parser import StreamingToolParser, parse_tool_calls
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("kvserve.requests")
 
@@ -43,7 +44,10 @@ class ChoiceCursor:
 
     text_sent: int = 0
     tokens_sent: int = 0
+    started: bool = False  # a chunk went out (a completion's echo rides on the first)
+    token_text_offset: int = 0  # a completion's next logprob text_offset
     finished: bool = False
+    deltas: bool = False  # the outputs carry only what is new (RequestOutputKind.DELTA)
     # when the request offered tools, or the model speaks harmony (its channels)
     tools: StreamingToolParser | StreamingHarmonyParser | None = None
 
@@ -73,12 +77,13 @@ def new_id(prefix: str) -> str:
 
 
 # ---- running jobs ------------------------------------------------------------------------
-async def merged_stream(engine: AsyncEngine,
-                        job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged_stream(engine: AsyncEngine, job: Job, output_kind: RequestOutputKind
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of all of the job's engine requests as they come, tagged by prompt index. One
     request (the usual case) is read directly: no pump task and queue hop per token."""
     if len(job.prepared) == 1:
-        async with contextlib.aclosing(engine.generate(job.prepared[0])) as outputs:
+        async with contextlib.aclosing(engine.generate(job.prepared[0],
+                                                       output_kind)) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -86,7 +91,7 @@ async def merged_stream(engine: AsyncEngine,
 
     async def pump(index: int, prepared: PreparedRequest):
         try:
-            async for output in engine.generate(prepared):
+            async for output in engine.generate(prepared, output_kind):
                 await queue.put((index, output))
         except BaseException as exc:  # forwarded to the consumer
             await queue.put((index, exc))
@@ -115,7 +120,7 @@ async def collect(engine: AsyncEngine, job: Job, raw: Request) -> list[RequestOu
     finals: dict[int, RequestOutput] = {}
 
     async def consume():
-        async for index, output in merged_stream(engine, job):
+        async for index, output in merged_stream(engine, job, RequestOutputKind.FINAL_ONLY):
             if output.finished:
                 finals[index] = output
 
@@ -134,9 +139,13 @@ async def collect(engine: AsyncEngine, job: Job, raw: Request) -> list[RequestOu
 
 
 # ---- formatting ----------------------------------------------------------------------------
-def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage(outputs: list[RequestOutput], completion_tokens: int | None = None
+          ) -> dict[str, Any]:
+    """The usage block of finished outputs; `completion_tokens` counted by the caller where the
+    outputs were deltas."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -267,8 +276,12 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: text deltas per choice, a final chunk per choice, usage, then [DONE]."""
+    """SSE chunks: text deltas per choice, a final chunk per choice, usage, then [DONE]. Plain
+    text streams from the engine's deltas; a reply a tool or harmony parser reads is taken whole
+    each step (the parsers look back over it)."""
     cursors: dict[int, ChoiceCursor] = {}
+    parsed = _stream_parser(job) is not None
+    kind = RequestOutputKind.CUMULATIVE if parsed else RequestOutputKind.DELTA
     finals: dict[int, RequestOutput] = {}
     chunk_object = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
     base = {"id": job.response_id, "object": chunk_object, "created": job.created,
@@ -279,17 +292,21 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
                 yield _sse({**base, "choices": [{"index": index, "delta": {
                     "role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None}]})
-        async for prompt_index, output in merged_stream(engine, job):
+        async for prompt_index, output in merged_stream(engine, job, kind):
             if output.finished:
                 finals[prompt_index] = output
             for sample in output.outputs:
                 index = job.choice_index(prompt_index, sample.index)
-                cursor = cursors.setdefault(index, ChoiceCursor(tools=_stream_parser(job)))
+                cursor = cursors.get(index)
+                if cursor is None:
+                    cursor = cursors[index] = ChoiceCursor(tools=_stream_parser(job),
+                                                           deltas=not parsed)
                 for chunk in _delta_chunks(job, prompt_index, sample, cursor):
                     yield _sse({**base, "choices": [chunk]})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(
-                [finals[i] for i in range(len(job.prepared))])})
+                [finals[i] for i in range(len(job.prepared))],
+                sum(cursor.tokens_sent for cursor in cursors.values()))})
         yield _sse("[DONE]")
     except Exception as exc:  # engine failure mid-stream: tell the client, then end
         logger.warning("stream %s failed: %s", job.response_id, exc)
@@ -331,30 +348,38 @@ def _tool_finish_reason(sample: CompletionOutput, called: bool) -> str | None:
 
 def _delta_chunk(job: Job, prompt_index: int, sample: CompletionOutput,
                  cursor: ChoiceCursor) -> dict[str, Any] | None:
+    """One chunk of this output's new text and tokens (all of a DELTA output; past the cursor
+    of a cumulative one), or None when it has nothing to say."""
     if cursor.finished:
         return None
-    text = sample.text
-    if job.kind == "completion" and job.echo_texts and cursor.text_sent == 0 \
-            and cursor.tokens_sent == 0:
-        text_delta = job.echo_texts[prompt_index] + text
+    if cursor.deltas:
+        text, token_start = sample.text, 0
     else:
-        text_delta = text[cursor.text_sent:]
-    new_tokens = len(sample.token_ids) - cursor.tokens_sent
+        text, token_start = sample.text[cursor.text_sent:], cursor.tokens_sent
+    new_tokens = len(sample.token_ids) - token_start
+    text_delta = text
+    echo = job.echo_texts[prompt_index] if job.kind == "completion" and job.echo_texts else ""
+    if echo and not cursor.started:
+        text_delta = echo + text
     if not text_delta and not sample.finish_reason and new_tokens == 0:
         return None
     index = job.choice_index(prompt_index, sample.index)
     if job.kind == "chat":
-        logprobs = _chat_logprobs(sample, cursor.tokens_sent, job.num_top)
+        logprobs = _chat_logprobs(sample, token_start, job.num_top)
         chunk = {"index": index, "delta": {"content": text_delta} if text_delta else {},
                  "logprobs": logprobs}
     else:
-        logprobs = _completion_logprobs(sample, cursor.tokens_sent, cursor.text_sent,
-                                        job.num_top)
+        # offsets go on from the previous chunk's, after the echoed prompt (as returned whole)
+        start = cursor.token_text_offset if cursor.started else len(echo)
+        logprobs = _completion_logprobs(sample, token_start, start, job.num_top)
+        if logprobs is not None:
+            cursor.token_text_offset = start + sum(len(t or "") for t in logprobs["tokens"])
         chunk = {"index": index, "text": text_delta, "logprobs": logprobs}
     chunk["finish_reason"] = sample.finish_reason
     chunk["stop_reason"] = sample.stop_reason
-    cursor.text_sent = len(text)
-    cursor.tokens_sent = len(sample.token_ids)
+    cursor.started = True
+    cursor.text_sent += len(text)
+    cursor.tokens_sent += new_tokens
     cursor.finished = sample.finish_reason is not None
     return chunk
 

@@ -25,6 +25,7 @@ from kvserve.entrypoints.openai.responses.objects import (
 )
 from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.serving import Job, merged_stream
+from kvserve.sampling_params import RequestOutputKind
 from kvserve.entrypoints.openai.tools.formats import ToolFormat
 from kvserve.entrypoints.openai.tools.parser import StreamingToolParser
 
@@ -223,7 +224,8 @@ async def response_events(engine: AsyncEngine, job: Job, turn: Turn,
     output = OutputStream(event, job.tool_format, job.harmony)
     try:
         result = None
-        async for _, result in merged_stream(engine, job):
+        # whole replies: the parsers look back over the text each step
+        async for _, result in merged_stream(engine, job, RequestOutputKind.CUMULATIVE):
             sample = result.outputs[0]
             for frame in output.feed(sample.text, sample.finish_reason is not None):
                 yield frame
