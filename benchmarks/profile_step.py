@@ -5,6 +5,8 @@ Usage: .venv/bin/python benchmarks/profile_step.py [--batch 1] [--context 256] [
   --per-op: wall time per projection kind, attention and LM head (torch.profiler does not see
   the C++ kernels, which are plain bindings); implies --no-profile and --enforce-eager (the
   decode stack runs the layers in C++, out of the timers' reach)
+  --prefill: time prompt steps instead: each step prefills a fresh prompt of --context tokens
+  (random ids, one request; --batch is ignored)
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> None:
                         help="--no-profile: plain wall times, no profiler overhead")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the decoder layers from Python, op by op (no decode stack)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time fresh --context-token prompts (one a step) instead of decodes")
     parser.add_argument("--per-op", action="store_true",
                         help="time each projection kind, attention and the LM head")
     args = parser.parse_args()
@@ -51,6 +55,9 @@ def main() -> None:
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature else 1.0,
                             max_tokens=args.steps + 10, ignore_eos=True)
+    if args.prefill:
+        args.batch = 0
+        params.max_tokens = 1
     for i in range(args.batch):
         prompt = [(i * 31 + j) % 40000 + 100 for j in range(args.context)]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
@@ -73,15 +80,20 @@ def main() -> None:
         _time_sampler(runner, op_times)
     with profile(activities=[ProfilerActivity.CPU]) if args.profile else nullcontext() as prof:
         start = time.perf_counter()
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if args.prefill:  # a fresh prompt (no prefix hits), prefilled by this step
+                prompt = [(step * 7919 + j * 31) % 40000 + 100 for j in range(args.context)]
+                engine.add_request(f"prefill{step}", {"prompt_token_ids": prompt}, params)
             engine.step()
         timings["step"] = time.perf_counter() - start
     if prof is not None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
     per_step = timings["step"] / args.steps * 1000
     runner_ms = timings["forward+sample"] / args.steps * 1000
-    print(f"batch {args.batch}, context {args.context}: {per_step:.2f} ms/step "
-          f"({per_step / args.batch:.2f} ms/token); runner {runner_ms:.2f} ms, "
+    shape = f"prefill of {args.context} tokens" if args.prefill else \
+        f"batch {args.batch}, context {args.context}"
+    print(f"{shape}: {per_step:.2f} ms/step "
+          f"({per_step / max(args.batch, 1):.2f} ms/token); runner {runner_ms:.2f} ms, "
           f"scheduler+output processing {per_step - runner_ms:.2f} ms"
           + (" (profiled, so slower)" if args.profile else ""))
     for name, (seconds, calls) in sorted((op_times or {}).items(), key=lambda kv: -kv[1][0]):
