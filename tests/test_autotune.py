@@ -37,6 +37,7 @@ def background(tuning, monkeypatch):
     monkeypatch.setattr(autotune, "IDLE_SAMPLE_SECONDS", 0.01)
     monkeypatch.setattr(autotune, "RETRY_SECONDS", 0.01)
     monkeypatch.setattr(autotune, "read_cpu_sample", lambda: None)
+    monkeypatch.setattr(autotune, "_steps_running", 0)  # restored after the test
     return tuning
 
 
@@ -194,6 +195,7 @@ def test_construction_never_waits_for_measuring(background, monkeypatch):
     generation = autotune.generation()
     assert layer.max_rows == other.max_rows == 16  # not until a step starts
     assert autotune.step_started() == generation + 1
+    autotune.step_finished()
     assert layer.max_rows == other.max_rows == 8
     assert json.loads(autotune.table_path().read_text())["int4:64x128:float32:avx2"][
         "max_rows"] == 8
@@ -218,15 +220,33 @@ def test_an_interrupted_measurement_is_retried_not_kept(background, monkeypatch)
     _until(lambda: autotune.pending() == 0)
     assert len(calls) == 2
     autotune.step_started()
+    autotune.step_finished()
     assert layer.max_rows == 4
     assert json.loads(autotune.table_path().read_text())["int4:64x128:float32:avx2"][
         "max_rows"] == 4
+
+
+def test_a_step_longer_than_the_idle_wait_is_not_quiet(background, monkeypatch):
+    """Quiet counts from a step's end: a long prefill step (seconds) is busy throughout, and the
+    tuner measures only once it has finished."""
+    measured = []
+    monkeypatch.setattr(autotune, "measure",
+                        lambda *a, **k: measured.append(1) or (_choice(8), False))
+    autotune.step_started()  # IDLE_SECONDS is 0: from the start alone it would look idle
+    packed, dense = _int4_weights()
+    autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=Layer())
+    time.sleep(0.2)
+    assert not measured and autotune.pending() == 1
+    autotune.step_finished()
+    _until(lambda: autotune.pending() == 0)
+    assert measured == [1]
 
 
 def test_it_waits_while_steps_run(background, monkeypatch):
     monkeypatch.setattr(autotune, "IDLE_SECONDS", 3600.0)
     monkeypatch.setattr(autotune, "measure", lambda *a, **k: pytest.fail("measured while busy"))
     autotune.step_started()
+    autotune.step_finished()
     packed, dense = _int4_weights()
     autotune.max_rows("int4", None, packed, dense, torch.float32, "avx2", 16, owner=Layer())
     time.sleep(0.2)

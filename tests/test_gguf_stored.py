@@ -138,3 +138,19 @@ def test_auto_keeps_a_gguf_in_its_block_types(checkpoint):
     assert model.quantization == "gguf"
     model, _ = load_model(resolve_model(path), "float32", quantization="auto")
     assert model.quantization == "none"  # float32 asked for: the exact reference
+
+
+def test_untuned_shapes_leave_large_batches_to_the_integer_kernel_without_amx_tiles():
+    """Before the autotuner has measured a shape, the dequantizing path takes batches over 64
+    rows only where it has AMX tiles (bfloat16): elsewhere its GEMM is the slower one."""
+    from kvserve.kernels import autotune
+    from kvserve.quant.stored import STORED_KERNEL_MAX_ROWS, untuned_max_rows
+
+    class Kernels:
+        def __init__(self, amx: bool):
+            self.gguf_amx_usable = lambda: amx
+
+    assert untuned_max_rows(Kernels(True), torch.bfloat16) == STORED_KERNEL_MAX_ROWS
+    assert untuned_max_rows(Kernels(True), torch.float32) == autotune.NO_LIMIT
+    assert untuned_max_rows(Kernels(False), torch.bfloat16) == autotune.NO_LIMIT
+    assert untuned_max_rows(object(), torch.bfloat16) == autotune.NO_LIMIT  # the torch ops

@@ -299,15 +299,31 @@ def _measure_now(path: Path, table: dict, key: str, args: tuple, rival) -> int:
 
 def step_started() -> int:
     """Called by the model at the start of every step, on its own thread: marks this process
-    busy (the tuner waits for IDLE_SECONDS of quiet) and hands finished measurements to their
-    layers. Returns the generation of the limits: a change means a decode stack built with the
-    old ones must be rebuilt."""
-    global _last_step
+    busy until `step_finished` (the tuner waits for IDLE_SECONDS of quiet after it) and hands
+    finished measurements to their layers. Returns the generation of the limits: a change means
+    a decode stack built with the old ones must be rebuilt."""
+    global _last_step, _steps_running
     _last_step = time.monotonic()
+    _steps_running += 1
     tuner = _background
     if tuner is not None and tuner.finished:
         tuner.apply_finished()
     return _generation
+
+
+def step_finished() -> None:
+    """Called by the model when a step's forward ends (raised or not). Why: quiet was counted
+    from a step's start, so a prefill step longer than IDLE_SECONDS (a 512-token prompt of a 3B
+    model: ~3 s on 2 cores) looked idle halfway and the tuner timed its shapes beside it (that
+    prefill took 4.3 s instead of 3.0)."""
+    global _last_step, _steps_running
+    _steps_running = max(0, _steps_running - 1)
+    _last_step = time.monotonic()
+
+
+def _stepping_since(started: float) -> bool:
+    """A step is running, or one ran after `started`."""
+    return _steps_running > 0 or _last_step > started
 
 
 def generation() -> int:
@@ -320,7 +336,8 @@ def pending() -> int:
     return 0 if _background is None else _background.pending()
 
 
-_last_step = 0.0  # time.monotonic() of the latest step_started
+_last_step = 0.0  # time.monotonic() of the latest step_started or step_finished
+_steps_running = 0  # model forwards under way (pipeline stages may nest on one thread)
 _generation = 0  # bumped whenever measured limits reach layers
 _background: "_BackgroundTuner | None" = None
 
@@ -418,7 +435,7 @@ class _BackgroundTuner:
             # every core, from a thread that then exits: a tuner thread holding an OpenMP team
             # of its own would throttle the steps' workers for good (kernels/omp_teams.py)
             choice, contended = run_in_transient_thread(lambda: measure(
-                *job.args, interrupted=lambda: self.stopping or _last_step > started,
+                *job.args, interrupted=lambda: self.stopping or _stepping_since(started),
                 rival=job.rival), name="kvserve-autotune-measure")
         except Exception:  # a kernel that fails here fails in the model too; keep the fallback
             logger.exception("autotune %s: measuring failed; keeping the fixed limit", job.key)
@@ -427,7 +444,7 @@ class _BackgroundTuner:
             return
         if self.stopping:
             return
-        if contended or _last_step > started:
+        if contended or _stepping_since(started):
             job.failures += 1
             job.not_before = time.monotonic() + min(MAX_RETRY_SECONDS,
                                                     RETRY_SECONDS * 2 ** (job.failures - 1))
@@ -448,11 +465,11 @@ class _BackgroundTuner:
 def _idle() -> bool:
     """No step for IDLE_SECONDS and other processes below MAX_NEIGHBOUR_CORES over a sample
     (sleeps for the sample)."""
-    if time.monotonic() - _last_step < IDLE_SECONDS:
+    if _steps_running or time.monotonic() - _last_step < IDLE_SECONDS:
         return False
     before = read_cpu_sample()
     time.sleep(IDLE_SAMPLE_SECONDS)
-    return not _neighbours_busy(before, read_cpu_sample()) and \
+    return not _neighbours_busy(before, read_cpu_sample()) and not _steps_running and \
         time.monotonic() - _last_step >= IDLE_SECONDS
 
 

@@ -26,11 +26,25 @@ from kvserve.weights.quantized_rows import QuantizedRows
 # the block types our kernels keep as stored
 STORED_TYPES = tuple(GGUF_FORMATS)
 # rows up to which the integer-dot kernels serve a call (the dequantized GEMM above) until the
-# autotuner has measured the shape: decode batches, verification and small prefill chunks.
-# Measured on an Emerald Rapids Xeon (AMX), Llama-3.2-1B's Q4_K shapes: the q8 kernel beats
-# dequantize + bf16 GEMM up to 64-128 rows (1.1-1.6x at 64), float32 up to 256+; at 16 (the
-# earlier limit) a 32-request decode batch took the dequantizing path: s2 0.55x
+# autotuner has measured the shape, where the dequantizing path has AMX tiles (bfloat16
+# activations): measured on an Emerald Rapids Xeon, Llama-3.2-1B's Q4_K shapes, the q8 kernel
+# beats dequantize + bf16 GEMM up to 64-128 rows (1.1-1.6x at 64), float32 up to 256+; at 16
+# (the earlier limit) a 32-request decode batch took the dequantizing path: s2 0.55x
 STORED_KERNEL_MAX_ROWS = 64
+
+
+def untuned_max_rows(kernels, dtype: torch.dtype) -> int:
+    """The row limit of a shape the autotuner has not measured yet (it measures only when the
+    engine is idle, so a busy server can run a new model's prefill this way for minutes). The
+    dequantizing path wins large batches only on AMX tiles; without them its GEMM runs on the
+    same vector units at the float or bf16 rate, below the integer dot products' (Zen 5, the
+    Llama-3.2-3B shapes at 512 rows: 114 ms a gate_up call dequantizing against 45 ms, and the
+    tuner's own tables give q8 every size up to 1024 rows), so the integer kernel takes every
+    batch until measured otherwise."""
+    amx = getattr(kernels, "gguf_amx_usable", None)
+    if dtype == torch.bfloat16 and amx is not None and amx():
+        return STORED_KERNEL_MAX_ROWS
+    return autotune.NO_LIMIT
 
 
 @dataclass
@@ -48,9 +62,9 @@ class StoredLinear(nn.Module):
     type (usually one)."""
 
     def __init__(self, segments: list[Segment], bias: torch.Tensor | None, in_features: int,
-                 kernels, dtype: torch.dtype = torch.float32,
-                 max_rows: int = STORED_KERNEL_MAX_ROWS):
-        """`dtype`: the activations' (what the autotuner times the kernels with)."""
+                 kernels, dtype: torch.dtype = torch.float32, max_rows: int | None = None):
+        """`dtype`: the activations' (what the autotuner times the kernels with); `max_rows`:
+        the integer kernel's row limit before the autotuner's (default: untuned_max_rows)."""
         super().__init__()
         self.segments = segments
         for index, segment in enumerate(segments):  # buffers: they move and count as the model's
@@ -60,9 +74,9 @@ class StoredLinear(nn.Module):
         self.out_features = sum(segment.rows for segment in segments)
         self.kernels = kernels
         self.activation_dtype = dtype
-        self.max_rows = max_rows
+        self.max_rows = untuned_max_rows(kernels, dtype) if max_rows is None else max_rows
         if len(segments) == 1 and getattr(kernels, "compiled", False):
-            self.max_rows = self._tuned_max_rows(segments[0], kernels, max_rows)
+            self.max_rows = self._tuned_max_rows(segments[0], kernels, self.max_rows)
 
     def _tuned_max_rows(self, segment: Segment, kernels, fallback: int) -> int:
         """The autotuner's row limit for this type and shape: the q8 kernel against the

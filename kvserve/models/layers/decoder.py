@@ -139,11 +139,18 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, metadata,
                 intermediate: IntermediateTensors | None = None):
         """Hidden states [T, H] on the last stage; the stage's IntermediateTensors elsewhere.
-        `intermediate`: the previous stage's (every stage but the first)."""
+        `intermediate`: the previous stage's (every stage but the first). The autotuner's
+        background measurements wait while it runs."""
         limits = autotune.step_started()
-        if limits != self._kernel_limits:  # the autotuner changed a projection's row limit
-            self._kernel_limits = limits
-            self.reset_decode_stack()
+        try:
+            if limits != self._kernel_limits:  # the autotuner changed a projection's row limit
+                self._kernel_limits = limits
+                self.reset_decode_stack()
+            return self._forward(input_ids, positions, metadata, intermediate)
+        finally:
+            autotune.step_finished()
+
+    def _forward(self, input_ids, positions, metadata, intermediate):
         stack = self._stack_for(metadata, intermediate)
         if stack is not None:
             plan = metadata.plan
