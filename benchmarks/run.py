@@ -156,7 +156,8 @@ SYSTEMS = {
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",
         "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 16}'],
     # int4 with bf16 activations (bfloat16's `auto` before AVX512-VNNI builds took w4a8), with
-    # suffix drafts: what w4a8's integer dot products changed (docs/performance.md, issue 32)
+    # suffix drafts: what w4a8's integer dot products changed (docs/performance-journal.md,
+    # issue 32)
     "kvserve-int4": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                   "--disable-log-requests", "--quantization", "int4"],
     "kvserve-int4-suffix": lambda port: [

@@ -57,7 +57,7 @@ class EngineConfig:
                                "symmetric int8 with a float32 scale: 68 bytes a row of 64 "
                                "against bf16's 128) or fp8 (= fp8_e4m3, vLLM's names: e4m3 "
                                "codes, scale absmax / 448, the same 68 bytes); perplexity in "
-                               "docs/performance.md",
+                               "docs/performance-journal.md",
                                choices=["auto", "float32", "bfloat16", "int8", "fp8",
                                         "fp8_e4m3"])
     quantization: str = _opt("auto", "weights of the decoder projections: auto (for a GGUF "

@@ -525,7 +525,7 @@ def test_vllm_client_results_become_our_summary_and_lead_the_report():
     assert ours["output_throughput"] == 300.0 and ours["completed"] == 6
     # s4 and s9 (multi-turn): none in vLLM's datasets; s7/s8 are our prompts as its custom one
     assert set(vllm_client.VLLM_SCENARIOS) == {"s1", "s2", "s3", "s5", "s6", "s7", "s8", "s10",
-                                               "s11", "s12"}
+                                               "s11", "s12", "s13", "s14"}
     assert vllm_client.SCENARIO_SEEDS.get("s5", vllm_client.SEED) != vllm_client.SEED
     peer = vllm_client.summary(_vllm_result(400.0, 20.0, 150.0))
     records = [{"system": "kvserve", "cold_start_s": 5.0, "scenarios": {"s1": ours},

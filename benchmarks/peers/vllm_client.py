@@ -32,7 +32,7 @@ def hf_tokenizer() -> Path:
 SEED = 7
 # s5 draws other prompts than s2: with the same seed it ran on the prefix cache s2 had just
 # filled in every system (2026-11-25: s5 265 tok/s against s2's 157 here)
-SCENARIO_SEEDS = {"s5": 8, "s12": 13}
+SCENARIO_SEEDS = {"s5": 8, "s12": 13, "s13": 14, "s14": 15}
 
 # our scenario -> vLLM's random-dataset arguments (see benchmarks/run.py's SCENARIOS). Since
 # 0.11 `vllm bench serve` leaves temperature to the server unless told: s1-s3 are greedy in our
@@ -56,6 +56,10 @@ VLLM_SCENARIOS = {
             "--random-input-len", "256", "--random-output-len", "128"],
     "s6": ["--num-prompts", "8", "--max-concurrency", "8", "--temperature", "0",
            "--random-input-len", "8000", "--random-output-len", "32"],
+    "s13": ["--num-prompts", "6", "--max-concurrency", "1", "--temperature", "0",
+            "--random-input-len", "512", "--random-output-len", "128"],
+    "s14": ["--num-prompts", "32", "--max-concurrency", "16", "--temperature", "0",
+            "--random-input-len", "512", "--random-output-len", "128"],
 }
 # structured output: s1's and s2's shapes, constrained by the caller's --extra-body
 VLLM_SCENARIOS["s10"] = VLLM_SCENARIOS["s1"]

@@ -29,7 +29,7 @@ from kvserve.kernels.reference import paged_attention_ as gathered_attention_
 MAX_PAGED_QUERY_LEN = 128
 # Sequences with at least this many new tokens take the flash kernel when it can run: measured
 # faster than the paged kernel from 4 new tokens (2x at 64 over 1,024 cached) and 3-4x faster
-# than SDPA on fresh prompts (docs/performance.md); decodes stay on the paged kernel.
+# than SDPA on fresh prompts (docs/performance-journal.md); decodes stay on the paged kernel.
 FLASH_MIN_QUERY_LEN = 4
 
 

@@ -37,7 +37,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # prompts that may be prefilled in one step (None: as many as the budget allows). One at a
     # time serves a burst of short prompts in order: each gets its first token after its own
-    # prefill instead of everyone's (see docs/performance.md, s3).
+    # prefill instead of everyone's (see docs/performance-journal.md, s3).
     max_num_partial_prefills: int | None = None
     pipeline_depth: int = 1  # batches the engine may keep in flight (pipeline stages)
 

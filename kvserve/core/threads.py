@@ -9,7 +9,7 @@ went from 7.3 to 23.5 ms with two threads, and batch 32 from 66 to 250 ms; with 
 passive wait policy cost 2x when idle. So the governor measures, once a second, how much CPU
 time the other processes took on our cores, and sets torch's thread count to the cores left
 (at least one, at most the configured count); it changes only after two windows agree, so a
-short burst does not make it flap. docs/performance.md has the figures.
+short burst does not make it flap. docs/performance-journal.md has the figures.
 
 It reads Linux's /proc/stat (per-CPU busy time) and /proc/self/stat (our own), through
 kvserve/kernels/cpu_load.py: elsewhere, or where /proc cannot be read, it does nothing.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Which all-reduce a CPU group uses: "shm" (shared memory, one host), "torch" (the process
 # group's own: gloo on CPU, NCCL on CUDA) or "auto" (shm where it can run; measured faster,
-# docs/performance.md). The argument of init_distributed wins over this variable.
+# docs/performance-journal.md). The argument of init_distributed wins over this variable.
 ALL_REDUCE_ENV = "KVSERVE_TP_ALL_REDUCE"
 ALL_REDUCE_CHOICES = ("auto", "shm", "torch")
 

@@ -5,9 +5,9 @@ threads of every team in the process. Once they outnumber the CPUs it treats the
 oversubscribed, and a worker waiting for the next parallel region spins ~100 times before it
 sleeps in a futex, instead of ~300,000. A decode step opens dozens of parallel regions a few
 microseconds apart, so throttled, every region pays a futex wake-up and the step waits on it.
-Measured on a 2-core Zen 5 with the Qwen3-MoE shape (docs/performance.md): once the autotuner's
-background thread had timed the shapes (and so held a second team), a token took 11.0 ms in
-process; timed from a thread that exits, 6.8-8.3 ms.
+Measured on a 2-core Zen 5 with the Qwen3-MoE shape (docs/performance-journal.md): once the
+autotuner's background thread had timed the shapes (and so held a second team), a token took
+11.0 ms in process; timed from a thread that exits, 6.8-8.3 ms.
 
 A thread gets a team of its own the first time it runs a parallel region (a large torch op or
 one of our kernels) and keeps it until it exits. So:

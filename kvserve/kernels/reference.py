@@ -234,7 +234,7 @@ def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         return F.scaled_dot_product_attention(query[None], key[None], value[None],
                                               attn_mask=mask, scale=scale, enable_gqa=True)[0]
     # 4-D inputs: with 3-D ones torch takes a slow path (measured 50 ms vs 3 ms per layer for
-    # 256 tokens, docs/performance.md)
+    # 256 tokens, docs/performance-journal.md)
     return F.scaled_dot_product_attention(query[None], key[None], value[None], is_causal=True,
                                           scale=scale, enable_gqa=True)[0]
 

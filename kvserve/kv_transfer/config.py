@@ -32,7 +32,7 @@ class KVTransferConfig:
     load_failure_policy: str = "recompute"  # or fail: the request ends with an error
     # tcp: frames over ZeroMQ; shm: through a /dev/shm file when both engines share a host
     # (else frames). tcp is the default: measured as fast or faster on one host
-    # (benchmarks/kv_transfer.py, docs/performance.md)
+    # (benchmarks/kv_transfer.py, docs/performance-journal.md)
     transport: str = "tcp"
     connector: str = DEFAULT_CONNECTOR  # a registered name or "module:Class"
     # kv_connector_extra_config as given, for connectors with settings of their own

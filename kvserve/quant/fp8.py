@@ -8,7 +8,7 @@ Q8_0 (int8 codes, one fp16 scale per 32 values along a row: 8.5 bits a weight ag
 8.06), which our integer-dot kernels, the decode stack and the fused MoE already run at every
 ISA level (VNNI where the CPU has it). The re-expression is close: each group of 32 gets a
 scale of its own absmax / 127, finer than e4m3's 3-bit mantissa for every value above 1/16 of
-the group's absmax; the perplexity it costs is measured in docs/performance.md.
+the group's absmax; the perplexity it costs is measured in docs/performance-journal.md.
 
 The conversion happens between the checkpoint and the layers (`Fp8Preparation`), on whole
 tensors, so every tensor-parallel rank takes its rows and columns of the same Q8_0 blocks: TP

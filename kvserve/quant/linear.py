@@ -21,8 +21,8 @@ beat a bf16 GEMM for 1-4 rows on AVX-512 (and lose to fp32 at every size on AVX2
 - `w4a8`: the `int4` weights (same panels), with each decode row's activations rounded to int8
   per group of 32 (llama.cpp's Q8 activations) so the GEMVs and the LM head run on integer
   multiply-adds (kernels/csrc/q8_dot_gemm.cpp): ~2x faster at 1-32 rows on AVX2, lossy in the
-  activations only (perplexity in docs/performance.md). Prefill takes it too where the autotuner
-  measures it faster than the dense GEMM (float32 on AVX2).
+  activations only (perplexity in docs/performance-journal.md). Prefill takes it too where
+  the autotuner measures it faster than the dense GEMM (float32 on AVX2).
 - `w8a8`: the `int8` weights, and batched rows quantized per token to int8 on the fly so the GEMM
   runs on int8 units (`torch._int_mm`); small batches use the weight-only kernel.
 

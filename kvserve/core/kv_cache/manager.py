@@ -98,7 +98,7 @@ class KVCacheManager:
 
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash every full block within the first num_tokens tokens not hashed yet (each block
-        once per request: ~2 us, docs/performance.md)."""
+        once per request: ~2 us, docs/performance-journal.md)."""
         hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
         for index in range(len(hashes), num_tokens // size):
             hashes.append(hash_block_tokens(hashes[index - 1] if index else request.hash_root,

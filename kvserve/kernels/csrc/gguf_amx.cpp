@@ -5,9 +5,9 @@
 // dequantizing path (gguf_linear_dequant) writes a bfloat16 copy of every slab and hands it to
 // oneDNN, which reorders it again. AMX's tdpbf16ps does 16 x 16 x 32 multiply-adds an
 // instruction. The K-quants' scales differ every 32 (or 16) values, so an int8 tile product
-// would need rescaling every group (measured and dropped: docs/performance.md); in bfloat16 the
-// scales go into the weights as they are dequantized, and the float32 tile sums run over the
-// whole of K.
+// would need rescaling every group (measured and dropped: docs/performance-journal.md); in
+// bfloat16 the scales go into the weights as they are dequantized, and the float32 tile sums
+// run over the whole of K.
 //
 // How: a thread takes pairs of panels (32 outputs). It dequantizes a pair's groups once into a
 // tile-shaped buffer (per group and panel, 16 tile rows of 16 (k, k') pairs: the integer
@@ -16,7 +16,7 @@
 // as A tiles (1 KB per 16 rows and group), its columns in the stored order of each group's codes
 // (a permutation within each run of 8), so the pairs of x and W meet in the tiles; rows past M
 // are zero. The result: 1536 x 2048 Q4_K at 256 rows in 1.0 ms against the integer kernel's 2.7
-// (docs/performance.md).
+// (docs/performance-journal.md).
 #include "gguf_amx.h"
 
 #include <ATen/Parallel.h>

@@ -4,7 +4,7 @@
 // Why: on AVX2 the float kernels (int4_gemm.cpp, int8_gemm.cpp) widen each weight to float and
 // spend one FMA per weight and row: from a few rows on (decode batches, prefill) they are bound
 // by those instructions (Zen 3: gate_up at 32 rows 1.2 ms here against 0.49 ms; at one row both
-// run at the memory's pace, ~15 GB/s of a 21 GB/s roof, docs/performance.md).
+// run at the memory's pace, ~15 GB/s of a 21 GB/s roof, docs/performance-journal.md).
 // `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed bytes and adds pairs into int16, so the
 // codes are used as they are (a mask, a shift) and one instruction does 32 multiply-adds; with
 // AVX512-VNNI `vpdpbusd` also does the add into int32, on a whole 16-output panel per zmm (64

@@ -361,7 +361,7 @@ class OffloadingConnector(KVConnectorBase):
         """On the loader thread: find and check the blocks' bytes, no torch op. The copy into
         the KV tensors happens on the worker's own thread (`get_finished`): a torch op on
         another thread starts a second OpenMP team, whose threads spin after each op and took
-        the model's cores (decode 12.6 against 6.9 ms a token, docs/performance.md)."""
+        the model's cores (decode 12.6 against 6.9 ms a token, docs/performance-journal.md)."""
         try:
             rows = [self._block_row(block_hash) for block_hash in load.block_hashes]
         except store.CorruptBlockError as exc:
@@ -440,7 +440,7 @@ WRITER_NICENESS = 10
 def _lower_priority() -> None:
     """The disk writer yields the cores to the model's threads: its writes can wait, and on
     2 cores a writer beside torch's threads slowed the steps (+20% prefill time with the disk
-    tier on, docs/performance.md). It runs alone, too: no OpenMP team of its own (see
+    tier on, docs/performance-journal.md). It runs alone, too: no OpenMP team of its own (see
     kernels/omp_teams.py)."""
     run_alone()
     try:

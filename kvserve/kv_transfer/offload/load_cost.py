@@ -55,7 +55,7 @@ class LoadCost:
     def load_pays(self, blocks: int, block_size: int) -> bool:
         """Loading `blocks` is expected to be faster than recomputing them. Until both rates
         are measured, yes: every machine measured so far loads far faster than it prefills
-        (docs/performance.md)."""
+        (docs/performance-journal.md)."""
         if self.step_s is None or self.prefill_token_s is None:
             return True
         load_s = self.step_s + blocks * self.read_block_s
