@@ -221,7 +221,7 @@ def test_kv_bytes_per_token_equal_int8_and_about_half_of_bf16(smollm_source):
 def test_fp8_perplexity_stays_within_0_3_percent_of_float_kv(smollm_source):
     """Two held-out windows of 512 tokens scored with float32 activations over a float32 and
     an fp8 KV cache: measured +0.16% (int8 +0.04%). The whole text, 22 windows: fp8 +0.39%,
-    int8 +0.09% (bf16 activations: +0.71% and +0.21%; docs/performance.md)."""
+    int8 +0.09% (bf16 activations: +0.71% and +0.21%; docs/performance-journal.md)."""
     exact, quantized = helpers.kv_cache_perplexities(smollm_source, FP8)
     assert quantized != exact  # the fp8 rows were read
     assert abs(quantized / exact - 1) < 0.003, (exact, quantized)
