@@ -190,9 +190,12 @@ def test_streamed_completions_add_up_to_the_whole_response(tiny_server):
         mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"]
-        for key in ("tokens", "token_logprobs", "text_offset"):
+        for key in ("tokens", "text_offset"):
             assert [v for c in mine if c["logprobs"] for v in c["logprobs"][key]] == \
                 choice["logprobs"][key]
+        # the same tokens, their logprobs from another batch's float sums
+        assert [v for c in mine if c["logprobs"] for v in c["logprobs"]["token_logprobs"]] == \
+            pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-4)
     assert whole["choices"][1]["finish_reason"] == "stop"
 
 
@@ -206,5 +209,8 @@ def test_streamed_chat_logprobs_and_usage_match_the_whole_response(tiny_server):
     deltas = [c for chunk in chunks for c in chunk["choices"]]
     assert "".join(c["delta"].get("content", "") for c in deltas) == \
         whole["choices"][0]["message"]["content"]
-    assert [e for c in deltas if c["logprobs"] for e in c["logprobs"]["content"]] == \
-        whole["choices"][0]["logprobs"]["content"]
+    streamed = [e for c in deltas if c["logprobs"] for e in c["logprobs"]["content"]]
+    expected = whole["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in expected]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected],
+                                                             abs=1e-4)
