@@ -87,8 +87,8 @@ class LLM:
         if len(sampling_params) != count:
             raise ValueError("give one SamplingParams, or one per prompt")
         copies = [p.clone() for p in sampling_params]
-        for copy in copies:
-            copy.output_kind = RequestOutputKind.FINAL_ONLY
+        for params in copies:
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         return copies
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
