@@ -303,8 +303,9 @@ def step_started() -> int:
     finished measurements to their layers. Returns the generation of the limits: a change means
     a decode stack built with the old ones must be rebuilt."""
     global _last_step, _steps_running
-    _last_step = time.monotonic()
-    _steps_running += 1
+    with _steps_lock:
+        _last_step = time.monotonic()
+        _steps_running += 1
     tuner = _background
     if tuner is not None and tuner.finished:
         tuner.apply_finished()
@@ -317,8 +318,9 @@ def step_finished() -> None:
     model: ~3 s on 2 cores) looked idle halfway and the tuner timed its shapes beside it (that
     prefill took 4.3 s instead of 3.0)."""
     global _last_step, _steps_running
-    _steps_running = max(0, _steps_running - 1)
-    _last_step = time.monotonic()
+    with _steps_lock:
+        _steps_running = max(0, _steps_running - 1)
+        _last_step = time.monotonic()
 
 
 def _stepping_since(started: float) -> bool:
@@ -338,6 +340,7 @@ def pending() -> int:
 
 _last_step = 0.0  # time.monotonic() of the latest step_started or step_finished
 _steps_running = 0  # model forwards under way (pipeline stages may nest on one thread)
+_steps_lock = threading.Lock()  # workers on threads of one process count steps together
 _generation = 0  # bumped whenever measured limits reach layers
 _background: "_BackgroundTuner | None" = None
 
