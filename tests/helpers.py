@@ -808,14 +808,16 @@ def rope_both(compiled, metadata, positions, kv_cache, qkv, heads: int, kv_heads
 
 
 # ---- kernels ---------------------------------------------------------------------------------
-def assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
+def assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype, rounding=None):
     """1..17 and 25 rows (passes of up to 8, or 12 with AVX512-VNNI, split evenly), with and
     without bias, rows contiguous or a strided view (the kernel reads them in place): the float
-    linear of x' (x rounded as the kernel rounds it) up to float accumulation order, or bf16
-    output rounding."""
+    linear of x' (x rounded as the kernel rounds it: `rounding`, by default per group of 32) up
+    to float accumulation order, or bf16 output rounding."""
     import torch
 
     from kvserve.kernels import reference
+
+    rounding = rounding or reference.quantize_activations_q8
 
     rows, cols = dense.shape
     generator = torch.Generator().manual_seed(rows + cols)
@@ -825,7 +827,7 @@ def assert_equals_linear_of_rounded_x(kernel, packed, dense, dtype):
         wide = torch.randn(m, cols + 32, generator=generator).to(dtype)
         x = wide[:, 16:16 + cols] if m % 2 else wide[:, :cols].contiguous()
         for b in (None, bias):
-            rounded = reference.quantize_activations_q8(x)
+            rounded = rounding(x)
             expected = torch.nn.functional.linear(rounded, dense,
                                                   None if b is None else b.float())
             got = kernel(x, packed, b, rows)

@@ -104,6 +104,57 @@ def test_integer_kernel_is_the_linear_of_rounded_activations(qtype, dtype, kerne
         assert_equals_linear_of_rounded_x(kernel, panels, dense, dtype)
 
 
+@pytest.mark.parametrize("qtype", reference.SUPERBLOCK_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_superblock_kernel_is_the_linear_of_activations_rounded_per_superblock(qtype, dtype,
+                                                                               kernels):
+    """gguf_linear_q8k: x rounded at one step per super-block of 256 (Q8_K), the sub-blocks'
+    integer scales applied in int32: the float linear of that x' and the file's weights (37
+    outputs, 2 super-blocks along K)."""
+    raw = _file_rows(qtype, 37, 512, seed=5 * len(qtype))
+    panels, dense = reference.gguf_pack(raw, qtype), _file_values(raw, qtype)
+    for ops in (kernels, reference):
+        def kernel(x, packed, bias, rows, ops=ops):
+            return ops.gguf_linear_q8k(x, packed, qtype, bias, rows)
+        assert_equals_linear_of_rounded_x(kernel, panels, dense, dtype,
+                                          reference.quantize_activations_q8k)
+
+
+@pytest.mark.parametrize("ops_name", ["kernels", "reference"])
+def test_engine_path_takes_superblocks_for_k_quant_calls_of_a_pass_or_more(ops_name, kernels):
+    """gguf_linear_int (what StoredLinear and the decode stack call): gguf_linear_q8k from
+    SUPERBLOCK_MIN_ROWS rows for the K-quants, gguf_linear_q8 below it, for the other types,
+    and everywhere while switched off (KVSERVE_GGUF_SUPERBLOCKS=0)."""
+    ops = kernels if ops_name == "kernels" else reference
+    few, many = reference.SUPERBLOCK_MIN_ROWS - 1, reference.SUPERBLOCK_MIN_ROWS
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        panels = reference.gguf_pack(_file_rows(qtype, 32, 512, seed=7), qtype)
+        for rows in (few, many):
+            x = torch.randn(rows, 512) * torch.linspace(0.01, 4, 512)  # steps differ by span
+            wide = rows == many and qtype in reference.SUPERBLOCK_TYPES
+            expected = (ops.gguf_linear_q8k if wide else ops.gguf_linear_q8)(
+                x, panels, qtype, None, 32)
+            assert torch.equal(ops.gguf_linear_int(x, panels, qtype, None, 32), expected)
+            assert wide == (not torch.equal(expected, ops.gguf_linear_q8(x, panels, qtype, None,
+                                                                         32)))
+            ops.set_gguf_superblocks(False)
+            try:
+                assert not ops.gguf_superblocks_enabled()
+                assert torch.equal(ops.gguf_linear_int(x, panels, qtype, None, 32),
+                                   ops.gguf_linear_q8(x, panels, qtype, None, 32))
+            finally:
+                ops.set_gguf_superblocks(True)
+
+
+@pytest.mark.parametrize("ops_name", ["kernels", "reference"])
+def test_superblock_kernel_refuses_formats_without_superblocks(ops_name, kernels):
+    ops = kernels if ops_name == "kernels" else reference
+    raw = _file_rows("Q8_0", 16, 256, seed=0)
+    with pytest.raises(ValueError, match="Q8_0 has no super-blocks"):
+        ops.gguf_linear_q8k(torch.ones(1, 256), reference.gguf_pack(raw, "Q8_0"), "Q8_0", None,
+                            16)
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_largest_codes_do_not_saturate(qtype, kernels):
     """Every code at its maximum (31, or 63 for Q6_K) against x at +-absmax: vpmaddubsw's int16

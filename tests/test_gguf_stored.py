@@ -3,11 +3,13 @@ tiny Llama stored as a Q4_K_M file stores a model (Q4_K projections, Q6_K values
 projections, a Q8_0 tied embedding, or a Q6_K output and a Q4_K embedding untied) against the same
 file dequantized by the gguf package into a float32 model.
 
-The weights are the file's numbers to the bit; prompts of more than 16 tokens (the dequantized
-GEMM) give the float model's logits within 1e-3; decode rows, whose activations the integer-dot
-kernels round to int8 per group of 32 (as llama.cpp does), give the float model's logits with
-its projections' inputs rounded the same way, within 1e-3; the decode stack, which runs the
-value projection's second block type beside the first, equals the Python loop to the bit."""
+The weights are the file's numbers to the bit; prompts past the integer kernels' row limit (the
+dequantized GEMM) give the float model's logits within 1e-3; decode rows, whose activations the
+integer-dot kernels round to int8 per group of 32 (as llama.cpp does), and prompt rows, which
+the K-quant projections round per super-block of 256 (as llama.cpp's Q8_K), give the float
+model's logits with its projections' inputs rounded the same way, within 1e-3; the decode
+stack, which runs the value projection's second block type beside the first, equals the Python
+loop to the bit."""
 
 from __future__ import annotations
 
@@ -75,27 +77,45 @@ def test_prompt_logits_equal_the_dequantized_file(checkpoint, isa_level):
     assert (got[0] - expected[0]).abs().max() < LOGIT_TOLERANCE
 
 
-def _rounding_activations(model):
-    """The float model with each projection's and the LM head's input rounded to int8 per
-    group of 32 in calls the stored kernels serve, as they do (kernels/reference.py)."""
-    from kvserve.kernels.reference import quantize_activations_q8
+def _stored_types(model) -> dict[str, set[str]]:
+    """Each projection's (and the LM head's) block types, by module name."""
+    types = {name: {s.qtype for s in module.impl.segments}
+             for name, module in model.named_modules() if hasattr(module, "method")}
+    head = model.model.embed_tokens.stored if model.lm_head.tied else model.lm_head.impl
+    types["lm_head"] = {s.qtype for s in head.segments}
+    return types
+
+
+def _rounding_activations(model, types: dict[str, set[str]], superblocks: bool = True):
+    """The float model with each projection's and the LM head's input rounded as the stored
+    kernels round it in the calls they serve (kernels/reference.py's gguf_linear_int): per
+    super-block of 256 for a K-quant call of SUPERBLOCK_MIN_ROWS rows or more (`superblocks`:
+    the switch), else per group of 32."""
+    from kvserve.kernels.reference import (SUPERBLOCK_MIN_ROWS, SUPERBLOCK_TYPES,
+                                           quantize_activations_q8, quantize_activations_q8k)
     from kvserve.quant.stored import STORED_KERNEL_MAX_ROWS
 
-    def rounded(forward):
+    def rounded(forward, k_quants: bool):
         def run(x):
-            small = x.shape[0] <= STORED_KERNEL_MAX_ROWS
-            return forward(quantize_activations_q8(x).to(x.dtype) if small else x)
+            if x.shape[0] > STORED_KERNEL_MAX_ROWS:
+                return forward(x)
+            wide = superblocks and k_quants and x.shape[0] >= SUPERBLOCK_MIN_ROWS
+            rounding = quantize_activations_q8k if wide else quantize_activations_q8
+            return forward(rounding(x).to(x.dtype))
         return run
 
-    for module in list(model.modules()):
-        if hasattr(module, "method") or module is model.lm_head:
-            module.forward = rounded(module.forward)
+    for name, module in model.named_modules():
+        if name in types:
+            k_quants = types[name] <= set(SUPERBLOCK_TYPES)
+            assert k_quants or not types[name] & set(SUPERBLOCK_TYPES), name
+            module.forward = rounded(module.forward, k_quants)
     return model
 
 
 def test_decode_rows_are_the_files_weights_times_rounded_activations(checkpoint, tmp_path):
     """One token at a time (the integer-dot kernels): the float model of the same file, with
-    every projection's input rounded to int8 per group of 32 the same way."""
+    every projection's input rounded to int8 per group of 32 the same way (the 8-token prompt
+    before them: per super-block for the K-quants, as the kernels round it)."""
     path, _ = checkpoint
     model = _stored(path)
     # the same attention kernel, and the Python layers (the decode stack would skip the
@@ -104,13 +124,40 @@ def test_decode_rows_are_the_files_weights_times_rounded_activations(checkpoint,
     reference, _ = load_model(resolve_model(path), "float32", attention_backend="paged",
                               quantization="none")
     reference.model.enforce_eager = True
-    reference = _rounding_activations(reference)
+    reference = _rounding_activations(reference, _stored_types(model))
     loops = PagedLoop(model, 1, 64), PagedLoop(reference, 1, 64)
     for loop in loops:
         loop.step([PROMPT[:8]], [8], [0])
     for n, token in enumerate(PROMPT[8:20], start=9):
         got, expected = (loop.step([[token]], [n], [0])[0] for loop in loops)
         assert (got - expected).abs().max() < LOGIT_TOLERANCE
+
+
+def test_prompt_rows_are_the_files_weights_times_activations_rounded_per_superblock(
+        checkpoint, isa_level):
+    """A prompt of 12 rows (the integer-dot kernels, autotuner off) rounds the K-quant
+    projections' inputs at one step per super-block of 256 (llama.cpp's Q8_K: gguf_linear_int)
+    and the others' (a Q8_0 tied head) per group of 32: the float model of the same file with
+    each projection's input rounded that way; with the switch off, every one per 32. Few rows:
+    an int8 code is a step function, and over 40 rows the float model's own sums (1e-6 off)
+    flipped a code of this random model and moved a row's logits by 0.06-0.24."""
+    prompt = PROMPT[:12]
+    path, _ = checkpoint
+    model = _stored(path)
+    ops = model.kernel_ops
+    for superblocks in (True, False):
+        reference, _ = load_model(resolve_model(path), "float32", attention_backend="paged",
+                                  quantization="none")
+        reference.model.enforce_eager = True
+        reference = _rounding_activations(reference, _stored_types(model), superblocks)
+        ops.set_gguf_superblocks(superblocks)
+        try:
+            got = PagedLoop(model, 1, 64).step([prompt], [len(prompt)], [0], all_logits=True)
+        finally:
+            ops.set_gguf_superblocks(True)
+        expected = PagedLoop(reference, 1, 64).step([prompt], [len(prompt)], [0],
+                                                    all_logits=True)
+        assert (got[0] - expected[0]).abs().max() < LOGIT_TOLERANCE, superblocks
 
 
 def test_decode_stack_equals_the_python_loop(checkpoint, isa_level):

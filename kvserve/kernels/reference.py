@@ -5,6 +5,8 @@ silently in place of a build that failed) and are the reference the kernels are 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -507,14 +509,20 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 # ---- integer-dot GEMVs (csrc/q8_dot_gemm.cpp): x rounded to int8 per group of 32
 
-def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+def quantize_activations_q8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """x [M, K] -> x' = d * round(x / d) per group of 32 along K, d = absmax / 127 (llama.cpp's
     Q8 activations): the values the integer-dot kernels multiply exactly, as float32."""
     rows, cols = x.shape
-    groups = x.float().view(rows, cols // 32, 32)
+    groups = x.float().reshape(rows, cols // group, group)
     step = groups.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     return (torch.round(groups * inverse) * step).view(rows, cols)
+
+
+def quantize_activations_q8k(x: torch.Tensor) -> torch.Tensor:
+    """quantize_activations_q8 per super-block of 256 (llama.cpp's Q8_K activations): the
+    values gguf_linear_q8k multiplies exactly."""
+    return quantize_activations_q8(x, group=256)
 
 
 def int4_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -579,6 +587,8 @@ GGUF_FORMATS = {"Q4_0": (32, 18, 320), "Q4_1": (32, 20, 320), "Q5_0": (32, 22, 3
 # MXFP4's e2m1 codes as the integers they are in halves of the block's scale (ggml's table)
 _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
                              dtype=torch.float32)
+# the K-quants: super-blocks of 256 whose sub-block scales are integers (gguf_linear_q8k)
+SUPERBLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # bits above the low 4 a code, kept in bit planes
 _HIGH_BITS = {"Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}
 
@@ -786,6 +796,37 @@ def gguf_linear_q8(x: torch.Tensor, panels: torch.Tensor, qtype: str,
     weight = _gguf_weights(panels, qtype)[:out_features]
     out = F.linear(quantize_activations_q8(x), weight, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def gguf_linear_q8k(x: torch.Tensor, panels: torch.Tensor, qtype: str,
+                    bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    if qtype not in SUPERBLOCK_TYPES:
+        raise ValueError(f"gguf_linear_q8k: {qtype} has no super-blocks (Q4_K, Q5_K and Q6_K do)")
+    weight = _gguf_weights(panels, qtype)[:out_features]
+    out = F.linear(quantize_activations_q8k(x), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+# rows from which gguf_linear_int takes super-block activations (csrc/gguf_gemm.h)
+SUPERBLOCK_MIN_ROWS = 8
+_superblocks = [os.environ.get("KVSERVE_GGUF_SUPERBLOCKS", "1") != "0"]
+
+
+def gguf_superblocks_enabled() -> bool:
+    return _superblocks[0]
+
+
+def set_gguf_superblocks(enabled: bool) -> None:
+    _superblocks[0] = bool(enabled)
+
+
+def gguf_linear_int(x: torch.Tensor, panels: torch.Tensor, qtype: str,
+                    bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The engine's integer path: gguf_linear_q8k for a K-quant call of SUPERBLOCK_MIN_ROWS
+    rows or more (where switched on), gguf_linear_q8 otherwise."""
+    if x.shape[0] >= SUPERBLOCK_MIN_ROWS and qtype in SUPERBLOCK_TYPES and _superblocks[0]:
+        return gguf_linear_q8k(x, panels, qtype, bias, out_features)
+    return gguf_linear_q8(x, panels, qtype, bias, out_features)
 
 
 def gguf_linear_dequant(x: torch.Tensor, panels: torch.Tensor, qtype: str,

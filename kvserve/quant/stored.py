@@ -4,9 +4,10 @@ weight, never dequantized and re-quantized to another grid.
 
 A projection's parts may be stored in different types (a Q4_K_M file keeps some V projections
 in Q6_K beside Q4_K queries and keys): consecutive parts of one type are packed together, each
-such segment multiplied by its own kernel into its columns of the output. Decode-sized batches
-take the integer-dot kernels (activations rounded to int8 per group of 32, as llama.cpp does);
-larger ones dequantize slabs of rows into the activation dtype and run the dense GEMM
+such segment multiplied by its own kernel into its columns of the output. Calls up to the
+tuned row limit take the integer-dot kernels (`gguf_linear_int`: activations rounded to int8
+per group of 32, or, for K-quant calls of 8 rows or more, per super-block of 256 as llama.cpp's
+Q8_K); larger ones dequantize slabs of rows into the activation dtype and run the dense GEMM
 (`gguf_linear_dequant`), so no dense copy of the weights is ever kept.
 """
 
@@ -84,7 +85,7 @@ class StoredLinear(nn.Module):
         qtype, rows, dtype = segment.qtype, segment.rows, self.activation_dtype
 
         def q8(x, panels, bias, out_features):
-            return kernels.gguf_linear_q8(x, panels, qtype, bias, out_features)
+            return kernels.gguf_linear_int(x, panels, qtype, bias, out_features)
 
         def dequant(x, panels):
             return kernels.gguf_linear_dequant(x, panels, qtype, None, rows)
@@ -94,7 +95,7 @@ class StoredLinear(nn.Module):
                                  kernels.isa, fallback, prefill=True, owner=self, rival=dequant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernels.gguf_linear_q8 if x.shape[0] <= self.max_rows \
+        kernel = self.kernels.gguf_linear_int if x.shape[0] <= self.max_rows \
             else self.kernels.gguf_linear_dequant
         if len(self.segments) == 1:
             segment = self.segments[0]

@@ -1199,6 +1199,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x' @ W.T (+ bias): x rounded to int8 per group of 32, GGUF W as the file stores it",
         py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
         py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear_q8k", &kvserve::gguf_linear_q8k,
+        "x' @ W.T (+ bias): x rounded to int8 per super-block of 256 (Q8_K), K-quant W as stored",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_linear_int", &kvserve::gguf_linear_int,
+        "the engine's integer path: gguf_linear_q8k for K-quant calls of 8+ rows, else q8",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),
+        py::arg("out_features"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_superblocks_enabled", &kvserve::gguf_superblocks_enabled,
+        "whether gguf_linear_int takes super-block activations (KVSERVE_GGUF_SUPERBLOCKS=0: off)");
+  m.def("set_gguf_superblocks", &kvserve::set_gguf_superblocks,
+        "switch gguf_linear_int's super-block activations on or off", py::arg("enabled"));
   m.def("gguf_linear_dequant", &kvserve::gguf_linear_dequant,
         "x @ W.T (+ bias) with GGUF W's exact values, dequantized a slab of rows at a time",
         py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("bias"),

@@ -83,6 +83,45 @@ struct YmmHalf {
     }
     return acc;
   }
+
+  // ---- the super-block kernels' integer terms (gguf_gemm.cpp)
+  F load(const float* p) const { return _mm256_loadu_ps(p + 8 * half); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  // an int16 pair a 32-bit lane: (lo[n], hi[n]) of 8-bit values (unsigned, or signed)
+  I pairs(const uint8_t* lo, const uint8_t* hi, bool is_signed) const {
+    const I low = _mm256_and_si256(widen_bytes(lo, is_signed), _mm256_set1_epi32(0xFFFF));
+    return _mm256_or_si256(low, _mm256_slli_epi32(widen_bytes(hi, is_signed), 16));
+  }
+  // a sub-block's per-row scale as the multiplier dot_scaled takes: (s, s) in int16
+  I scale_lanes(const uint8_t* p, bool is_signed) const { return pairs(p, p, is_signed); }
+  // acc + scale * the dots of Count code vectors with x's codes: dot's int16 runs widened by
+  // vpmaddwd against (s, s) instead of (1, 1), so the scaling is free (|s| <= 128:
+  // 2 * 32,767 * 128 < 2^31)
+  template <int Bits, int Count>
+  static I dot_scaled(I acc, const I* codes, const int8_t* x, I scale) {
+    constexpr int kRun = 32767 / (2 * ((1 << Bits) - 1) * 127);
+    for (int i = 0; i < Count; i += kRun) {
+      I run = _mm256_maddubs_epi16(codes[i], broadcast_code_word(x + 4 * i));
+      for (int j = i + 1; j < std::min(Count, i + kRun); ++j)
+        run = _mm256_add_epi16(run, _mm256_maddubs_epi16(codes[j], broadcast_code_word(x + 4 * j)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(run, scale));
+    }
+    return acc;
+  }
+  // acc + each lane's int16 pair dotted with the pair at p (two int16, broadcast)
+  static I pair_dot(I acc, I pairs, const int16_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, sizeof(word));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi32(word)));
+  }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I shift32(I v, int bits) { return _mm256_slli_epi32(v, bits); }
+
+ private:
+  I widen_bytes(const uint8_t* p, bool is_signed) const {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  }
 };
 #endif
 
@@ -129,6 +168,38 @@ struct ZmmPanel {
   // vpdpbusd accumulates in int32: no saturation whatever the bits
   template <int Bits, int Count> static I dot(I init, const I* codes, const int8_t* x) {
     return dot_codes<Count>(init, codes, x);
+  }
+
+  // ---- the super-block kernels' integer terms (gguf_gemm.cpp)
+  F load(const float* p) const { return _mm512_loadu_ps(p); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  I pairs(const uint8_t* lo, const uint8_t* hi, bool is_signed) const {
+    const I low = _mm512_and_si512(widen_bytes(lo, is_signed), _mm512_set1_epi32(0xFFFF));
+    return _mm512_or_si512(low, _mm512_slli_epi32(widen_bytes(hi, is_signed), 16));
+  }
+  // a sub-block's per-row scale as int32 lanes
+  I scale_lanes(const uint8_t* p, bool is_signed) const { return widen_bytes(p, is_signed); }
+  // acc + scale * the dots (vpmulld: one per Count vpdpbusd). Sums stay far below 2^31: a
+  // super-block's is at most 8 x 32 x 31 x 127 x 63 (Q5_K), or 16 x 16 x 63 x 127 x 128 (Q6_K).
+  template <int Bits, int Count>
+  static I dot_scaled(I acc, const I* codes, const int8_t* x, I scale) {
+    return _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_codes<Count>(_mm512_setzero_si512(),
+                                                                     codes, x), scale));
+  }
+  // acc + each lane's int16 pair dotted with the pair at p, broadcast in the instruction
+  static I pair_dot(I acc, I pairs, const int16_t* p) {
+    asm("vpdpwssd %2%{1to16%}, %1, %0"
+        : "+v"(acc)
+        : "v"(pairs), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I shift32(I v, int bits) { return _mm512_slli_epi32(v, bits); }
+
+ private:
+  static I widen_bytes(const uint8_t* p, bool is_signed) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
   }
 };
 #endif
@@ -186,6 +257,39 @@ inline __m512 group_values(const Q6Group<ZmmPanel>& terms, bool second, __m512i 
 #endif
 #endif
 
+// ---- per (row, super-block of 256) terms of the K-quants, x at one step a super-block
+// (QuantizedRows with kSuperBlockGroups): the sub-blocks' integer dots are scaled by their
+// integer scales and summed in int32 (add_scaled, per group), and the float work is once a
+// super-block (value), not once a group.
+
+#if KVSERVE_VEC
+// Q4_K, Q5_K: y += d step sum_j sc_j dot_j - dmin step sum_j m_j sum(xq_j)
+template <typename W> struct KSuperBlock {
+  typename W::F d, neg_dmin;
+  typename W::I mins[4];  // lane n: (m_2i, m_2i+1) of row n, int16
+
+  typename W::F value(typename W::I sum, const QuantizedRows& xq, int64_t m, int64_t g0) const {
+    auto low = W::set32(0);
+    for (int i = 0; i < 4; ++i) low = W::pair_dot(low, mins[i], xq.sum32_at(m, g0 + 2 * i));
+    const auto step = W::set1(xq.step_at(m, g0));
+    return W::fma(W::cvt(sum), W::mul(d, step), W::mul(W::cvt(low), W::mul(neg_dmin, step)));
+  }
+};
+
+// Q6_K: y += d step sum_j sc_j (dot_j - 32 sum(xq_j)), sub-blocks j of 16
+template <typename W> struct Q6SuperBlock {
+  typename W::F d;
+  typename W::I scales[8];  // lane n: (sc_2g, sc_2g+1) of row n, int16: group g's sub-blocks
+
+  typename W::F value(typename W::I sum, const QuantizedRows& xq, int64_t m, int64_t g0) const {
+    auto offset = W::set32(0);
+    for (int g = 0; g < 8; ++g) offset = W::pair_dot(offset, scales[g], xq.sum16_at(m, g0 + g));
+    const auto exact = W::sub32(sum, W::shift32(offset, 5));  // - 32 sum_j sc_j sum(xq_j)
+    return W::mul(W::cvt(exact), W::mul(d, W::set1(xq.step_at(m, g0))));
+  }
+};
+#endif
+
 // The scalar build's group term of row n: affine formats' (scale, low), dots = the integer
 // sums over k < 16 and k >= 16.
 inline float affine_scalar(float scale, float low, const int dots[2], const QuantizedRows& xq,
@@ -235,6 +339,22 @@ template <int HighBits> struct KKernel {
                             W::mul(w.u8s(Layout::mins(block, s)), W::set1(-1.f)));
     return {scale, low};
   }
+  // the super-block kernels: group s's scaled dots for R rows from m0, and the block's terms
+  template <int R, typename W>
+  static void add_scaled(const W& w, const uint8_t* block, int s, const typename W::I codes[8],
+                         const QuantizedRows& xq, int64_t m0, int64_t g, typename W::I* sums) {
+    const auto scale = w.scale_lanes(Layout::scales(block, s), false);
+    for (int m = 0; m < R; ++m)
+      sums[m] = W::template dot_scaled<4 + HighBits, 8>(sums[m], codes, xq.group_codes(m0 + m, g),
+                                                        scale);
+  }
+  template <typename W> static KSuperBlock<W> superblock(const W& w, const uint8_t* block) {
+    KSuperBlock<W> terms{w.halves(Layout::d(block)),
+                         W::mul(w.halves(Layout::dmin(block)), W::set1(-1.f)), {}};
+    for (int i = 0; i < 4; ++i)
+      terms.mins[i] = w.pairs(Layout::mins(block, 2 * i), Layout::mins(block, 2 * i + 1), false);
+    return terms;
+  }
 #endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],
                       const QuantizedRows& xq, int64_t m, int64_t g) {
@@ -252,6 +372,24 @@ struct Q6_KKernel {
     const auto d = w.halves(Layout::d(block));
     return {W::mul(d, w.i8s(Layout::scales(block, 2 * s))),
             W::mul(d, w.i8s(Layout::scales(block, 2 * s + 1)))};
+  }
+  template <int R, typename W>
+  static void add_scaled(const W& w, const uint8_t* block, int s, const typename W::I codes[8],
+                         const QuantizedRows& xq, int64_t m0, int64_t g, typename W::I* sums) {
+    const auto first = w.scale_lanes(Layout::scales(block, 2 * s), true);
+    const auto second = w.scale_lanes(Layout::scales(block, 2 * s + 1), true);
+    for (int m = 0; m < R; ++m) {
+      const int8_t* x = xq.group_codes(m0 + m, g);
+      sums[m] = W::template dot_scaled<6, 4>(sums[m], codes, x, first);
+      sums[m] = W::template dot_scaled<6, 4>(sums[m], codes + 4, x + 16, second);
+    }
+  }
+  template <typename W> static Q6SuperBlock<W> superblock(const W& w, const uint8_t* block) {
+    Q6SuperBlock<W> terms{w.halves(Layout::d(block)), {}};
+    for (int g = 0; g < 8; ++g)
+      terms.scales[g] = w.pairs(Layout::scales(block, 2 * g), Layout::scales(block, 2 * g + 1),
+                                true);
+    return terms;
   }
 #endif
   static float scalar(const uint8_t* block, int s, int64_t n, const int dots[2],

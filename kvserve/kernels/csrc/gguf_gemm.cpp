@@ -20,6 +20,8 @@
 #include "gguf_gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "gguf_amx.h"
@@ -27,6 +29,12 @@
 
 namespace kvserve {
 namespace {
+
+// rows a pass of the Q4_K and Q5_K super-block panels: 8 (with zmm: 8 code vectors, 8 int32
+// sums, the scale and the dot chains in registers); at 12, as gguf_panel, the sums spilled and
+// a gate_up call ran at ~620 G multiply-adds a second against ~700 at 8 (Zen 5). Q6_K's keep
+// 12: its 16 sub-block scalings a super-block made 8 rows slower (~450 against ~510-530).
+constexpr int64_t kSuperBlockPass = 8;
 
 // ---- the panels
 
@@ -51,6 +59,35 @@ void gguf_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, const
   }
   for (int m = 0; m < R; ++m) w.store(out + m * 16, total[m]);
 }
+
+// The same over x at one step a super-block (QuantizedRows with kSuperBlockGroups), Q4_K, Q5_K
+// and Q6_K: per group the unpacked codes meet each row's codes as above, but the dots are scaled
+// by the sub-blocks' integer scales and summed in int32 (Kernel::add_scaled); the float work
+// (steps, d, the mins or Q6_K's -32 offsets through x's int16 code sums) is once a super-block.
+// The row totals live in `out` between super-blocks: 8 code vectors, 12 rows' int32 sums and
+// 12 float totals would not fit 32 registers.
+template <int R, typename Kernel, typename W>
+void superblock_panel(const QuantizedRows& xq, int64_t m0, const uint8_t* panel, const W& w,
+                      float* out) {
+  using L = typename Kernel::Layout;
+  for (int m = 0; m < R; ++m) w.store(out + m * 16, W::zero());
+  for (int64_t g0 = 0; g0 < xq.groups; g0 += L::kGroups) {
+    const uint8_t* block = panel + (g0 / L::kGroups) * L::kBytes;
+    typename W::I sums[R];
+    for (int m = 0; m < R; ++m) sums[m] = W::set32(0);
+    for (int s = 0; s < L::kGroups; ++s) {
+      if (w.leads()) prefetch_group<L>(block, s);
+      typename W::I codes[8];
+      unpack_group<L>(w, block, s, codes);
+      Kernel::template add_scaled<R>(w, block, s, codes, xq, m0, g0 + s, sums);
+    }
+    const auto terms = Kernel::superblock(w, block);
+    for (int m = 0; m < R; ++m) {
+      float* row = out + m * 16;
+      w.store(row, W::add(w.load(row), terms.value(sums[m], xq, m0 + m, g0)));
+    }
+  }
+}
 #endif
 
 template <typename Kernel>
@@ -72,25 +109,42 @@ float gguf_dot_scalar(const QuantizedRows& xq, int64_t m, const uint8_t* panel, 
   return acc;
 }
 
-template <typename Kernel>
+// The integer kernel of a format over a span: gguf_panel, or superblock_panel (`kSuperBlocks`:
+// x quantized with kSuperBlockGroups); the scalar build's loop reads either x's codes and
+// (per group, or repeated) steps.
+template <typename Kernel, bool kSuperBlocks = false>
 void gguf_q8(const QuantizedRows& xq, const PanelSpan& span, const at::Tensor& packed,
              int64_t out_features, const OutputRows& y) {
+  auto panel_of = [&](auto r, int64_t m0, const uint8_t* panel, const auto& w, float* out) {
+    if constexpr (kSuperBlocks) {
+      superblock_panel<decltype(r)::value, Kernel>(xq, m0, panel, w, out);
+    } else {
+      gguf_panel<decltype(r)::value, Kernel>(xq, m0, panel, w, out);
+    }
+  };
   auto tile = [&](int block_rows, int64_t m0, const uint8_t* panel, float* out) {
 #if KVSERVE_Q8_ZMM
-    with_row_count(block_rows, [&](auto r) {
-      gguf_panel<decltype(r)::value, Kernel>(xq, m0, panel, ZmmPanel(), out);
-    });
+    with_row_count(block_rows, [&](auto r) { panel_of(r, m0, panel, ZmmPanel(), out); });
 #elif KVSERVE_VEC
-    panel_rows(block_rows, [&](auto r, int half) {
-      gguf_panel<decltype(r)::value, Kernel>(xq, m0, panel, YmmHalf{half}, out);
-    });
+    panel_rows(block_rows, [&](auto r, int half) { panel_of(r, m0, panel, YmmHalf{half}, out); });
 #endif
   };
   auto scalar = [&](int64_t m, const uint8_t* panel, int64_t n) {
     return gguf_dot_scalar<Kernel>(xq, m, panel, n);
   };
   const int64_t panel_bytes = packed.size(1) * Kernel::Layout::kBytes;
-  run_span(xq, span, out_features, panel_bytes, packed.data_ptr<uint8_t>(), y, tile, scalar);
+  const bool eight = kSuperBlocks && !std::is_same_v<Kernel, Q6_KKernel>;
+  run_span(xq, span, out_features, panel_bytes, packed.data_ptr<uint8_t>(), y, tile, scalar,
+           eight ? kSuperBlockPass : kRowBlock);
+}
+
+PanelKernel superblock_kernel(GgufType type) {
+  switch (type) {
+    case GgufType::kQ4_K: return gguf_q8<KKernel<0>, true>;
+    case GgufType::kQ5_K: return gguf_q8<KKernel<1>, true>;
+    case GgufType::kQ6_K: return gguf_q8<Q6_KKernel, true>;
+    default: return nullptr;
+  }
 }
 
 PanelKernel integer_kernel(GgufType type) {
@@ -227,6 +281,48 @@ at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const s
   if (format.type == GgufType::kQ8_0) return int8_linear_q8(x, panels, bias, out_features);
   return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes,
                              integer_kernel(format.type), panels);
+}
+
+at::Tensor gguf_linear_q8k(const at::Tensor& x, const at::Tensor& panels,
+                           const std::string& qtype, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
+  const GgufFormat& format = gguf_format(qtype);
+  check_linear(format, x, panels, bias, out_features, "gguf_linear_q8k");
+  const PanelKernel kernel = superblock_kernel(format.type);
+  TORCH_CHECK_VALUE(kernel != nullptr, "gguf_linear_q8k: ", qtype,
+                    " has no super-blocks (Q4_K, Q5_K and Q6_K do)");
+  return with_quantized_rows(x, bias, out_features, CodeOrder::kInt4Lanes, kernel, panels,
+                             kSuperBlockGroups);
+}
+
+namespace {
+int& superblocks_state() {  // -1: not read from KVSERVE_GGUF_SUPERBLOCKS yet, 0 off, 1 on
+  static int state = -1;
+  return state;
+}
+}  // namespace
+
+bool gguf_superblocks_enabled() {
+  int& state = superblocks_state();
+  if (state < 0) {
+    const char* value = std::getenv("KVSERVE_GGUF_SUPERBLOCKS");
+    state = value == nullptr || std::strcmp(value, "0") != 0 ? 1 : 0;
+  }
+  return state == 1;
+}
+
+void set_gguf_superblocks(bool enabled) { superblocks_state() = enabled ? 1 : 0; }
+
+bool gguf_takes_superblocks(const std::string& qtype, int64_t rows) {
+  return rows >= kSuperBlockMinRows && superblock_kernel(gguf_format(qtype).type) != nullptr &&
+         gguf_superblocks_enabled();
+}
+
+at::Tensor gguf_linear_int(const at::Tensor& x, const at::Tensor& panels, const std::string& qtype,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return gguf_takes_superblocks(qtype, x.size(0))
+             ? gguf_linear_q8k(x, panels, qtype, bias, out_features)
+             : gguf_linear_q8(x, panels, qtype, bias, out_features);
 }
 
 SpanKernel gguf_span_kernel(const std::string& qtype) {

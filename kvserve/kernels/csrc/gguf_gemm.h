@@ -28,6 +28,28 @@ at::Tensor gguf_dequantize_range(const at::Tensor& panels, const std::string& qt
 at::Tensor gguf_linear_q8(const at::Tensor& x, const at::Tensor& panels, const std::string& qtype,
                           const c10::optional<at::Tensor>& bias, int64_t out_features);
 
+// gguf_linear_q8 with x rounded per super-block of 256 (one step for 8 groups: llama.cpp's Q8_K
+// activations) for the K-quants (Q4_K, Q5_K, Q6_K): the sub-blocks' integer scales applied in
+// int32, the float work once a super-block; a clear error for the other types.
+at::Tensor gguf_linear_q8k(const at::Tensor& x, const at::Tensor& panels,
+                           const std::string& qtype, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features);
+
+// The integer-dot path as the engine runs it (StoredLinear, StackLinear): gguf_linear_q8k for a
+// K-quant call of at least kSuperBlockMinRows rows, gguf_linear_q8 otherwise.
+// Why: the super-block kernel does the float work once per 256 values, not once per 32, and its
+// passes fit the registers (gguf_gemm.cpp): a Q4_K gate_up at 64-512 rows ran at ~700 G
+// multiply-adds a second against ~600 (Zen 5), 280 against 212 on AVX2. Below a pass of rows a
+// call streams its weights at the memory's pace either way, so decode keeps x's finer steps
+// per 32. x at one step per 256 is llama.cpp's own rounding for every K-quant product (Q8_K).
+// KVSERVE_GGUF_SUPERBLOCKS=0 (or set_gguf_superblocks(false)) keeps every call per 32.
+constexpr int64_t kSuperBlockMinRows = 8;
+at::Tensor gguf_linear_int(const at::Tensor& x, const at::Tensor& panels, const std::string& qtype,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features);
+bool gguf_takes_superblocks(const std::string& qtype, int64_t rows);
+bool gguf_superblocks_enabled();
+void set_gguf_superblocks(bool enabled);
+
 // gguf_linear_q8's kernel for qtype over a span of rows and panels, with the code order its x
 // needs: for callers that run their own parallel region (moe.cpp).
 struct SpanKernel {

@@ -316,8 +316,8 @@ void quantize_rows(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder orde
 
 void quantize_share(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder order,
                     int64_t thread, int64_t team) {
-  const int64_t groups = x.size(0) * q.groups;
-  const int64_t begin = groups * thread / team, end = groups * (thread + 1) / team;
+  const int64_t units = q.units(x.size(0));
+  const int64_t begin = units * thread / team, end = units * (thread + 1) / team;
   x.scalar_type() == at::kFloat ? quantize_rows<float>(q, x, order, begin, end)
                                 : quantize_rows<c10::BFloat16>(q, x, order, begin, end);
 }

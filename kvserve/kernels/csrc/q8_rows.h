@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <omp.h>
+#include <unistd.h>
 
 #include "panel_layouts.h"
 #include "vec.h"
@@ -44,19 +45,36 @@ enum class CodeOrder { kInt4Lanes, kNatural };
 // and d * sum(codes) (the exact sum of x' = d * xq, for the int4 zero-point term); the sums of
 // the codes, of the group and of its first 16 (GGUF Q6_K's sub-blocks of 16 have their own
 // scales and an offset of -32, which costs -32 * scale * sum(codes) per sub-block).
+//
+// With step_groups = 8 (kSuperBlockGroups) one step serves a GGUF super-block of 256 values
+// (llama.cpp's Q8_K activations, what its K-quant dot products take): step and sum are then
+// the super-block's step repeated per group, and the code sums are also kept as int16 per 32
+// (sum32) and per 16 (sum16), so the super-block kernels (gguf_gemm.cpp) read two groups' sums
+// as one 32-bit pair.
+constexpr int64_t kSuperBlockGroups = 8;
+
 struct QuantizedRows {
   std::vector<int8_t> codes;  // [rows, K]
   std::vector<float> step;    // [rows, groups]
   std::vector<float> sum;     // [rows, groups]
   std::vector<int32_t> code_sum;  // [rows, groups]: sum of the group's codes
   std::vector<int32_t> half_sum;  // [rows, groups]: sum of its first 16 codes
+  std::vector<int16_t> sum32;     // [rows, groups]: code_sum as int16 (super-blocks only)
+  std::vector<int16_t> sum16;     // [rows, 2 groups]: each 16 codes' sum (super-blocks only)
   int64_t cols = 0, groups = 0;
+  int64_t step_groups = 1;  // groups sharing one step: 1, or kSuperBlockGroups
 
   const int8_t* group_codes(int64_t m, int64_t g) const { return codes.data() + m * cols + g * 32; }
   float step_at(int64_t m, int64_t g) const { return step[m * groups + g]; }
   float sum_at(int64_t m, int64_t g) const { return sum[m * groups + g]; }
   int32_t code_sum_at(int64_t m, int64_t g) const { return code_sum[m * groups + g]; }
   int32_t half_sum_at(int64_t m, int64_t g) const { return half_sum[m * groups + g]; }
+  const int16_t* sum32_at(int64_t m, int64_t g) const { return sum32.data() + m * groups + g; }
+  const int16_t* sum16_at(int64_t m, int64_t g) const {
+    return sum16.data() + 2 * (m * groups + g);
+  }
+  // the units quantize_groups counts for `rows` rows: groups, or super-blocks
+  int64_t units(int64_t rows) const { return rows * groups / step_groups; }
 };
 
 // Position in the stored group of the code of x[k] (k within the group).
@@ -67,8 +85,7 @@ inline int stored_position(int k, CodeOrder order) {
   return (k & ~7) + kInChunk[k & 7];
 }
 
-// One group of 32: its codes into dst (stored order), its step and the sum of its first 16
-// codes; returns the sum of all 32.
+// A group's absmax, and its codes at a step (absmax_of, encode_group; quantize_group below).
 #if KVSERVE_VEC
 // With AVX2 (every vector build has it), equal to the scalar loop below to the bit: the absmax
 // is a max (exact in any order), the product and step are the scalar's float operations, cvtps
@@ -81,21 +98,26 @@ inline __m256 load8_float(const BFloat16* p) {  // bf16 -> float is a 16-bit shi
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// the largest |x| of `count` (a multiple of 8) values
 template <typename T>
-int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int& first_half) {
-  __m256 values[4];
+float absmax_of(const T* src, int64_t count) {
   __m256 absmax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    values[i] = load8_float(src + 8 * i);
-    absmax = _mm256_max_ps(absmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), values[i]));
-  }
+  for (int64_t i = 0; i < count; i += 8)
+    absmax = _mm256_max_ps(absmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), load8_float(src + i)));
   __m128 half = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
   half = _mm_max_ps(half, _mm_movehl_ps(half, half));
   half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
-  step = _mm_cvtss_f32(half) / 127.f;
+  return _mm_cvtss_f32(half);
+}
+
+// One group of 32 at a given step: its codes into dst (stored order), the sum of its first 16
+// codes; returns the sum of all 32.
+template <typename T>
+int encode_group(const T* src, int8_t* dst, CodeOrder order, float step, int& first_half) {
   const __m256 inverse = _mm256_set1_ps(step > 0.f ? 1.f / step : 0.f);
   __m256i codes[4];
-  for (int i = 0; i < 4; ++i) codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(values[i], inverse));
+  for (int i = 0; i < 4; ++i)
+    codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8_float(src + 8 * i), inverse));
   // packs work per 128-bit lane: bytes come out as 4-value runs of codes[0..3], low halves in
   // the low lane; the permute restores k order
   const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
@@ -117,10 +139,14 @@ int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int&
 }
 #else
 template <typename T>
-int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int& first_half) {
+float absmax_of(const T* src, int64_t count) {
   float absmax = 0.f;
-  for (int k = 0; k < 32; ++k) absmax = std::max(absmax, std::fabs(static_cast<float>(src[k])));
-  step = absmax / 127.f;
+  for (int64_t k = 0; k < count; ++k) absmax = std::max(absmax, std::fabs(static_cast<float>(src[k])));
+  return absmax;
+}
+
+template <typename T>
+int encode_group(const T* src, int8_t* dst, CodeOrder order, float step, int& first_half) {
   const float inverse = step > 0.f ? 1.f / step : 0.f;
   int code_sum = 0;
   for (int k = 0; k < 32; ++k) {
@@ -133,22 +159,41 @@ int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int&
 }
 #endif
 
+// One group of 32 with its own step (absmax / 127): see encode_group.
+template <typename T>
+int quantize_group(const T* src, int8_t* dst, CodeOrder order, float& step, int& first_half) {
+  step = absmax_of(src, 32) / 127.f;
+  return encode_group(src, dst, order, step, first_half);
+}
+
 // Sizes `q` for rows x cols (its buffers only grow: the caller keeps one, no allocation a call).
-inline void size_rows(QuantizedRows& q, int64_t rows, int64_t cols) {
+// With step_groups = kSuperBlockGroups, cols must be a multiple of 256.
+inline void size_rows(QuantizedRows& q, int64_t rows, int64_t cols, int64_t step_groups = 1) {
   q.cols = cols;
   q.groups = cols / 32;
+  q.step_groups = step_groups;
   q.codes.resize(rows * cols);
   q.step.resize(rows * q.groups);
   q.sum.resize(rows * q.groups);
   q.code_sum.resize(rows * q.groups);
   q.half_sum.resize(rows * q.groups);
+  if (step_groups > 1) {
+    q.sum32.resize(rows * q.groups);
+    q.sum16.resize(2 * rows * q.groups);
+  }
 }
 
-// Groups [begin, end) of x, counted over rows then groups, into `q` (sized by size_rows): each
-// group's codes and step depend on that group alone, so threads may take disjoint ranges.
+template <typename T>
+void quantize_superblocks(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order,
+                          int64_t begin, int64_t end);
+
+// Units [begin, end) of x, counted over rows then groups (or super-blocks: q.units), into `q`
+// (sized by size_rows): each unit's codes and step depend on that unit alone, so threads may
+// take disjoint ranges.
 template <typename T>
 void quantize_groups(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order, int64_t begin,
                      int64_t end) {
+  if (q.step_groups > 1) return quantize_superblocks(q, x, ldx, order, begin, end);
   if (begin >= end) return;
   int64_t m = begin / q.groups, g = begin % q.groups;  // one division, not one a group
   float* steps = q.step.data();
@@ -165,6 +210,32 @@ void quantize_groups(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order,
     code_sums[i] = code_sum;
     half_sums[i] = first_half;
     if (++g == q.groups) g = 0, ++m;
+  }
+}
+
+// Super-blocks [begin, end) (over rows, then super-blocks): one step for the 8 groups, from the
+// super-block's absmax; the groups' codes as encode_group gives them at that step.
+template <typename T>
+void quantize_superblocks(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder order,
+                          int64_t begin, int64_t end) {
+  const int64_t per_row = q.groups / q.step_groups;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t m = unit / per_row, g0 = (unit % per_row) * q.step_groups;
+    const T* src = x + m * ldx + g0 * 32;
+    const float step = absmax_of(src, 32 * q.step_groups) / 127.f;
+    for (int64_t g = g0; g < g0 + q.step_groups; ++g) {
+      const int64_t i = m * q.groups + g;
+      int first_half;
+      const int code_sum = encode_group(src + (g - g0) * 32, q.codes.data() + m * q.cols + g * 32,
+                                        order, step, first_half);
+      q.step[i] = step;
+      q.sum[i] = step * static_cast<float>(code_sum);
+      q.code_sum[i] = code_sum;
+      q.half_sum[i] = first_half;
+      q.sum32[i] = static_cast<int16_t>(code_sum);  // |sum| <= 32 * 127
+      q.sum16[2 * i] = static_cast<int16_t>(first_half);
+      q.sum16[2 * i + 1] = static_cast<int16_t>(code_sum - first_half);
+    }
   }
 }
 
@@ -266,28 +337,48 @@ struct PanelSpan {
   int64_t m_begin, m_end, p_begin, p_end;
 };
 
-// y[m, n] over a span on the calling thread: per panel, the rows in passes of equal size (each
-// pays the panel's unpacking), outputs stored (bias, bf16) as they come. `tile(rows, m0, panel,
-// out)` fills out[m][16] for a row block of at most kRowBlock rows; the scalar build calls
+// Rows of x (a multiple of `pass`, at least one pass) whose codes, `cols` bytes a row, fill a
+// quarter of this core's L2 (the panel being read, the outputs and the prefetched stream share
+// the rest). Why: every panel reads all of a span's rows; at a 512-token prefill that is 1 MB
+// (K = 2048) to 4 MB of codes a panel, streamed from L3 sixteen outputs at a time, and the
+// kernels ran at ~560 G multiply-adds a second against ~700 at 16 rows (Zen 5, Q4_K). The size
+// is the cache's (sysconf), not a measured constant; 512 KB (the smallest L2 we run on) when the
+// system does not say.
+inline int64_t cached_rows(int64_t cols, int64_t pass) {
+  static const int64_t l2_bytes = [] {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{512} << 10;
+  }();
+  return std::max<int64_t>(1, l2_bytes / 4 / std::max<int64_t>(cols, 1) / pass) * pass;
+}
+
+// y[m, n] over a span on the calling thread: the rows in cached blocks (cached_rows), per block
+// every panel, per panel the block's rows in passes of equal size (each pays the panel's
+// unpacking), outputs stored (bias, bf16) as they come. `tile(rows, m0, panel, out)` fills
+// out[m][16] for a row block of at most max_pass (<= kRowBlock) rows; the scalar build calls
 // `scalar(m, panel, n)` per output.
 template <typename Tile, typename Scalar>
 void run_span(const QuantizedRows& xq, const PanelSpan& span, int64_t out_features,
               int64_t panel_bytes, const uint8_t* packed, const OutputRows& y, Tile tile,
-              Scalar scalar) {
-  const int64_t pass = rows_per_pass(span.m_end - span.m_begin, kRowBlock);
+              Scalar scalar, int64_t max_pass = kRowBlock) {
+  const int64_t pass = rows_per_pass(span.m_end - span.m_begin, max_pass);
+  const int64_t cached = cached_rows(xq.cols, pass);
   float out[kRowBlock * 16];
-  for (int64_t p = span.p_begin; p < span.p_end; ++p) {
-    const uint8_t* panel = packed + p * panel_bytes;
-    const int64_t count = std::min<int64_t>(16, out_features - p * 16);
-    for (int64_t m0 = span.m_begin; m0 < span.m_end; m0 += pass) {
-      const int block_rows = static_cast<int>(std::min<int64_t>(pass, span.m_end - m0));
+  for (int64_t first = span.m_begin; first < span.m_end; first += cached) {
+    const int64_t last = std::min(span.m_end, first + cached);
+    for (int64_t p = span.p_begin; p < span.p_end; ++p) {
+      const uint8_t* panel = packed + p * panel_bytes;
+      const int64_t count = std::min<int64_t>(16, out_features - p * 16);
+      for (int64_t m0 = first; m0 < last; m0 += pass) {
+        const int block_rows = static_cast<int>(std::min<int64_t>(pass, last - m0));
 #if KVSERVE_VEC
-      tile(block_rows, m0, panel, out);
+        tile(block_rows, m0, panel, out);
 #else
-      for (int m = 0; m < block_rows; ++m)
-        for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
+        for (int m = 0; m < block_rows; ++m)
+          for (int64_t n = 0; n < count; ++n) out[m * 16 + n] = scalar(m0 + m, panel, n);
 #endif
-      for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
+        for (int m = 0; m < block_rows; ++m) y.store(m0 + m, p * 16, out + m * 16, count);
+      }
     }
   }
 }
@@ -312,7 +403,7 @@ inline void run_panels(const QuantizedRows& xq, int64_t rows, const at::Tensor& 
                        int64_t out_features, const OutputRows& y, const QuantizeRange& quantize,
                        PanelKernel kernel) {
   const int64_t panels = (out_features + 15) / 16;
-  const int64_t groups = rows * xq.groups;
+  const int64_t units = xq.units(rows);
   at::internal::lazy_init_num_threads();
   // at least 4 panels a thread (at::parallel_for's grain before)
   const int64_t threads = std::max<int64_t>(
@@ -320,7 +411,7 @@ inline void run_panels(const QuantizedRows& xq, int64_t rows, const at::Tensor& 
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
-    quantize(groups * thread / team, groups * (thread + 1) / team);
+    quantize(units * thread / team, units * (thread + 1) / team);
 #pragma omp barrier
     const int64_t chunk = (panels + team - 1) / team;
     const int64_t begin = thread * chunk, end = std::min(panels, begin + chunk);
@@ -345,14 +436,14 @@ QuantizeRange quantize_range(QuantizedRows& xq, const at::Tensor& src, CodeOrder
 // (w4a8's single-stream TPOT read 0.80-0.88x int4's with them).
 inline at::Tensor with_quantized_rows(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                                int64_t out_features, CodeOrder order, PanelKernel run,
-                               const at::Tensor& packed) {
+                               const at::Tensor& packed, int64_t step_groups = 1) {
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0 || out_features == 0) return out;
   const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
   thread_local QuantizedRows buffers;
   QuantizedRows& xq = buffers;
-  size_rows(xq, rows, x.size(1));
+  size_rows(xq, rows, x.size(1), step_groups);
   at::Tensor float_bias;
   OutputRows y;
   y.ld = out_features;

@@ -27,7 +27,7 @@ at::Tensor StackLinear::operator()(const at::Tensor& x) const {
   }
   if (kind == "gguf") {
     return x.size(0) > max_rows ? gguf_linear_dequant(x, panels, qtype, bias, out_features)
-                                : gguf_linear_q8(x, panels, qtype, bias, out_features);
+                                : gguf_linear_int(x, panels, qtype, bias, out_features);
   }
   if (kind == "dense" || x.size(0) > max_rows) return at::linear(x, dense, bias);
   if (kind == "int4_q8") return int4_linear_q8(x, panels, bias, out_features);
