@@ -4,7 +4,8 @@ for (N x K) = 2048 x 2048, 8192 x 2048 and 2048 x 8192, and each time against Q4
 Weights stream from DRAM: each timed call reads the next of enough copies to exceed
 --stream-mb (more than this CPU's L3); the median of --calls calls (a quarter at 64 rows), the
 types interleaved in --rounds rounds. Also gguf_pack's throughput over a tensor's file bytes,
-and gguf_linear_dequant beside at::linear (--dequant). Each shape's lines say how many cores'
+and gguf_linear_dequant beside at::linear (--dequant), and the per-32 integer kernel against the
+super-block one at 8-512 rows (--superblocks). Each shape's lines say how many cores'
 worth of CPU other processes took while it was measured (/proc/stat): on a shared machine,
 figures taken beside a busy neighbour are not comparable (a 2-thread call waits whole time
 slices for a preempted thread).
@@ -86,6 +87,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--dequant", default="Q4_K,Q6_K",
                         help="types to time gguf_dequantize and gguf_linear_dequant for")
+    parser.add_argument("--superblocks", default="Q4_K,Q6_K",
+                        help="K-quant types to time gguf_linear_q8 against gguf_linear_q8k for")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,6 +122,32 @@ def main() -> None:
               "bytes")
     for qtype in args.dequant.split(",") if args.dequant else ():
         dequant_lines(ops, qtype)
+    for qtype in args.superblocks.split(",") if args.superblocks else ():
+        superblock_lines(ops, qtype)
+
+
+def superblock_lines(ops, qtype: str, rows_list=(8, 64, 512)) -> None:
+    """gguf_linear_q8 (x per group of 32) against gguf_linear_q8k (per super-block of 256, what
+    K-quant calls of 8+ rows take) in G multiply-adds a second, the weights in cache (the
+    kernels' compute rate, where prefill runs), calls alternating, the best of 5 batches."""
+    for n, k in SHAPES:
+        panels = ops.gguf_pack(file_rows(qtype, n, k), qtype)
+        line = [f"{qtype:6} {n}x{k} G MAC/s q8 / q8k:"]
+        for rows in rows_list:
+            x = torch.randn(rows, k)
+            repeats = max(3, int(2e8 / (rows * n * k)))
+            best = {}
+            for _ in range(5):
+                for name in ("gguf_linear_q8", "gguf_linear_q8k"):
+                    kernel = getattr(ops, name)
+                    begin = time.perf_counter()
+                    for _ in range(repeats):
+                        kernel(x, panels, qtype, None, n)
+                    seconds = (time.perf_counter() - begin) / repeats
+                    best[name] = min(best.get(name, seconds), seconds)
+            line.append(f"{rows} rows {rows * n * k / best['gguf_linear_q8'] / 1e9:.0f} / "
+                        f"{rows * n * k / best['gguf_linear_q8k'] / 1e9:.0f}")
+        print(", ".join(line))
 
 
 def dequant_lines(ops, qtype: str, n: int = 8192, k: int = 2048) -> None:

@@ -384,6 +384,53 @@ def test_grouped_experts_give_the_bits_of_their_own_calls(family, monkeypatch):
         assert torch.equal(grouped, logits(limit_some))
 
 
+def test_grouped_k_quant_experts_take_superblocks_as_their_own_calls(kernels):
+    """GGUF K-quant experts (Q4_K gate_up, Q6_K down, K = 256) grouped: an expert with 8 rows
+    or more takes the super-block kernel, one with fewer the per-group one, each expert's rows
+    quantized the way its kernel wants: the output equals the per-expert calls' (each through
+    gguf_linear_int) to the bit, and moves when the super-blocks are switched off."""
+    from kvserve.kernels import reference
+
+    experts, hidden, inter, tokens = 8, 256, 256, 40
+    generator = torch.Generator().manual_seed(0)
+
+    def projection(qtype: str, rows: int, cols: int):
+        raw = torch.randint(0, 256, (rows, cols // 256 * reference.GGUF_FORMATS[qtype][1]),
+                            dtype=torch.uint8, generator=generator)
+        blocks = raw.view(rows, cols // 256, -1)
+        scale_at = 208 if qtype == "Q6_K" else 0
+        for offset in (scale_at, 2) if qtype == "Q4_K" else (scale_at,):
+            scale = (torch.rand(rows, cols // 256, generator=generator) * 1e-2).half()
+            blocks[..., offset:offset + 2] = scale.view(torch.uint8).view(rows, cols // 256, 2)
+        return kernels.StackLinear("gguf", kernels.gguf_pack(raw, qtype), torch.empty(0), None,
+                                   rows, 1 << 30, qtype)
+
+    gate_up = [projection("Q4_K", 2 * inter, hidden) for _ in range(experts)]
+    down = [projection("Q6_K", hidden, inter) for _ in range(experts)]
+    # a router that sends most tokens to experts 0-3 and few to 4-7: both kernels in one call
+    router = torch.randn(experts, hidden, generator=generator)
+    router[:4] *= 4
+    x = torch.randn(tokens, hidden, generator=generator)
+
+    def forward(grouped: bool) -> torch.Tensor:
+        layer = kernels.MoeLayer(router, 2, True, "silu", gate_up, down,
+                                 torch.zeros(experts, dtype=torch.int64), grouped=grouped)
+        return layer.forward(x)
+
+    counts = torch.zeros(experts, dtype=torch.int64)
+    kernels.MoeLayer(router, 2, True, "silu", gate_up, down, counts).forward(x)
+    assert (counts >= reference.SUPERBLOCK_MIN_ROWS).any()
+    assert ((counts > 0) & (counts < reference.SUPERBLOCK_MIN_ROWS)).any()
+    grouped = forward(True)
+    assert torch.equal(grouped, forward(False))
+    kernels.set_gguf_superblocks(False)
+    try:
+        assert not torch.equal(grouped, forward(True))
+        assert torch.equal(forward(True), forward(False))
+    finally:
+        kernels.set_gguf_superblocks(True)
+
+
 def test_the_decode_stack_runs_the_moe_layers(family):
     """Decode steps run the layers as one C++ program with the fused MoE as one instruction
     (and OLMoE's whole-projection QK-norm and clamp as two more): logits equal to the Python

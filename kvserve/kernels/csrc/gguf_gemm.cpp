@@ -325,8 +325,10 @@ at::Tensor gguf_linear_int(const at::Tensor& x, const at::Tensor& panels, const 
              : gguf_linear_q8(x, panels, qtype, bias, out_features);
 }
 
-SpanKernel gguf_span_kernel(const std::string& qtype) {
+SpanKernel gguf_span_kernel(const std::string& qtype, int64_t rows) {
   const GgufType type = gguf_format(qtype).type;
+  if (gguf_takes_superblocks(qtype, rows))
+    return {superblock_kernel(type), CodeOrder::kInt4Lanes, kSuperBlockGroups};
   if (type == GgufType::kQ4_0 || type == GgufType::kQ4_1) return {int4_q8_kernel()};
   if (type == GgufType::kQ8_0) return {int8_q8_kernel(), CodeOrder::kNatural};
   return {integer_kernel(type)};

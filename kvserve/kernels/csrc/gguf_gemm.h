@@ -52,11 +52,14 @@ void set_gguf_superblocks(bool enabled);
 
 // gguf_linear_q8's kernel for qtype over a span of rows and panels, with the code order its x
 // needs: for callers that run their own parallel region (moe.cpp).
+// For a call of `rows` rows, as gguf_linear_int would run it: step_groups says how x must be
+// quantized for it (q8::size_rows).
 struct SpanKernel {
   q8::PanelKernel run = nullptr;
   q8::CodeOrder order = q8::CodeOrder::kInt4Lanes;
+  int64_t step_groups = 1;
 };
-SpanKernel gguf_span_kernel(const std::string& qtype);
+SpanKernel gguf_span_kernel(const std::string& qtype, int64_t rows);
 
 // y = x W.T (+ bias) with the file's exact weights in x's dtype: slabs of rows dequantized into a
 // scratch buffer and multiplied by at::linear (oneDNN / MKL), never the whole matrix at once; or,

@@ -253,6 +253,16 @@ Grouping group_by_expert(const Routes& routes, int64_t tokens, int64_t experts, 
   return g;
 }
 
+// Sorted rows' codes as the experts' kernels want them: per group (narrow) and, where some
+// expert's kernel takes super-blocks (SpanKernel::step_groups), per super-block (wide).
+struct RowCodes {
+  const q8::QuantizedRows* narrow;
+  const q8::QuantizedRows* wide;
+  const q8::QuantizedRows& of(const SpanKernel& kernel) const {
+    return kernel.step_groups > 1 ? *wide : *narrow;
+  }
+};
+
 // One projection of the grouped experts: each expert's span kernel over its rows, outputs into
 // the sorted rows of `out` (bias added in float, x's dtype), the panels of every expert split
 // over the threads by cost (an expert's panel costs its rows plus one for the unpacking).
@@ -279,8 +289,16 @@ struct GroupedProjection {
     return total;
   }
 
+  // expert e's kernel for its rows (super-block or per-group activations, as a call of that
+  // many rows through gguf_linear_int: the same bits as the per-expert calls)
+  SpanKernel kernel(int64_t e) const { return linears[e].span_kernel(grouping.rows(e)); }
+  bool any_wide() const {
+    return std::any_of(grouped.begin(), grouped.end(),
+                       [&](int64_t e) { return kernel(e).step_groups > 1; });
+  }
+
   // Thread `thread` of `team`: the panels whose cost starts in its share.
-  void run_share(const q8::QuantizedRows& xq, at::Tensor& out, int64_t thread, int64_t team,
+  void run_share(const RowCodes& codes, at::Tensor& out, int64_t thread, int64_t team,
                  int64_t total) const {
     const int64_t low = total * thread / team, high = total * (thread + 1) / team;
     int64_t start = 0;
@@ -301,9 +319,9 @@ struct GroupedProjection {
         y.bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
       }
       const StackLinear& linear = linears[e];
-      linear.span_kernel().run(
-          xq, q8::PanelSpan{grouping.first[e], grouping.first[e + 1], begin, end}, linear.panels,
-          linear.out_features, y);
+      const SpanKernel span = kernel(e);
+      span.run(codes.of(span), q8::PanelSpan{grouping.first[e], grouping.first[e + 1], begin, end},
+               linear.panels, linear.out_features, y);
     }
   }
 };
@@ -322,6 +340,14 @@ void quantize_share(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder ord
                                 : quantize_rows<c10::BFloat16>(q, x, order, begin, end);
 }
 
+// Rows [first, last) of x into q: its units of those rows only.
+void quantize_row_range(q8::QuantizedRows& q, const at::Tensor& x, q8::CodeOrder order,
+                        int64_t first, int64_t last) {
+  const int64_t begin = q.units(first), end = q.units(last);
+  x.scalar_type() == at::kFloat ? quantize_rows<float>(q, x, order, begin, end)
+                                : quantize_rows<c10::BFloat16>(q, x, order, begin, end);
+}
+
 // Sorted row `row` of `dst` = token `token`'s row of `src` (codes and per-group terms).
 void copy_row(q8::QuantizedRows& dst, int64_t row, const q8::QuantizedRows& src, int64_t token) {
   std::memcpy(dst.codes.data() + row * dst.cols, src.codes.data() + token * src.cols, src.cols);
@@ -330,6 +356,10 @@ void copy_row(q8::QuantizedRows& dst, int64_t row, const q8::QuantizedRows& src,
   std::copy_n(src.sum.data() + token * g, g, dst.sum.data() + row * g);
   std::copy_n(src.code_sum.data() + token * g, g, dst.code_sum.data() + row * g);
   std::copy_n(src.half_sum.data() + token * g, g, dst.half_sum.data() + row * g);
+  if (src.step_groups > 1) {
+    std::copy_n(src.sum32.data() + token * g, g, dst.sum32.data() + row * g);
+    std::copy_n(src.sum16.data() + 2 * token * g, 2 * g, dst.sum16.data() + 2 * row * g);
+  }
 }
 
 // The experts that run grouped: active, both projections with a span kernel (one code order
@@ -341,7 +371,7 @@ std::vector<int64_t> grouped_experts(const MoeLayer& moe, const Grouping& groupi
   for (int64_t e = 0; e < static_cast<int64_t>(moe.gate_up.size()); ++e) {
     const int64_t rows = grouping.rows(e);
     const StackLinear &gate_up = moe.gate_up[e], &down = moe.down[e];
-    const SpanKernel first = gate_up.span_kernel(), second = down.span_kernel();
+    const SpanKernel first = gate_up.span_kernel(rows), second = down.span_kernel(rows);
     if (rows == 0 || !first.run || !second.run || rows > gate_up.max_rows ||
         rows > down.max_rows)
       continue;
@@ -372,40 +402,62 @@ void in_parallel(int64_t work, Body body) {
 at::Tensor grouped_gate_up(const MoeLayer& moe, const at::Tensor& x, const Grouping& grouping,
                            const std::vector<int64_t>& grouped, const SpanKernel& kernel) {
   const int64_t sorted = static_cast<int64_t>(grouping.token.size());
-  thread_local q8::QuantizedRows by_token, by_row;
-  q8::QuantizedRows &xq = by_token, &rows = by_row;
+  const GroupedProjection gate_up{moe.gate_up, grouped, grouping};
+  const bool wide = gate_up.any_wide();
+  thread_local q8::QuantizedRows by_token, by_row, wide_by_token, wide_by_row;
+  q8::QuantizedRows &xq = by_token, &rows = by_row, &wxq = wide_by_token, &wrows = wide_by_row;
   q8::size_rows(xq, x.size(0), x.size(1));
   q8::size_rows(rows, sorted, x.size(1));
+  if (wide) {
+    q8::size_rows(wxq, x.size(0), x.size(1), q8::kSuperBlockGroups);
+    q8::size_rows(wrows, sorted, x.size(1), q8::kSuperBlockGroups);
+  }
   at::Tensor h = at::empty({sorted, moe.gate_up[grouped[0]].out_features}, x.options());
   if (grouped.size() < moe.gate_up.size()) h.zero_();
-  std::vector<int64_t> copied;  // the grouped experts' sorted rows
-  for (int64_t e : grouped)
-    for (int64_t row = grouping.first[e]; row < grouping.first[e + 1]; ++row) copied.push_back(row);
-  const GroupedProjection gate_up{moe.gate_up, grouped, grouping};
+  std::vector<std::pair<int64_t, bool>> copied;  // the grouped experts' sorted rows, wide or not
+  for (int64_t e : grouped) {
+    const bool e_wide = gate_up.kernel(e).step_groups > 1;
+    for (int64_t row = grouping.first[e]; row < grouping.first[e + 1]; ++row)
+      copied.emplace_back(row, e_wide);
+  }
   const int64_t cost = gate_up.total_cost(), count = static_cast<int64_t>(copied.size());
   in_parallel(cost, [&](int64_t thread, int64_t team) {
     quantize_share(xq, x, kernel.order, thread, team);
+    if (wide) quantize_share(wxq, x, kernel.order, thread, team);
 #pragma omp barrier
-    for (int64_t i = count * thread / team; i < count * (thread + 1) / team; ++i)
-      copy_row(rows, copied[i], xq, grouping.token[copied[i]]);
+    for (int64_t i = count * thread / team; i < count * (thread + 1) / team; ++i) {
+      const auto [row, row_wide] = copied[i];
+      copy_row(row_wide ? wrows : rows, row, row_wide ? wxq : xq, grouping.token[row]);
+    }
 #pragma omp barrier
-    gate_up.run_share(rows, h, thread, team, cost);
+    gate_up.run_share(RowCodes{&rows, &wrows}, h, thread, team, cost);
   });
   return h;
 }
 
-// The grouped experts' down outputs into their sorted rows of y, from the activations.
+// The grouped experts' down outputs into their sorted rows of y, from the activations (each
+// expert's rows quantized as its kernel wants them).
 void grouped_down(const MoeLayer& moe, const at::Tensor& activated, const Grouping& grouping,
                   const std::vector<int64_t>& grouped, const SpanKernel& kernel, at::Tensor& y) {
-  thread_local q8::QuantizedRows hidden_rows;
-  q8::QuantizedRows& hq = hidden_rows;
+  thread_local q8::QuantizedRows hidden_rows, wide_hidden_rows;
+  q8::QuantizedRows &hq = hidden_rows, &whq = wide_hidden_rows;
   q8::size_rows(hq, activated.size(0), activated.size(1));
   const GroupedProjection down{moe.down, grouped, grouping};
+  const bool wide = down.any_wide();
+  if (wide) q8::size_rows(whq, activated.size(0), activated.size(1), q8::kSuperBlockGroups);
   const int64_t cost = down.total_cost();
   in_parallel(cost, [&](int64_t thread, int64_t team) {
-    quantize_share(hq, activated, kernel.order, thread, team);
+    if (!wide) {
+      quantize_share(hq, activated, kernel.order, thread, team);
+    } else {  // each thread a share of every grouped expert's rows, in that expert's buffer
+      for (int64_t e : grouped) {
+        const int64_t first = grouping.first[e], rows = grouping.rows(e);
+        quantize_row_range(down.kernel(e).step_groups > 1 ? whq : hq, activated, kernel.order,
+                           first + rows * thread / team, first + rows * (thread + 1) / team);
+      }
+    }
 #pragma omp barrier
-    down.run_share(hq, y, thread, team, cost);
+    down.run_share(RowCodes{&hq, &whq}, y, thread, team, cost);
   });
 }
 

@@ -13,8 +13,8 @@ bool StackLinear::known_kind(const std::string& kind) {
          kind == "gguf" || kind == "concat";
 }
 
-SpanKernel StackLinear::span_kernel() const {
-  if (kind == "gguf") return gguf_span_kernel(qtype);
+SpanKernel StackLinear::span_kernel(int64_t rows) const {
+  if (kind == "gguf") return gguf_span_kernel(qtype, rows);
   if (kind == "int4_q8") return {int4_q8_kernel(), q8::CodeOrder::kInt4Lanes};
   return {};
 }

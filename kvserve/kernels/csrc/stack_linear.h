@@ -24,9 +24,10 @@ struct StackLinear {
   std::vector<StackLinear> segments;
 
   at::Tensor operator()(const at::Tensor& x) const;
-  // The integer-dot kernel that serves calls of up to max_rows rows over `panels` (kinds "gguf"
-  // and "int4_q8"), for callers that schedule spans of it themselves; run is null otherwise.
-  SpanKernel span_kernel() const;
+  // The integer-dot kernel that serves a call of `rows` (<= max_rows) rows over `panels` (kinds
+  // "gguf" and "int4_q8"), for callers that schedule spans of it themselves; run is null
+  // otherwise.
+  SpanKernel span_kernel(int64_t rows) const;
   static bool known_kind(const std::string& kind);
 };
 
