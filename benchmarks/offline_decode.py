@@ -33,7 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_BENCH = ROOT / "benchmarks/peers/work/llama.cpp/build/bin/llama-bench"
+# KVSERVE_CPU_ISA=avx2 (an AVX-512 machine standing in for an AVX2-only one): llama.cpp's AVX2
+# build beside our AVX2 kernels, as benchmarks/peers/llamacpp.sh builds and serves it
+_BUILD = "build-avx2" if os.environ.get("KVSERVE_CPU_ISA") == "avx2" else "build"
+LLAMA_BENCH = ROOT / f"benchmarks/peers/work/llama.cpp/{_BUILD}/bin/llama-bench"
 NEW_TOKENS = 128
 
 
@@ -141,7 +144,10 @@ def main() -> None:
     header = machine_header()
     report = {"name": args.name, "date": datetime.date.today().isoformat(), "machine": header,
               "cpu": cpu_label(header), "model": model_path, "new_tokens": NEW_TOKENS,
-              "threads": args.threads, "round_count": args.rounds, "rounds": rounds, "summary": _summary(rounds, depths),
+              "threads": args.threads, "round_count": args.rounds, "rounds": rounds,
+              "summary": _summary(rounds, depths),
+              "llama_bench": str(LLAMA_BENCH.relative_to(ROOT)),
+              "autotune": os.environ.get("KVSERVE_AUTOTUNE", "1"),
               "prefill_rounds": prefill_rounds, "prefill_summary": _summary(prefill_rounds,
                                                                             prefills)}
     out = ROOT / "benchmarks/results" / cpu_slug(header) / f"{report['date']}-{args.name}"
@@ -168,7 +174,8 @@ def _markdown(report: dict, depths: list[int], prefills: list[int]) -> str:
     lines = [f"# {report['name']} ({report['date']})", "",
              f"CPU: {report['cpu']}. Model: {report['model']}. {report['threads']} threads, "
              f"{report['round_count']} interleaved rounds against kvserve's offline engine "
-             "(benchmarks/offline_decode.py)."]
+             f"(benchmarks/offline_decode.py); llama.cpp: {report.get('llama_bench', '-')}; "
+             f"KVSERVE_AUTOTUNE={report.get('autotune', '1')}."]
     if depths:
         lines += ["", f"Decode (tg{NEW_TOKENS} at each depth: `llama-bench -p 0 -n {NEW_TOKENS} "
                   "-d D -r 1`):", "",
