@@ -105,8 +105,8 @@ def set_enabled(value: bool) -> None:
 
 def table_path() -> Path:
     """One file per machine fingerprint: a change of CPU, torch, kvserve, the kernels' sources or
-    threads or the AMX switch re-tunes (a kernel changed within one kvserve version must not
-    keep old limits)."""
+    threads or the AMX or super-block switch re-tunes (a kernel changed within one kvserve
+    version must not keep old limits)."""
     from kvserve import __version__
     from kvserve.kernels.cpu_ext import sources_digest
 
@@ -114,7 +114,8 @@ def table_path() -> Path:
     fingerprint = "|".join([cpu["model_name"], cpu["family"], cpu["model"],
                             " ".join(sorted(isa.cpu_flags())), torch.__version__, __version__,
                             sources_digest(), str(torch.get_num_threads()), str(TABLE_VERSION),
-                            "amx=" + os.environ.get("KVSERVE_AMX", "")])
+                            "amx=" + os.environ.get("KVSERVE_AMX", ""),
+                            "superblocks=" + os.environ.get("KVSERVE_GGUF_SUPERBLOCKS", "")])
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
     return cache_dir() / "autotune" / f"kernels-{digest}.json"
 

@@ -10,6 +10,11 @@
 //   per zmm). Per (row, group) the int32 dot goes to float with the group's scale (Q4_K: d * sc)
 //   and low (-(dmin * m), times the exact sum of x'); Q6_K's sub-blocks of 16 each get their
 //   own scale and their -32 offset through x's per-16 code sums (computed with the codes).
+// - gguf_linear_q8k: the K-quants (Q4_K, Q5_K, Q6_K) with x at one step per super-block of 256
+//   (llama.cpp's Q8_K): each sub-block's int32 dot times its integer scale (vpmulld; on AVX2
+//   vpmaddwd against the scale), the mins or Q6_K's -32 through x's int16 code sums, the float
+//   work once a super-block (superblock_panel). gguf_linear_int, the engine's entry, takes it
+//   for K-quant calls of kSuperBlockMinRows rows or more (gguf_gemm.h says why).
 // - gguf_linear_dequant: float activations and the exact weights, slabs of rows dequantized into
 //   a scratch buffer in x's dtype and multiplied by at::linear (prefill-sized batches, the
 //   exact mode); bfloat16 K-quant calls on a CPU with AMX tiles go to gguf_amx.cpp instead.
