@@ -116,6 +116,9 @@ struct YmmHalf {
   }
   static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I shift32(I v, int bits) { return _mm256_slli_epi32(v, bits); }
+  // Q6_K's -32 offsets: per super-block through x's code sums (Q6SuperBlock::value), not as
+  // seeds of the sub-block dots: dot_scaled's int16 runs would overflow with them
+  static constexpr bool kSeededSubBlocks = false;
 
  private:
   I widen_bytes(const uint8_t* p, bool is_signed) const {
@@ -186,6 +189,18 @@ struct ZmmPanel {
     return _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_codes<Count>(_mm512_setzero_si512(),
                                                                      codes, x), scale));
   }
+  // acc + scale * (seed + the dots of 4 code vectors), one chain (a sub-block's two would cost
+  // an add): Q6_K's sub-blocks with their -32 offsets as the seeds (x's -32 sum(xq_j),
+  // QuantizedRows::seed16). Why: summed per super-block instead (8 vpdpwssd a row, their
+  // addresses, the scales' pairs), the offsets took ~a quarter of the kernel's time; seeded,
+  // a 16-row LM head (128256 x 2048) went from ~425 to ~500 G multiply-adds a second (Zen 5,
+  // 2 cores), a 512-row 2048 x 8192 from ~430 to ~475.
+  static I dot_seeded(I acc, const I* codes, const int8_t* x, const int32_t* seed, I scale) {
+    I dot = _mm512_set1_epi32(*seed);
+    for (int i = 0; i < 4; ++i) dot = dot_add_broadcast(dot, codes[i], x + 4 * i);
+    return _mm512_add_epi32(acc, _mm512_mullo_epi32(dot, scale));
+  }
+  static constexpr bool kSeededSubBlocks = true;
   // acc + each lane's int16 pair dotted with the pair at p, broadcast in the instruction
   static I pair_dot(I acc, I pairs, const int16_t* p) {
     asm("vpdpwssd %2%{1to16%}, %1, %0"
@@ -276,15 +291,20 @@ template <typename W> struct KSuperBlock {
   }
 };
 
-// Q6_K: y += d step sum_j sc_j (dot_j - 32 sum(xq_j)), sub-blocks j of 16
+// Q6_K: y += d step sum_j sc_j (dot_j - 32 sum(xq_j)), sub-blocks j of 16; with
+// W::kSeededSubBlocks the sums come with the -32 terms (add_scaled seeded the dots with them)
 template <typename W> struct Q6SuperBlock {
   typename W::F d;
   typename W::I scales[8];  // lane n: (sc_2g, sc_2g+1) of row n, int16: group g's sub-blocks
 
   typename W::F value(typename W::I sum, const QuantizedRows& xq, int64_t m, int64_t g0) const {
-    auto offset = W::set32(0);
-    for (int g = 0; g < 8; ++g) offset = W::pair_dot(offset, scales[g], xq.sum16_at(m, g0 + g));
-    const auto exact = W::sub32(sum, W::shift32(offset, 5));  // - 32 sum_j sc_j sum(xq_j)
+    auto exact = sum;
+    if constexpr (!W::kSeededSubBlocks) {
+      auto offset = W::set32(0);
+      for (int g = 0; g < 8; ++g)
+        offset = W::pair_dot(offset, scales[g], xq.sum16_at(m, g0 + g));
+      exact = W::sub32(sum, W::shift32(offset, 5));  // - 32 sum_j sc_j sum(xq_j)
+    }
     return W::mul(W::cvt(exact), W::mul(d, W::set1(xq.step_at(m, g0))));
   }
 };
@@ -344,6 +364,7 @@ template <int HighBits> struct KKernel {
   static void add_scaled(const W& w, const uint8_t* block, int s, const typename W::I codes[8],
                          const QuantizedRows& xq, int64_t m0, int64_t g, typename W::I* sums) {
     const auto scale = w.scale_lanes(Layout::scales(block, s), false);
+#pragma GCC unroll 16
     for (int m = 0; m < R; ++m)
       sums[m] = W::template dot_scaled<4 + HighBits, 8>(sums[m], codes, xq.group_codes(m0 + m, g),
                                                         scale);
@@ -378,17 +399,26 @@ struct Q6_KKernel {
                          const QuantizedRows& xq, int64_t m0, int64_t g, typename W::I* sums) {
     const auto first = w.scale_lanes(Layout::scales(block, 2 * s), true);
     const auto second = w.scale_lanes(Layout::scales(block, 2 * s + 1), true);
+#pragma GCC unroll 16
     for (int m = 0; m < R; ++m) {
       const int8_t* x = xq.group_codes(m0 + m, g);
-      sums[m] = W::template dot_scaled<6, 4>(sums[m], codes, x, first);
-      sums[m] = W::template dot_scaled<6, 4>(sums[m], codes + 4, x + 16, second);
+      if constexpr (W::kSeededSubBlocks) {
+        const int32_t* seeds = xq.seed16_at(m0 + m, g);
+        sums[m] = W::dot_seeded(sums[m], codes, x, seeds, first);
+        sums[m] = W::dot_seeded(sums[m], codes + 4, x + 16, seeds + 1, second);
+      } else {
+        sums[m] = W::template dot_scaled<6, 4>(sums[m], codes, x, first);
+        sums[m] = W::template dot_scaled<6, 4>(sums[m], codes + 4, x + 16, second);
+      }
     }
   }
   template <typename W> static Q6SuperBlock<W> superblock(const W& w, const uint8_t* block) {
     Q6SuperBlock<W> terms{w.halves(Layout::d(block)), {}};
-    for (int g = 0; g < 8; ++g)
-      terms.scales[g] = w.pairs(Layout::scales(block, 2 * g), Layout::scales(block, 2 * g + 1),
-                                true);
+    if constexpr (!W::kSeededSubBlocks) {
+      for (int g = 0; g < 8; ++g)
+        terms.scales[g] = w.pairs(Layout::scales(block, 2 * g),
+                                  Layout::scales(block, 2 * g + 1), true);
+    }
     return terms;
   }
 #endif

@@ -359,6 +359,7 @@ void copy_row(q8::QuantizedRows& dst, int64_t row, const q8::QuantizedRows& src,
   if (src.step_groups > 1) {
     std::copy_n(src.sum32.data() + token * g, g, dst.sum32.data() + row * g);
     std::copy_n(src.sum16.data() + 2 * token * g, 2 * g, dst.sum16.data() + 2 * row * g);
+    std::copy_n(src.seed16.data() + 2 * token * g, 2 * g, dst.seed16.data() + 2 * row * g);
   }
 }
 

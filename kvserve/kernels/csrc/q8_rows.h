@@ -61,6 +61,8 @@ struct QuantizedRows {
   std::vector<int32_t> half_sum;  // [rows, groups]: sum of its first 16 codes
   std::vector<int16_t> sum32;     // [rows, groups]: code_sum as int16 (super-blocks only)
   std::vector<int16_t> sum16;     // [rows, 2 groups]: each 16 codes' sum (super-blocks only)
+  std::vector<int32_t> seed16;    // [rows, 2 groups]: -32 x sum16 (super-blocks only), where
+                                  // the zmm Q6_K super-block kernel's sub-block dots start
   int64_t cols = 0, groups = 0;
   int64_t step_groups = 1;  // groups sharing one step: 1, or kSuperBlockGroups
 
@@ -72,6 +74,9 @@ struct QuantizedRows {
   const int16_t* sum32_at(int64_t m, int64_t g) const { return sum32.data() + m * groups + g; }
   const int16_t* sum16_at(int64_t m, int64_t g) const {
     return sum16.data() + 2 * (m * groups + g);
+  }
+  const int32_t* seed16_at(int64_t m, int64_t g) const {
+    return seed16.data() + 2 * (m * groups + g);
   }
   // the units quantize_groups counts for `rows` rows: groups, or super-blocks
   int64_t units(int64_t rows) const { return rows * groups / step_groups; }
@@ -180,6 +185,7 @@ inline void size_rows(QuantizedRows& q, int64_t rows, int64_t cols, int64_t step
   if (step_groups > 1) {
     q.sum32.resize(rows * q.groups);
     q.sum16.resize(2 * rows * q.groups);
+    q.seed16.resize(2 * rows * q.groups);
   }
 }
 
@@ -235,6 +241,8 @@ void quantize_superblocks(QuantizedRows& q, const T* x, int64_t ldx, CodeOrder o
       q.sum32[i] = static_cast<int16_t>(code_sum);  // |sum| <= 32 * 127
       q.sum16[2 * i] = static_cast<int16_t>(first_half);
       q.sum16[2 * i + 1] = static_cast<int16_t>(code_sum - first_half);
+      q.seed16[2 * i] = -32 * first_half;
+      q.seed16[2 * i + 1] = -32 * (code_sum - first_half);
     }
   }
 }
