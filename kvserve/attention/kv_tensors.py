@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.huge_pages import zeros_on_huge_pages
 from kvserve.kernels.reference import kv_row_width
 
 
@@ -40,7 +41,10 @@ class KVPageLayout:
 
     def allocate(self, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu") -> torch.Tensor:
-        return torch.zeros(self.shape(num_blocks, block_size), dtype=self.dtype, device=device)
+        shape = self.shape(num_blocks, block_size)
+        if torch.device(device).type == "cpu":
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
 
 
 def attention_page_layout(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVPageLayout:

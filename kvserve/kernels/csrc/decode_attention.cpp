@@ -135,7 +135,7 @@ void run(const DecodeTask& t, DecodeScratch& s) {
   s.probs.resize(rows * (padded + 2));
   s.acc.resize(rows * DIM);
   s.key_rows.resize(keys);
-  for (int64_t j = 0; j < keys; ++j) s.key_rows[j] = t.key_row(key0 + j);
+  t.key_rows(key0, keys, s.key_rows.data());
   for (int64_t r = 0; r < rows; ++r) {
     // causal: keys up to this row's own; in the window: not `window` or more behind it
     const int64_t visible = first_pos + r / t.group + 1 - key0;

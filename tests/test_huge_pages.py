@@ -1,0 +1,67 @@
+"""The KV cache's transparent huge pages (kvserve/huge_pages.py): asked for before the zeros
+touch the pages, taken where the kernel's THP setting allows it, and off with the switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.attention.kv_tensors import attention_page_layout
+from kvserve.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGES_ENV, advise_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _huge_bytes_under(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mappings overlapping the tensor's storage (/proc/self/smaps: the
+    advice splits the allocation's mapping at the 2 MB boundaries)."""
+    begin = tensor.untyped_storage().data_ptr()
+    end = begin + tensor.untyped_storage().nbytes()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low < end and begin < high
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _allocate_kv(blocks: int = 512) -> torch.Tensor:
+    # 2 planes x 512 blocks x 16 slots x 8 heads x 64 bf16 = 16 MiB
+    return attention_page_layout(8, 64, torch.bfloat16).allocate(blocks, 16)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                    reason="transparent huge pages are off (or unknown) on this kernel")
+def test_kv_cache_lands_on_huge_pages_and_is_zero():
+    cache = _allocate_kv()
+    assert not cache.any()
+    assert _huge_bytes_under(cache) >= HUGE_PAGE_BYTES
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise",
+                    reason="only under THP `madvise` does the advice decide the page size")
+def test_switch_off_keeps_4k_pages(monkeypatch):
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    cache = _allocate_kv()
+    assert not cache.any()
+    assert _huge_bytes_under(cache) == 0
+
+
+def test_advice_is_refused_without_a_whole_huge_page(monkeypatch):
+    monkeypatch.setenv(HUGE_PAGES_ENV, "1")
+    assert not advise_huge_pages(torch.empty(1000, dtype=torch.uint8))
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    assert not advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
