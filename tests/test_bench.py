@@ -615,3 +615,16 @@ def test_the_configuration_line_names_what_was_served(tmp_path):
     line = configuration_line(roof, str(tmp_path))
     assert "an HF directory every system served as it is" in line and "GGUF" not in line
     assert "bfloat16" in line and "avx2" in line
+
+
+def test_a_peer_measuring_zero_gets_no_ratio_and_the_report_still_renders():
+    """llama.cpp under vLLM's client at 8B failed 21 of 32 s14 requests and measured 0 tok/s:
+    the report said ZeroDivisionError and wrote nothing."""
+    from kvserve.bench import run_report
+
+    ours = {"system": "kvserve", "scenarios": {"s14": _summary(14.6), "s13": _summary(tpot=0.08)}}
+    peer = {"system": "llama.cpp",
+            "scenarios": {"s14": _summary(0.0, tpot=0.0, failed=3), "s13": _summary(tpot=0.12)}}
+    (line,) = run_report.ratio_lines([ours, peer])[2:]
+    assert "s14 output_throughput: - (the peer measured 0)" in line
+    assert "s13 tpot p50: 0.67x" in line

@@ -138,9 +138,11 @@ def _ratio_parts(ours: dict, peer: dict) -> list[str]:
     for scenario, key, percentile in RATIO_METRICS:
         a, b = ours["scenarios"].get(scenario), peer["scenarios"].get(scenario)
         if a and b:
-            ratio = _value(a, key, percentile) / _value(b, key, percentile)
-            parts.append(f"{scenario} {key.replace('_s', '')}"
-                         f"{' ' + percentile if percentile else ''}: {ratio:.2f}x")
+            label = f"{scenario} {key.replace('_s', '')}{' ' + percentile if percentile else ''}"
+            mine, theirs = _value(a, key, percentile), _value(b, key, percentile)
+            # a peer whose every request failed measures 0: no ratio, said so
+            parts.append(f"{label}: {mine / theirs:.2f}x" if theirs > 0
+                         else f"{label}: - (the peer measured 0)")
     return parts
 
 
