@@ -38,8 +38,10 @@ def _huge_bytes_under(tensor: torch.Tensor) -> int:
     return total
 
 
-def _allocate_kv(blocks: int = 512) -> torch.Tensor:
-    # 2 planes x 512 blocks x 16 slots x 8 heads x 64 bf16 = 16 MiB
+def _allocate_kv(blocks: int = 2048) -> torch.Tensor:
+    # 2 planes x 2048 blocks x 16 slots x 8 heads x 64 bf16 = 64 MiB: above glibc's largest
+    # mmap threshold (32 MiB), so fresh pages whatever earlier tests freed (reused heap pages
+    # already touched keep their size, and a heap range advised earlier keeps its advice)
     return attention_page_layout(8, 64, torch.bfloat16).allocate(blocks, 16)
 
 
