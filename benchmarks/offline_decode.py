@@ -29,6 +29,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a short name or path (default: the "
                         "bundled SmolLM2); llama-bench reads the same GGUF")
     args = parser.parse_args()
+    _refuse_to_overwrite(args.name)
     depths = [int(d) for d in args.depths.split(",") if d]
     prefills = [int(p) for p in args.prefill.split(",") if p]
 
@@ -155,6 +157,20 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(_markdown(report, depths, prefills))
     print(out.with_suffix(".md").read_text())
+
+
+def _refuse_to_overwrite(name: str) -> None:
+    """Exit before measuring if today's <date>-<name> results exist: run.py's reports live in
+    the same folder (`--name <date>-<name>` there is this file's name here), and a clash would
+    silently replace one tool's results with the other's."""
+    from kvserve.bench.machine import cpu_slug, machine_header
+
+    out = (ROOT / "benchmarks/results" / cpu_slug(machine_header())
+           / f"{datetime.date.today().isoformat()}-{name}")
+    clashes = [str(path.relative_to(ROOT)) for path in
+               (out.with_suffix(".md"), out.with_suffix(".json"), out) if path.exists()]
+    if clashes:
+        sys.exit(f"offline_decode: {', '.join(clashes)} already exist(s); pick another --name")
 
 
 def _summary(rounds: dict, depths: list[int]) -> dict:

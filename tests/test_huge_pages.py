@@ -22,20 +22,46 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")]
 
 
-def _huge_bytes_under(tensor: torch.Tensor) -> int:
-    """AnonHugePages of the mappings overlapping the tensor's storage (/proc/self/smaps: the
-    advice splits the allocation's mapping at the 2 MB boundaries)."""
+def _mappings_under(tensor: torch.Tensor) -> list[dict[str, str]]:
+    """/proc/self/smaps' entries (field -> value) of the mappings overlapping the tensor's
+    storage: the advice splits the allocation's mapping at the 2 MB boundaries."""
     begin = tensor.untyped_storage().data_ptr()
     end = begin + tensor.untyped_storage().nbytes()
-    total, inside = 0, False
+    mappings, current = [], None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             low, high = (int(part, 16) for part in head.split("-"))
-            inside = low < end and begin < high
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1]) * 1024
+            current = {"span": head} if low < end and begin < high else None
+            if current is not None:
+                mappings.append(current)
+        elif current is not None and ":" in line:
+            field, value = line.split(":", 1)
+            current[field] = value.strip()
+    return mappings
+
+
+def _huge_bytes_under(tensor: torch.Tensor) -> int:
+    return sum(int(m["AnonHugePages"].split()[0]) * 1024 for m in _mappings_under(tensor))
+
+
+def _advised_bytes_under(tensor: torch.Tensor) -> int:
+    """Bytes of the mappings carrying MADV_HUGEPAGE (VmFlags `hg`)."""
+    total = 0
+    for mapping in _mappings_under(tensor):
+        if "hg" in mapping.get("VmFlags", "").split():
+            low, high = (int(part, 16) for part in mapping["span"].split("-"))
+            total += high - low
     return total
+
+
+def _thp_fallbacks() -> int:
+    """The kernel's count of faults that wanted a huge page and got 4 KB ones (no free 2 MB
+    page: memory fragmented by whatever ran before)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
 
 
 def _allocate_kv(blocks: int = 2048) -> torch.Tensor:
@@ -48,9 +74,14 @@ def _allocate_kv(blocks: int = 2048) -> torch.Tensor:
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
                     reason="transparent huge pages are off (or unknown) on this kernel")
 def test_kv_cache_lands_on_huge_pages_and_is_zero():
+    fallbacks = _thp_fallbacks()
     cache = _allocate_kv()
     assert not cache.any()
-    assert _huge_bytes_under(cache) >= HUGE_PAGE_BYTES
+    # the advice covers all but the unaligned ends; the kernel then gives huge pages, or
+    # counts a fallback where fragmented memory had no free 2 MB page (seen late in the full
+    # suite): the page size is the kernel's to give, the asking is ours to test
+    assert _advised_bytes_under(cache) >= cache.untyped_storage().nbytes() - HUGE_PAGE_BYTES
+    assert _huge_bytes_under(cache) >= HUGE_PAGE_BYTES or _thp_fallbacks() > fallbacks
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise",
@@ -59,6 +90,7 @@ def test_switch_off_keeps_4k_pages(monkeypatch):
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
     cache = _allocate_kv()
     assert not cache.any()
+    assert _advised_bytes_under(cache) == 0
     assert _huge_bytes_under(cache) == 0
 
 

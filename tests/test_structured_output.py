@@ -667,6 +667,14 @@ def test_http_guided_fields_and_structured_outputs(client):
     assert anything.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
+    # llama.cpp's form (instructor's JSON mode sends it to such servers): the schema is followed
+    entry = BY_NAME["flight"]
+    with_schema = client.chat.completions.create(
+        model="smol", messages=_ask(entry), temperature=1.0, seed=5, max_tokens=MAX_TOKENS,
+        response_format={"type": "json_object", "schema": entry["schema"]})
+    assert with_schema.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(with_schema.choices[0].message.content), entry["schema"])
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fields, param", [
@@ -679,6 +687,9 @@ def test_http_guided_fields_and_structured_outputs(client):
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a", "b"]},
+     "response_format"),
+    ({"response_format": {"type": "text", "schema": {"type": "object"}}}, "response_format"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "strnig"}}},
      "response_format"),
     ({"guided_regex": "a+", "structured_outputs": {"json": {"type": "object"}}},
      "structured_outputs"),

@@ -103,16 +103,32 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """OpenAI's response_format, and the `{"type": "json_object", "schema": {...}}` form
+    llama.cpp's server and several hosted APIs accept (instructor's JSON mode on those
+    providers sends it): a json_object with a schema follows the schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_with_its_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError('response_format.json_schema is needed with type "json_schema", '
                              "and only with it")
+        if self.schema_ is not None and self.type != "json_object":
+            raise ValueError('response_format.schema goes with type "json_object" (type '
+                             '"json_schema" carries its schema in json_schema.schema)')
         return self
+
+    def constraint(self) -> dict[str, Any] | None:
+        """StructuredOutputsParams' arguments for this format (None: free text)."""
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        if self.type == "json_object":
+            return {"json": self.schema_} if self.schema_ is not None else {"json_object": True}
+        return None
 
 
 class StructuredOutputsBody(BaseModel):
@@ -238,12 +254,7 @@ class _SamplingFields(RequestBody):
 
     def _structured_fields(self) -> dict[str, dict[str, Any] | None]:
         """Each structured-output field as StructuredOutputsParams' arguments (None: unset)."""
-        fmt = self.response_format
-        formats = None
-        if fmt is not None and fmt.type == "json_object":
-            formats = {"json_object": True}
-        elif fmt is not None and fmt.type == "json_schema":
-            formats = {"json": fmt.json_schema.schema_}
+        formats = self.response_format.constraint() if self.response_format else None
         body = self.structured_outputs
         structured = None
         if body is not None:
