@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine_config import EngineConfig
 from tests.helpers import RAW_PROMPTS, bounded, long_text
 
 # the real model's start-ups and the 24-prompt baseline (`alone`, each prompt alone on the
@@ -60,6 +61,25 @@ def test_chunked_prefill_equals_unchunked(prompts, alone):
     llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024,
               max_num_batched_tokens=32)
     assert _greedy(llm, prompts) == alone
+
+
+def test_unchunked_prompts_longer_than_the_step_budget_still_run(prompts, alone):
+    """Without chunked prefill a step takes whole prompts, so the budget rises to
+    max_model_len: a prompt over --max-num-batched-tokens is not left waiting forever."""
+    longest = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))[:3]
+    assert len(prompts[longest[-1]]) > 32
+    llm = LLM(dtype="float32", enable_prefix_caching=False, max_model_len=1024,
+              max_num_batched_tokens=32, enable_chunked_prefill=False, engine_core="thread")
+    assert llm.llm_engine.engine_core.scheduler.config.max_num_batched_tokens == 1024
+    assert _greedy(llm, [prompts[i] for i in longest]) == [alone[i] for i in longest]
+
+
+def test_the_default_step_budget_is_per_device():
+    assert EngineConfig().max_num_batched_tokens == 512
+    assert EngineConfig(device="cuda:1").max_num_batched_tokens == 2048
+    assert EngineConfig(max_num_batched_tokens=64).max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(max_num_batched_tokens=0)
 
 
 def test_prefix_caching_on_equals_off_and_hits(prompts, alone):

@@ -107,7 +107,10 @@ class EngineCore:
         self.kv_events = make_kv_event_source(config.kv_events_config, self.kv_manager)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            # unchunked, a step takes a whole prompt: a budget below the longest one would
+            # leave that prompt waiting forever
+            max_num_batched_tokens=config.max_num_batched_tokens if config.enable_chunked_prefill
+            else max(config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
