@@ -35,16 +35,6 @@ def huge_pages_enabled() -> bool:
     return os.environ.get(HUGE_PAGES_ENV, "1") != "0"
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Asks for 2 MB pages over the whole 2 MB-aligned span inside `tensor`'s storage (a CPU
-    tensor not yet written: pages already touched stay 4 KB). True when the kernel took the
-    advice."""
-    if not huge_pages_enabled() or tensor.device.type != "cpu":
-        return False
-    begin = tensor.untyped_storage().data_ptr()
-    return _advise(begin, begin + tensor.untyped_storage().nbytes())
-
-
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros on CPU, in a fresh anonymous mapping advised huge before the zeros touch it
     (the touch keeps the old behaviour: the whole buffer is resident from the start). Below a

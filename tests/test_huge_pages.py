@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.attention.kv_tensors import attention_page_layout
-from kvserve.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGES_ENV, advise_huge_pages
+from kvserve.huge_pages import HUGE_PAGE_BYTES, HUGE_PAGES_ENV, zeros_on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -96,6 +96,8 @@ def test_switch_off_keeps_4k_pages(monkeypatch):
 
 def test_advice_is_refused_without_a_whole_huge_page(monkeypatch):
     monkeypatch.setenv(HUGE_PAGES_ENV, "1")
-    assert not advise_huge_pages(torch.empty(1000, dtype=torch.uint8))
+    small = zeros_on_huge_pages((1000,), torch.uint8)
+    assert not small.any() and _advised_bytes_under(small) == 0
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    assert not advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
+    switched_off = zeros_on_huge_pages((8 << 20,), torch.uint8)
+    assert not switched_off.any() and _advised_bytes_under(switched_off) == 0
