@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.entrypoints.openai.anthropic import errors as anthropic_errors
 from kvserve.entrypoints.openai.errors import (
     error_response,
     response_for_engine_error,
@@ -57,7 +58,8 @@ class GuardMiddleware:
     through untouched (Starlette's BaseHTTPMiddleware wraps `receive` and hides disconnects).
 
     The key is compared as SHA-256 digests with `hmac.compare_digest`: constant time, and the
-    length of the key does not leak either. With several keys (one per tenant), every key is
+    length of the key does not leak either. It comes as `Authorization: Bearer <key>`, or as
+    `x-api-key: <key>` (Anthropic's header). With several keys (one per tenant), every key is
     compared, and the request's scope names its tenant (TENANT_SCOPE_KEY, a digest of the key):
     tenants never share prefix-cache blocks (routes/context.py `cache_salt`). The body is read
     here, before any route runs, so a limit holds for chunked uploads without a Content-Length
@@ -75,9 +77,12 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.expected and scope.get("path") != "/health":
             tenant = self._tenant(headers.get(b"authorization", b""))
+            if tenant is None and b"x-api-key" in headers:  # Anthropic's clients' header
+                tenant = self._tenant(b"Bearer " + headers[b"x-api-key"])
             if tenant is None:
-                response = error_response(401, "invalid or missing API key: send "
-                                          "'Authorization: Bearer <key>'", code="invalid_api_key")
+                response = _error(scope, 401, "invalid or missing API key: send "
+                                  "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                                  "invalid_api_key")
                 return await response(scope, receive, send)
             if len(self.expected) > 1:
                 scope[TENANT_SCOPE_KEY] = tenant
@@ -117,9 +122,17 @@ class GuardMiddleware:
                 return b"".join(chunks), True
 
     async def _too_large(self, scope, receive, send):
-        response = error_response(413, f"request body over {self.max_body_bytes} bytes",
-                                  code="request_too_large", headers={"Connection": "close"})
+        response = _error(scope, 413, f"request body over {self.max_body_bytes} bytes",
+                          "request_too_large", headers={"Connection": "close"})
         return await response(scope, receive, send)
+
+
+def _error(scope, status: int, message: str, code: str, headers: dict | None = None):
+    """An error body in the shape of the API the path belongs to (Anthropic's Messages API or
+    OpenAI's)."""
+    if anthropic_errors.speaks_anthropic(scope.get("path", "")):
+        return anthropic_errors.error_response(status, message, headers)
+    return error_response(status, message, code=code, headers=headers)
 
 
 def api_keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:

@@ -4,6 +4,13 @@ Routes reach the engine only through its typed client API (`AsyncEngine`), found
 server's options on `app.state` (see `context`).
 """
 
-from kvserve.entrypoints.openai.routes import generation, health, responses, tokenization
+from kvserve.entrypoints.openai.routes import (
+    generation,
+    health,
+    messages,
+    responses,
+    tokenization,
+)
 
-ROUTERS = (health.router, tokenization.router, generation.router, responses.router)
+ROUTERS = (health.router, tokenization.router, generation.router, responses.router,
+           messages.router)
