@@ -1,4 +1,4 @@
-"""`kvserve` command: generate, chat, serve, router, bench."""
+"""`kvserve` command: generate, chat, serve, run-batch, router, bench."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvserve.ray_serve.config import RayServeConfig
 
     add_dataclass_args(serve, RayServeConfig, "replicas (Ray Serve)")
+    _run_batch_parser(commands)
     router = commands.add_parser("router", help="OpenAI-compatible router over several "
                                  "kvserve replicas (KV-aware placement from their KV events)")
     from kvserve.router.app import RouterConfig
@@ -74,6 +75,34 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     return parser
+
+
+# the server's options that mean nothing without a socket (run-batch serves no one)
+_SOCKET_ONLY_OPTIONS = ("host", "port", "api_key", "max_waiting_requests",
+                        "max_request_body_bytes", "shutdown_timeout",
+                        "restart_engine_on_failure", "max_engine_restarts")
+
+
+def _run_batch_parser(commands) -> None:
+    run_batch = commands.add_parser("run-batch", help="run an OpenAI batch file (JSONL) "
+                                    "through the server's endpoints offline; resumable")
+    from kvserve.entrypoints.openai.batch import RunBatchConfig
+    from kvserve.entrypoints.openai.server import ServerConfig
+
+    add_dataclass_args(run_batch, RunBatchConfig, "batch")
+    add_dataclass_args(run_batch, ServerConfig, "endpoints", skip=_SOCKET_ONLY_OPTIONS)
+    add_engine_args(run_batch)
+
+
+def _run_batch(args) -> int:
+    from kvserve.entrypoints.openai.batch import RunBatchConfig, run_batch
+    from kvserve.entrypoints.openai.server import ServerConfig
+
+    if not args.input_file or not args.output_file:
+        print("error: run-batch needs -i/--input-file and -o/--output-file", file=sys.stderr)
+        return 2
+    return run_batch(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
+                     dataclass_from_args(RunBatchConfig, args))
 
 
 def _run_bench(args) -> int:
@@ -176,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve,
-                    "router": _run_router, "bench": _run_bench}
+                    "router": _run_router, "bench": _run_bench,
+                    "run-batch": _run_batch}
         return commands[args.command](args)
     except KVServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
