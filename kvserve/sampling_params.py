@@ -85,6 +85,17 @@ class StructuredOutputsParams:
                                   "structural_tag") if getattr(self, name) not in (None, False)]
 
 
+@dataclass
+class ThinkingMarkers:
+    """Where a reasoning model's thinking opens and closes, as token ids, and whether its
+    reply starts inside it (the prompt opened it): what `thinking_token_budget` counts
+    within and forces the close of. The server fills it from `--reasoning-parser`."""
+
+    start_token_ids: list[int]
+    end_token_ids: list[int]
+    starts_inside: bool = False
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's names): everything so far, only
     what is new since the previous output, or one output when the request finishes. A stream
@@ -120,6 +131,10 @@ class SamplingParams:
     # arguments for custom logits processors (vLLM's extra_args; `vllm_xargs` over HTTP)
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # at most this many tokens of thinking, then its close is forced (vLLM's field); needs
+    # `thinking`, the markers it counts between
+    thinking_token_budget: int | None = None
+    thinking: ThinkingMarkers | None = None
     # the front-end's: what each RequestOutput carries (the core never reads it)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled by the engine: the model's EOS plus stop_token_ids
@@ -136,6 +151,8 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.thinking, dict):
+            self.thinking = ThinkingMarkers(**self.thinking)
         self._validate()
 
     def _validate(self) -> None:
@@ -167,6 +184,11 @@ class SamplingParams:
             (self.seed is None or fits_int64(self.seed), "seed", "seed must fit in 64 bits"),
             (self.extra_args is None or _plain_data(self.extra_args), "extra_args",
              "extra_args must be a dict with string keys and JSON-like values"),
+            (self.thinking_token_budget is None or (
+                self.thinking_token_budget >= 0 and self.thinking is not None
+                and bool(self.thinking.end_token_ids)), "thinking_token_budget",
+             "thinking_token_budget must be >= 0 and needs `thinking` (the token ids that open "
+             "and close the thinking; the server fills them from --reasoning-parser)"),
             # once a grammar is complete only EOS may follow; min_tokens would forbid it too
             (self.structured_outputs is None or not self.min_tokens, "min_tokens",
              "min_tokens cannot be combined with structured output: the grammar decides where "
@@ -187,6 +209,11 @@ class SamplingParams:
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids must exist."""
+        thinking = self.thinking
+        marker_ids = thinking.start_token_ids + thinking.end_token_ids if thinking else []
+        if any(not 0 <= token_id < vocab_size for token_id in marker_ids):
+            raise InvalidRequestError("thinking: a marker's token id is outside the "
+                                      f"vocabulary [0, {vocab_size})", param="thinking")
         for token_id in list(self.logit_bias or {}) + self.stop_token_ids:
             if not 0 <= token_id < vocab_size:
                 param = "logit_bias" if token_id in (self.logit_bias or {}) else "stop_token_ids"

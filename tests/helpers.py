@@ -238,6 +238,19 @@ def rss_bytes(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+def streamed_response(client, **request):
+    """A streamed /v1/responses call through the openai client: each delta event's deltas put
+    together by event type, and the completed response."""
+    deltas: dict[str, str] = {}
+    completed = None
+    for event in client.responses.create(stream=True, **request):
+        if event.type.endswith(".delta"):
+            deltas[event.type] = deltas.get(event.type, "") + event.delta
+        elif event.type == "response.completed":
+            completed = event.response
+    return deltas, completed
+
+
 async def complete(client, prompt: str, stream: bool = False, max_tokens: int = 8):
     """A greedy /v1/completions call: (status, JSON body), or (status, the SSE data lines)
     when streaming."""

@@ -16,7 +16,7 @@ from kvserve.entrypoints.openai.harmony import (
     parse_reply,
     speaks_harmony,
 )
-from tests.helpers import llama_cpp_chat_template
+from tests.helpers import llama_cpp_chat_template, streamed_response
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -307,15 +307,9 @@ def test_responses_items_whole_and_streamed_through_the_openai_client(harmony_se
     reasoning, call = response.output
     assert [part.text for part in reasoning.content] == [REASONING]
     assert (call.name, json.loads(call.arguments)) == ("get_weather", json.loads(ARGUMENTS))
-    deltas, arguments, completed = "", "", None
-    for event in client.responses.create(stream=True, **request):
-        if event.type == "response.reasoning_text.delta":
-            deltas += event.delta
-        elif event.type == "response.function_call_arguments.delta":
-            arguments += event.delta
-        elif event.type == "response.completed":
-            completed = event.response
-    assert (deltas, arguments) == (REASONING, ARGUMENTS)
+    deltas, completed = streamed_response(client, **request)
+    assert (deltas["response.reasoning_text.delta"],
+            deltas["response.function_call_arguments.delta"]) == (REASONING, ARGUMENTS)
     assert [item.type for item in completed.output] == ["reasoning", "function_call"]
     assert completed.output[0].content[0].text == REASONING
 

@@ -1,6 +1,7 @@
 """The built-in logits processors: logit_bias, min_tokens, the penalties (repetition, frequency,
-presence) and min_p. The sampler runs them in that order, then any custom ones; each keeps only
-the rows whose requests set it, so the others cost nothing."""
+presence), the thinking budget (sample/thinking_budget.py) and min_p. The sampler runs them in
+that order, then any custom ones; each keeps only the rows whose requests set it, so the others
+cost nothing."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.sample.logits_processor import AddedRow, LogitsProcessor, PerRowProcessor
+from kvserve.sample.thinking_budget import ThinkingBudgetProcessor
 
 
 def builtin_processors() -> list[LogitsProcessor]:
-    return [LogitBiasProcessor(), MinTokensProcessor(), PenaltiesProcessor(), MinPProcessor()]
+    return [LogitBiasProcessor(), MinTokensProcessor(), PenaltiesProcessor(),
+            ThinkingBudgetProcessor(), MinPProcessor()]
 
 
 class _TokenSetProcessor(PerRowProcessor):

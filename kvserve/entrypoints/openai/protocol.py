@@ -384,6 +384,10 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's reasoning models' effort; the chat template reads it (gpt-oss's harmony system
     # message), as chat_template_kwargs' reasoning_effort
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's, with --reasoning-parser: the reasoning in the reply (false: the answer alone),
+    # and at most this many tokens of thinking before its close is forced
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = Field(None, ge=0)
     # OpenAI's metadata and hints that change nothing here: accepted
     metadata: dict[str, str] | None = None
     store: bool | None = None

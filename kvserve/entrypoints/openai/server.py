@@ -24,6 +24,7 @@ from kvserve.entrypoints.openai.errors import (
     response_for_engine_error,
     validation_message,
 )
+from kvserve.entrypoints.openai.reasoning.parser import template_warnings
 from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.routes import ROUTERS
 from kvserve.entrypoints.openai.routes.context import TENANT_SCOPE_KEY
@@ -236,7 +237,13 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
 
     async def watch_engine():
         nonlocal exit_code
+        template_checked = False
         while not server.should_exit:
+            if not template_checked and engine.is_ready:
+                template_checked = True
+                for warning in template_warnings(server_config.reasoning_parser,
+                                                 engine.inputs.tokenizer.chat_template):
+                    logger.warning("%s", warning)
             if engine.startup_error is not None:
                 logger.error("engine failed to start: %s", engine.startup_error)
                 exit_code = 1

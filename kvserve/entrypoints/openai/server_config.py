@@ -29,6 +29,11 @@ class ServerConfig:
                                  "(<tool_call> JSON, also kvserve's default tool prompt), "
                                  "llama3_json, or auto (from the chat template)",
                                  choices=("auto", "hermes", "llama3_json"))
+    reasoning_parser: str | None = _opt(
+        None, "how the model's replies split into reasoning and answer (reasoning_content, "
+        "reasoning items): deepseek_r1 or qwen3 (<think>...</think>), gpt_oss (harmony, also "
+        "chosen without the flag where the chat template writes it); unset: the thinking "
+        "stays in the content", choices=("deepseek_r1", "qwen3", "gpt_oss"))
     max_stored_responses: int = _opt(1000, "responses /v1/responses keeps in memory (least "
                                      "recently used out first) for previous_response_id and "
                                      "GET /v1/responses/{id}; 0 keeps none")

@@ -25,6 +25,11 @@ from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.openai.tools.formats import ToolFormat
 from kvserve.entrypoints.openai.harmony import StreamingHarmonyParser, parse_reply
+from kvserve.entrypoints.openai.reasoning.parser import (
+    ReasoningStream,
+    ThinkingPlan,
+    split_reasoning,
+)
 from kvserve.entrypoints.openai.tools.parser import StreamingToolParser, parse_tool_calls
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import RequestOutputKind
@@ -48,8 +53,8 @@ class ChoiceCursor:
     token_text_offset: int = 0  # a completion's next logprob text_offset
     finished: bool = False
     deltas: bool = False  # the outputs carry only what is new (RequestOutputKind.DELTA)
-    # when the request offered tools, or the model speaks harmony (its channels)
-    tools: StreamingToolParser | StreamingHarmonyParser | None = None
+    # when the request offered tools, the model speaks harmony (its channels) or thinks
+    tools: StreamingToolParser | StreamingHarmonyParser | ReasoningStream | None = None
 
 
 @dataclass
@@ -67,6 +72,8 @@ class Job:
     num_top: int = 0  # top logprobs per token asked for
     tool_format: ToolFormat | None = None  # the model's tool-call format, when tools were offered
     harmony: bool = False  # gpt-oss: the reply's channels are reasoning, calls and content
+    reasoning: ThinkingPlan | None = None  # --reasoning-parser: the reply thinks, then answers
+    include_reasoning: bool = True  # the reasoning goes out (vLLM's include_reasoning)
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -233,32 +240,57 @@ def _chat_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
     """The choice's message and finish reason: its text, or with tools its calls (and the text
     around them, None when there is none)."""
     if job.harmony:
-        return _harmony_message(sample)
+        return _harmony_message(job, sample)
+    reasoning, answer = None, sample.text
+    if job.reasoning is not None:
+        reasoning, answer = split_reasoning(sample.text, job.reasoning)
     if job.tool_format is None:
-        return {"message": {"role": "assistant", "content": sample.text},
+        content = answer if job.reasoning is None else answer or None
+        return {"message": _message(job, content, reasoning),
                 "finish_reason": sample.finish_reason}
-    parsed = parse_tool_calls(sample.text, job.tool_format)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content.strip() or None}
+    parsed = parse_tool_calls(answer or "", job.tool_format)
+    message = _message(job, parsed.content.strip() or None, reasoning)
     if parsed.calls:
         message["tool_calls"] = parsed.calls
     return {"message": message,
             "finish_reason": _tool_finish_reason(sample, bool(parsed.calls))}
 
 
-def _harmony_message(sample: CompletionOutput) -> dict[str, Any]:
+def _message(job: Job, content: str | None, reasoning: str | None) -> dict[str, Any]:
+    """An assistant message; with a reasoning model, its reasoning under vLLM's names: the
+    older `reasoning_content` and the newer `reasoning`."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if job.harmony or job.reasoning is not None:
+        shown = reasoning if job.include_reasoning else None
+        message["reasoning_content"] = message["reasoning"] = shown
+    return message
+
+
+def _harmony_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
     reply = parse_reply(sample.text)
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content,
-                               "reasoning_content": reply.reasoning_content}
+    message = _message(job, reply.content, reply.reasoning_content)
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
     return {"message": message,
             "finish_reason": _tool_finish_reason(sample, bool(reply.tool_calls))}
 
 
-def _stream_parser(job: Job) -> StreamingToolParser | StreamingHarmonyParser | None:
+def _stream_parser(job: Job
+                   ) -> StreamingToolParser | StreamingHarmonyParser | ReasoningStream | None:
     if job.harmony:
         return StreamingHarmonyParser()
-    return StreamingToolParser(job.tool_format) if job.tool_format else None
+    tools = StreamingToolParser(job.tool_format) if job.tool_format else None
+    return ReasoningStream(job.reasoning, tools) if job.reasoning is not None else tools
+
+
+def _shown(job: Job, delta: dict[str, Any]) -> dict[str, Any] | None:
+    """A parser's delta as it goes out: reasoning under both of vLLM's names (or not at all
+    without include_reasoning)."""
+    if "reasoning_content" not in delta:
+        return delta
+    if not job.include_reasoning:
+        return None
+    return {**delta, "reasoning": delta["reasoning_content"]}
 
 
 def _with_kv_handle(body: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -326,8 +358,9 @@ def _delta_chunks(job: Job, prompt_index: int, sample: CompletionOutput,
         return []
     index = job.choice_index(prompt_index, sample.index)
     finished = sample.finish_reason is not None
+    shown = (_shown(job, delta) for delta in cursor.tools.feed(sample.text, finished))
     chunks = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-              for delta in cursor.tools.feed(sample.text, finished)]
+              for delta in shown if delta is not None]
     logprobs = _chat_logprobs(sample, cursor.tokens_sent, job.num_top)
     if logprobs is not None and logprobs["content"]:  # the new tokens', on the first chunk
         if not chunks:  # the parser holds their text back (a call may be starting)

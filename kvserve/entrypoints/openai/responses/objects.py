@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.entrypoints.openai.harmony import parse_messages
+from kvserve.entrypoints.openai.reasoning.parser import ThinkingPlan, split_reasoning
 from kvserve.entrypoints.openai.responses.protocol import (
     InputItem,
     ResponsesRequest,
@@ -52,24 +53,54 @@ def item_status(finish_reason: str | None) -> str:
 
 
 def output_items(sample: CompletionOutput, tool_format: ToolFormat | None,
-                 harmony: bool = False) -> list[dict[str, Any]]:
+                 harmony: bool = False, reasoning: ThinkingPlan | None = None
+                 ) -> list[dict[str, Any]]:
     """A whole answer's items: its text as a message, or with tools the text before the first
     call (stripped; none when empty and calls follow), then one item per call; a harmony
-    model's (gpt-oss) an item per message of its turn. The streamed items are the same
-    (`stream.OutputStream`)."""
+    model's (gpt-oss) an item per message of its turn; a thinking model's (`reasoning`) its
+    thinking as a reasoning item before the answer's items (its text stripped). The streamed
+    items are the same (`stream.OutputStream`)."""
     status = item_status(sample.finish_reason)
     if harmony:
         return harmony_items(sample.text, status)
+    if reasoning is not None:
+        return thinking_items(sample.text, reasoning, tool_format, status)
     if tool_format is None:
         return [message_item(new_id("msg"), sample.text, status)]
-    parsed = parse_tool_calls(sample.text, tool_format)
-    text = (sample.text[:parsed.first_call_at] if parsed.calls else parsed.content).strip()
+    return _answer_items(sample.text, tool_format, status)
+
+
+def _answer_items(text: str, tool_format: ToolFormat | None,
+                  status: str) -> list[dict[str, Any]]:
+    """The text (stripped) before the first call as a message (none when empty and calls
+    follow), then one item per call."""
+    calls = []
+    if tool_format is not None:
+        parsed = parse_tool_calls(text, tool_format)
+        calls = parsed.calls
+        text = text[:parsed.first_call_at] if calls else parsed.content
+    text = text.strip()
     items = [function_call_item(new_id("fc"), call, call["function"]["arguments"],
-                                "completed") for call in parsed.calls]
+                                "completed") for call in calls]
     if text or not items:
         items.insert(0, message_item(new_id("msg"), text,
                                      "completed" if items else status))
     return items
+
+
+def thinking_items(text: str, plan: ThinkingPlan, tool_format: ToolFormat | None,
+                   status: str) -> list[dict[str, Any]]:
+    """A thinking reply's items: its thinking as a reasoning item (complete once anything of
+    the answer follows; the answer's status when nothing does), then the answer's items (none
+    when it is empty after the thinking)."""
+    thought, answer = split_reasoning(text, plan)
+    if thought is None:
+        return _answer_items(answer or "", tool_format, status)
+    answer_items = [] if answer is None or not answer.strip() else _answer_items(
+        answer, tool_format, status)
+    reasoning = reasoning_item(new_id("rs"), thought,
+                               "completed" if answer_items else status)
+    return [reasoning, *answer_items]
 
 
 def harmony_items(text: str, status: str) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """A streamed response as OpenAI's Responses events, in OpenAI's order: response.created and
 .in_progress; per output item .output_item.added, then for a message .content_part.added,
 .output_text.delta..., .output_text.done, .content_part.done, for a function call
-.function_call_arguments.delta and .done, for reasoning (a harmony model's) .reasoning_text.delta
-and .done; .output_item.done; finally response.completed,
+.function_call_arguments.delta and .done, for reasoning (a harmony model's, or a thinking
+model's with --reasoning-parser) .reasoning_text.delta and .done; .output_item.done; finally response.completed,
 .incomplete or .failed. Every event carries `type` and a `sequence_number`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.entrypoints.openai.errors import engine_error_body
 from kvserve.entrypoints.openai.harmony import StreamingHarmonyParser
+from kvserve.entrypoints.openai.reasoning.parser import ReasoningStream, ThinkingPlan
 from kvserve.entrypoints.openai.responses.objects import (
     Turn,
     function_call_item,
@@ -56,12 +57,14 @@ class OutputStream:
     event: EventWriter
     tool_format: ToolFormat | None = None
     harmony: bool = False  # gpt-oss: its reasoning streams as a reasoning item
+    reasoning: ThinkingPlan | None = None  # a thinking model's: its thinking too
     items: list[dict[str, Any]] = field(default_factory=list)
     _message: dict[str, Any] | None = None
     _text: list[str] = field(default_factory=list)
     _held: str = ""
     _sent: int = 0
-    _parser: StreamingToolParser | StreamingHarmonyParser | None = None
+    _parser: StreamingToolParser | StreamingHarmonyParser | ReasoningStream | None = None
+    _tools: StreamingToolParser | None = None
     _call: dict[str, Any] | None = None
     _arguments: list[str] = field(default_factory=list)
     _reasoning: dict[str, Any] | None = None
@@ -70,8 +73,11 @@ class OutputStream:
     def __post_init__(self):
         if self.harmony:
             self._parser = StreamingHarmonyParser()
-        elif self.tool_format is not None:
-            self._parser = StreamingToolParser(self.tool_format)
+            return
+        if self.tool_format is not None:
+            self._parser = self._tools = StreamingToolParser(self.tool_format)
+        if self.reasoning is not None:
+            self._parser = ReasoningStream(self.reasoning, self._tools)
 
     def feed(self, text: str, finished: bool) -> list[str]:
         if self._parser is None:
@@ -81,11 +87,17 @@ class OutputStream:
             return self._harmony(text, finished)
         events: list[str] = []
         for delta in self._parser.feed(text, finished):
-            if "content" in delta:
-                events += self._content(self._trimmed(delta["content"]))
+            if "reasoning_content" in delta:
+                events += self._thinking(delta["reasoning_content"])
+            elif "content" in delta:
+                piece = self._trimmed(delta["content"])
+                if piece:  # the answer begun: the thinking is over
+                    events += self._close_reasoning("completed") + self._content(piece)
             else:
-                events += self._tool_call(delta["tool_calls"][0])
-        if self._call is not None and self._parser.calls_done == self._parser.calls_started:
+                events += self._close_reasoning("completed") + \
+                    self._tool_call(delta["tool_calls"][0])
+        tools = self._tools
+        if self._call is not None and tools.calls_done == tools.calls_started:
             events += self._close_call("completed")
         return events
 
@@ -221,7 +233,7 @@ async def response_events(engine: AsyncEngine, job: Job, turn: Turn,
     event = EventWriter()
     yield event("response.created", response=turn.body())
     yield event("response.in_progress", response=turn.body())
-    output = OutputStream(event, job.tool_format, job.harmony)
+    output = OutputStream(event, job.tool_format, job.harmony, job.reasoning)
     try:
         result = None
         # whole replies: the parsers look back over the text each step

@@ -11,8 +11,15 @@ from fastapi.responses import Response
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.entrypoints.openai import serving
-from kvserve.entrypoints.openai.harmony import speaks_harmony, turn_end_token_ids
+from kvserve.entrypoints.openai.harmony import turn_end_token_ids
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.openai.reasoning.grammar import after_thinking, thinking_markers
+from kvserve.entrypoints.openai.reasoning.parser import (
+    THINK_TAG_PARSERS,
+    ThinkingPlan,
+    thinking_plan,
+    uses_harmony,
+)
 from kvserve.entrypoints.openai.routes.context import (
     cache_salt,
     check_ready_and_model,
@@ -75,7 +82,8 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     if body.reasoning_effort is not None:
         template_kwargs["reasoning_effort"] = body.reasoning_effort
     tool_format, grammar_field = None, None  # grammar_field: where a tools grammar came from
-    harmony = speaks_harmony(engine.inputs.tokenizer.chat_template)
+    parser = config_of(raw).reasoning_parser
+    harmony = uses_harmony(parser, engine.inputs.tokenizer.chat_template)
     if harmony:  # its channels are special tokens: the reply is read with them
         params.skip_special_tokens = False
         params.stop_token_ids = [*(params.stop_token_ids or ()), *turn_end_token_ids(
@@ -90,13 +98,46 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
         grammar_field = "tools"
     await _validate_grammar(engine, body, params, grammar_field)
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
+    plan = None if harmony else thinking_plan(parser, prompt["prompt"], template_kwargs)
+    await _plan_thinking(engine, body, params, plan, parser, grammar_field)
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params(),
                          cache_salt(raw, body.cache_salt), body.session())]
     job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     job.tool_format = tool_format
     job.harmony = harmony
+    job.reasoning = plan
+    job.include_reasoning = body.include_reasoning
     return job
+
+
+async def _plan_thinking(engine: AsyncEngine, body: ChatCompletionRequest, params,
+                         plan: ThinkingPlan | None, parser: str | None,
+                         grammar_field: str | None) -> None:
+    """A thinking reply's constraints: its grammar moved after the thinking, its thinking
+    budget, and its markers kept in the text where the tokenizer calls them special."""
+    if body.thinking_token_budget is not None and parser not in THINK_TAG_PARSERS:
+        raise InvalidRequestError("thinking_token_budget needs a server started with "
+                                  "--reasoning-parser deepseek_r1 or qwen3",
+                                  param="thinking_token_budget")
+    if plan is None:  # no thinking in this reply: nothing to move, count or keep
+        return
+    tokenizer = engine.inputs.tokenizer
+    markers = thinking_markers(tokenizer, plan)
+    if set(markers.start_token_ids + markers.end_token_ids) & tokenizer.all_special_ids:
+        params.skip_special_tokens = False
+    if body.thinking_token_budget is not None:
+        params.thinking_token_budget, params.thinking = body.thinking_token_budget, markers
+    if params.structured_outputs is None:
+        return
+    field = grammar_field or body.structured_field()
+    try:  # xgrammar builds the grammar: off the event loop
+        params.structured_outputs = await asyncio.to_thread(
+            after_thinking, params.structured_outputs, plan)
+    except Exception as exc:
+        raise InvalidRequestError(f"{field} cannot follow the thinking: {exc}",
+                                  param=field) from exc
+    await _validate_grammar(engine, body, params, field)
 
 
 def _harmony_tools(body: ChatCompletionRequest, messages: list[dict], config, params):

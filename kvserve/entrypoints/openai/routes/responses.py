@@ -57,8 +57,8 @@ async def create_response(body: ResponsesRequest, raw: Request):
         serving.logger.info("%s aborted: client disconnected", response_id)
         return Response(status_code=499)
     serving.log_finish(job, outputs, started)
-    response = turn.finished(output_items(outputs[0].outputs[0], job.tool_format, job.harmony),
-                             outputs[0])
+    response = turn.finished(output_items(outputs[0].outputs[0], job.tool_format, job.harmony,
+                                          job.reasoning), outputs[0])
     store_of(raw).keep(turn, response)
     return JSONResponse(response)
 
