@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.model_source import DEFAULT_MODEL
+from kvserve.options import json_option_text
 from kvserve.options import option as _opt
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -185,6 +186,15 @@ class EngineConfig:
         (), "custom logits processors, as 'module:Class' (vLLM's flag; repeat it or separate "
         "names by commas): each worker builds one of each, and each decides from a request's "
         "extra_args (vllm_xargs over HTTP) whether it applies to it", multiple=True)
+    runner: str = _opt(
+        "auto", "vLLM's flag: generate (sampled tokens: completions, chat) or pooling (each "
+        "prompt's final hidden states pooled into one vector: /v1/embeddings, /pooling, "
+        "/score, /rerank, LLM.embed); auto is generate", choices=["auto", "generate", "pooling"])
+    pooler_config: str | None = _opt(
+        None, "with --runner pooling, vLLM's pooler config JSON over the checkpoint's own "
+        "(sentence-transformers' modules.json, else LAST + normalize): {\"pooling_type\": "
+        "\"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true, \"dimensions\": n}",
+        aliases=["--override-pooler-config"])
 
     def __post_init__(self) -> None:
         from kvserve.sample.processor_names import qualified_name
@@ -207,6 +217,10 @@ class EngineConfig:
         from kvserve.eplb_config import eplb_config_text
 
         object.__setattr__(self, "eplb_config", eplb_config_text(self.eplb_config))
+        from kvserve.config.pooler import parse_pooler_override
+
+        object.__setattr__(self, "pooler_config",
+                           json_option_text(self.pooler_config, parse_pooler_override))
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("--enable-eplb needs --enable-expert-parallel")
         if self.eplb().num_redundant_experts and not self.enable_eplb:

@@ -143,7 +143,10 @@ class EngineMetrics:
         """A finished request: `num_output_tokens` is counted by the caller, since its final
         output may carry only the last delta."""
         metrics = output.metrics
-        reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")
+        if isinstance(output.outputs, list):
+            reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "abort")
+        else:  # a pooling request's one vector: it finished with its prompt
+            reason = "stop"
         self._success.labels(self.model_name, reason).inc()
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)

@@ -64,3 +64,59 @@ class RequestOutput:
     prompt_logprobs: None = field(default=None, repr=False)
     num_transferred_tokens: int = 0  # prompt tokens whose KV a prefill engine computed
     kv_transfer_params: Any = None  # from a prefill engine: where a decode engine pulls the KV
+
+
+# ---- pooling (--runner pooling), vLLM's classes -------------------------------------------
+@dataclass
+class PoolingOutput:
+    """The pooled (truncated, normalized) vector: `values` as floats, `data` as vLLM's float32
+    tensor, made when first read (the API server's front-end reads `values` and never imports
+    torch)."""
+
+    values: list[float]
+
+    @property
+    def data(self):
+        import torch
+
+        return torch.tensor(self.values, dtype=torch.float32)
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: Any  # PoolingOutput; EmbeddingOutput or ScoringOutput in the subclasses
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """LLM.embed's: `outputs.embedding`, a list of floats."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(list(output.outputs.values)),
+                   output.prompt_token_ids, output.num_cached_tokens, output.finished,
+                   output.metrics)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """LLM.score's: `outputs.score`, one pair's similarity."""

@@ -76,7 +76,10 @@ class FamilyRules:
             "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
             "rope_theta": _hf_rope_theta(hf),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", self.tied_by_default)),
+            # a base model's checkpoint (Qwen3Model's: an embedding model's) has no LM head:
+            # read as tied, its head is the embedding, which a pooling runner never uses
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", self.tied_by_default))
+            or is_base_model(hf),
             "attention_bias": bool(hf.get("attention_bias", self.attention_bias_by_default)),
             "rope_scaling": self.hf_rope_scaling(hf),
             "bos_token_id": hf.get("bos_token_id"),
@@ -229,6 +232,14 @@ def _hf_partial_rotary_factor(hf: dict[str, Any]) -> float:
     order), else 1."""
     factor = _hf_rope_params(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor")
     return float(factor) if factor else 1.0
+
+
+def is_base_model(hf: dict[str, Any]) -> bool:
+    """The config names only base-model classes (`Qwen3Model`, not `...ForCausalLM` nor
+    GPT-2's `...LMHeadModel`): the checkpoint holds the decoder without an LM head."""
+    names = hf.get("architectures") or []
+    return bool(names) and all(isinstance(name, str) and name.endswith("Model")
+                               and not name.endswith("LMHeadModel") for name in names)
 
 
 def hf_weight_format(quantized: Any) -> dict[str, Any]:

@@ -387,7 +387,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
-            request.kv_transfer_params, request.cache_salt, request.session_id),
+            request.kv_transfer_params, request.cache_salt, request.session_id,
+            pooling_params=request.pooling_params),
             wait_for_grammar=spec is not None and self.grammar_gate.must_wait(
                 request.request_id, spec))
 
@@ -567,10 +568,11 @@ class EngineCore:
         num_before = [request.num_output_tokens for request in sampling]
         if self.drafter is not None:
             self._observe_drafts(scheduler_output, runner_output)
-        self.scheduler.update_from_output(scheduler_output, runner_output)
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.drafter is not None:
             self._propose_drafts(runner_output.draft_token_ids)
         outputs, self._failed = self._failed, []
+        outputs += [_pooled(request) for request in finished if request.pooling_params]
         drafts = {item.request.request_id: item.num_draft_tokens
                   for item in scheduler_output.scheduled if item.num_draft_tokens}
         for request, before in zip(sampling, num_before):
@@ -704,3 +706,15 @@ class EngineCore:
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()
+
+
+def _pooled(request: Request) -> EngineCoreOutput:
+    """A pooling request's only output: its vector, finished, with a first output's fields."""
+    if request.pooling_output is None:  # the workers' fault, never the request's
+        return EngineCoreOutput(request.request_id, finish_reason="error",
+                                error="the workers returned no pooled vector for it")
+    return EngineCoreOutput(request.request_id, finish_reason="stop",
+                            num_cached_tokens=request.num_cached_tokens,
+                            first_scheduled_time=request.times.first_scheduled,
+                            num_preemptions=request.num_preemptions,
+                            pooling_output=request.pooling_output)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.block_hash import salted_root
 from kvserve.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Request:
     kv_transfer_params: Any = None  # the KVTransferParams its request carried, if any
     cache_salt: str | None = None  # prefix blocks are shared only with the same salt
     session_id: str | None = None  # an agent session's: its blocks outlive it for a while
+    pooling_params: PoolingParams | None = None  # a pooling request's: no tokens are sampled
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -70,6 +72,16 @@ class Request:
         # speculative decoding: draft tokens to verify in its next step (set by the drafter
         # after each step; they compete for the token budget like any token)
         self.spec_token_ids: list[int] = []
+        self.pooling_output: list[float] | None = None  # a pooling request's, once pooled
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """A pooling request whose pooling reads every position (MEAN, CLS) computes its whole
+        prompt (its blocks are still cached for others): a cached or loaded block's hidden
+        states were never computed here. LAST reads only the last, which is always
+        computed."""
+        pooling = self.pooling_params
+        return pooling is not None and pooling.skip_reading_prefix_cache
 
     @property
     def num_tokens(self) -> int:

@@ -298,7 +298,7 @@ class Scheduler(SchedulerInterface):
         """Tokens after the prefix hit the connector provides, and whether they load between
         steps; never all of the request's tokens when they load within the step (one is
         always computed here, for its logits)."""
-        if self.connector is None:
+        if self.connector is None or request.skips_prefix_cache:
             return 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
         if num_external <= 0:
@@ -403,6 +403,12 @@ class Scheduler(SchedulerInterface):
             request.spec_token_ids = []
             self.kv.cache_computed_blocks(request)
             self.kv.release_unneeded(request)  # window blocks behind the next query
+            if request.pooling_params is not None:  # done when its prompt is, sampling nothing
+                if item.sample:
+                    request.pooling_output = runner_output.pooler_output.get(request.request_id)
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished.append(request)
+                continue
             new_tokens = sampled.get(request.request_id) if item.sample else None
             if not new_tokens:
                 continue

@@ -34,7 +34,8 @@ class StepEncoder:
             sent = self._sent_blocks.get(request.request_id)
             if sent is None:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params))
+                                                   request.sampling_params,
+                                                   pooling_params=request.pooling_params))
                 sent = self._sent_blocks[request.request_id] = [
                     [] for _ in range(1 + len(item.group_block_ids))]
             (blocks, *others), reset = _tables_delta(sent, [item.block_ids,
@@ -64,7 +65,8 @@ class StepEncoder:
         self._sent_blocks[request.request_id] = [list(table) for table in tables]
         return ExecuteStep(
             [NewRequestData(request.request_id, request.prompt_token_ids,
-                            request.sampling_params)],
+                            request.sampling_params,
+                            pooling_params=request.pooling_params)],
             [ScheduledData(request.request_id, item.token_ids, item.start_position,
                            tables[0], item.sample, reset_blocks=True,
                            new_group_block_ids=tables[1:],

@@ -43,6 +43,7 @@ from kvserve.errors import (
 )
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import SchedulerStats
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -159,6 +160,16 @@ class AsyncEngine:
         return self.engine.prepare_request(request_id, prompt, params, priority,
                                            kv_transfer_params=kv_transfer_params,
                                            cache_salt=cache_salt, session_id=session_id)
+
+    def prepare_pooling(self, request_id: str, prompt: PromptType,
+                        pooling_params: PoolingParams | None = None,
+                        priority: int = 0) -> PreparedRequest:
+        """A pooling request (--runner pooling) ready for `generate`, whose one output is a
+        PoolingRequestOutput; InvalidRequestError on a generate runner or for bad input."""
+        if not self.is_ready or self.engine is None:
+            raise EngineDeadError("the engine is not ready")
+        return self.engine.prepare_pooling_request(request_id, prompt, pooling_params,
+                                                   priority)
 
     async def validate_grammar(self, params: SamplingParams) -> None:
         """A structured-output request's grammar, checked off the event loop (xgrammar's

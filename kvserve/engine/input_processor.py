@@ -50,9 +50,7 @@ class InputProcessor:
                                       param="prompt")
         return list(values)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Checks needing the model (vocabulary, context length); fills the params' stop token
-        set (its own plus the model's EOS); returns the effective max_tokens."""
+    def _check_prompt_ids(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.vocab_size
@@ -60,6 +58,21 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary "
                                       f"[0, {vocab})", param="prompt")
+
+    def validate_pooling(self, prompt_ids: list[int]) -> None:
+        """A pooling request's prompt: in the vocabulary, and within the context (which it
+        may fill: nothing is generated after it)."""
+        self._check_prompt_ids(prompt_ids)
+        if len(prompt_ids) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context is "
+                f"{self.max_model_len} tokens", param="input")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Checks needing the model (vocabulary, context length); fills the params' stop token
+        set (its own plus the model's EOS); returns the effective max_tokens."""
+        self._check_prompt_ids(prompt_ids)
+        vocab = self.vocab_size
         params.validate_for_vocab(vocab)
         for processor in self.processor_classes:
             try:

@@ -17,6 +17,7 @@ from typing import Iterable
 from kvserve.engine.core_client import InprocClient, make_core_client
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.engine.output_processor import RequestGroup, SampleState, StepProgress
+from kvserve.engine.pooling import PoolingInputs, pooling_sampling_params
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import (
     InvalidRequestError,
@@ -26,6 +27,7 @@ from kvserve.memory import return_freed_memory
 from kvserve.model_source import resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.plugins import load_plugins
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -57,6 +59,7 @@ class PreparedRequest:
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request's (--runner pooling)
 
 
 class LLMEngine:
@@ -68,6 +71,7 @@ class LLMEngine:
         # check each request's arguments for them (`validate_params`)
         self.processor_classes = load_processor_classes(config.logits_processors)
         self.source = resolve_model(config.model)
+        self.pooling = PoolingInputs(config, self.source)  # --runner pooling: its pooler config
         # an unsupported architecture fails now, not after the tokenizer (by name: this process
         # never imports the model code)
         load_config(self.source, check_architecture=check_architecture)
@@ -120,6 +124,7 @@ class LLMEngine:
         vLLM): its prefix blocks are shared only with requests of the same salt.
         `session_id` (or a prompt dict's): its blocks are kept for the session's next turn
         (--kv-session-ttl)."""
+        self.pooling.check_generate()
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
         params = (params or SamplingParams()).clone()
@@ -147,12 +152,35 @@ class LLMEngine:
         self.add_prepared(self.prepare_request(request_id, prompt, params, priority,
                                                arrival_time))
 
+    def prepare_pooling_request(self, request_id: str, prompt: PromptType,
+                                pooling_params: PoolingParams | None = None,
+                                priority: int = 0, arrival_time: float | None = None
+                                ) -> PreparedRequest:
+        """A pooling request (--runner pooling), tokenized and validated: its prompt may fill
+        the whole context (nothing is generated after it)."""
+        pooling_params = self.pooling.params(pooling_params)
+        if not fits_int64(priority):
+            raise InvalidRequestError("priority must fit in 64 bits", param="priority")
+        prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        self.inputs.validate_pooling(prompt_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        return PreparedRequest(request_id, prompt_text, prompt_ids, pooling_sampling_params(),
+                               1, priority, arrival, pooling_params=pooling_params)
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType,
+                            pooling_params: PoolingParams | None = None,
+                            priority: int = 0) -> None:
+        """Validate and queue a pooling request; InvalidRequestError (nothing queued) if bad."""
+        self.add_prepared(self.prepare_pooling_request(request_id, prompt, pooling_params,
+                                                       priority))
+
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a validated request, fanning n > 1 out into sibling requests."""
         request_id, params = prepared.request_id, prepared.params
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids)
+        group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids,
+                             pooling=prepared.pooling_params is not None)
         requests = []
         for index in range(params.n):
             child_params = params.clone()
@@ -166,7 +194,8 @@ class LLMEngine:
             requests.append(EngineCoreRequest(
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
                 prepared.priority, prepared.arrival_time,
-                prepared.kv_transfer_params, prepared.cache_salt, prepared.session_id))
+                prepared.kv_transfer_params, prepared.cache_salt, prepared.session_id,
+                pooling_params=prepared.pooling_params))
         sent: list[str] = []
         try:
             for request in requests:

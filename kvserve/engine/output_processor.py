@@ -16,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.core.request import RequestTimes
-from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvserve.protocol.engine_core import EngineCoreOutput
 from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
@@ -49,6 +56,7 @@ class SampleState:
         self.kv_transfer_params = None  # the handle a prefill engine's last output carries
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding
+        self.pooling_output: list[float] | None = None  # a pooling request's vector
         self.times = RequestTimes(arrival=arrival_time)
         # DELTA outputs: how much text and how many tokens earlier outputs carried
         self.text_emitted = self.tokens_emitted = 0
@@ -69,6 +77,8 @@ class SampleState:
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
         self.num_preemptions = delta.num_preemptions
+        if delta.pooling_output is not None:
+            self.pooling_output = delta.pooling_output
         self.num_draft_tokens += delta.num_draft_tokens
         self.num_accepted_tokens += delta.num_accepted_tokens
         logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
@@ -169,6 +179,7 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[SampleState] = field(default_factory=list)
+    pooling: bool = False  # a pooling request: one PoolingRequestOutput when it finishes
 
     @property
     def finished(self) -> bool:
@@ -180,11 +191,13 @@ class RequestGroup:
                             None if first is None else first - self.samples[0].times.arrival,
                             self.finished)
 
-    def output(self) -> RequestOutput | None:
+    def output(self) -> RequestOutput | PoolingRequestOutput | None:
         """This step's output; None for a FINAL_ONLY request that has not finished."""
         samples = self.samples
         if samples[0].params.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
+        if self.pooling:
+            return self._pooling_output()
         cached = max(0, samples[0].num_cached_tokens)
         return RequestOutput(
             request_id=self.request_id,
@@ -197,6 +210,18 @@ class RequestGroup:
             num_transferred_tokens=samples[0].num_transferred_tokens,
             kv_transfer_params=samples[0].kv_transfer_params,
         )
+
+
+    def _pooling_output(self) -> PoolingRequestOutput:
+        """vLLM's PoolingRequestOutput (its vector empty for a request aborted before its
+        prompt was done)."""
+        sample = self.samples[0]
+        vector = sample.pooling_output if sample.pooling_output is not None else []
+        return PoolingRequestOutput(
+            request_id=self.request_id, outputs=PoolingOutput(vector),
+            prompt_token_ids=self.prompt_token_ids,
+            num_cached_tokens=max(0, sample.num_cached_tokens), finished=self.finished,
+            metrics=_group_metrics(self.samples))
 
 
 def _earliest(values):

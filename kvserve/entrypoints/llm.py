@@ -10,22 +10,26 @@ from tqdm import tqdm
 
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine_config import EngineConfig
+from kvserve.entrypoints.pooling import PoolingMixin
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
 
-class LLM:
-    """Load a model once, then `generate` or `chat` over many prompts in continuous batches."""
+class LLM(PoolingMixin):
+    """Load a model once, then `generate` or `chat` over many prompts in continuous batches
+    (or, with `runner="pooling"`, `embed`, `encode` and `score` them: entrypoints/pooling.py)."""
 
     def __init__(self, model: str | None = None, **options: Any):
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        known = {f.name for f in dataclasses.fields(EngineConfig)} | {"override_pooler_config"}
         unknown = set(options) - known
         if unknown:
             raise TypeError(f"unknown LLM options: {', '.join(sorted(unknown))}")
         if model is not None:
             options["model"] = model
+        if "override_pooler_config" in options:  # vLLM's older name
+            options["pooler_config"] = options.pop("override_pooler_config")
         self.llm_engine = LLMEngine(EngineConfig(**options))
         self._ids = itertools.count()
 

@@ -41,7 +41,7 @@ from kvserve.quant.pack_cache import PackCache
 from kvserve.weights import gguf_file, gguf_stored
 from kvserve.weights import load_config as read_config
 from kvserve.weights.fp8_checkpoint import tensor_dtypes, iter_fp8_checkpoint
-from kvserve.weights.hf_dir import safetensors_files
+from kvserve.weights.hf_dir import safetensors_files, with_model_prefix
 from kvserve.weights.sharded import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -251,9 +251,11 @@ def _checkpoint_tensors(source: ModelSource, reader, config: ModelConfig,
     them (block-quantized ones as `QuantizedRows`, which each layer keeps, or dequantizes if
     its method converts)."""
     if source.format == "hf" and config.source_weight_type == "fp8":
-        return iter_fp8_checkpoint(safetensors_files(source.path), config.weight_block_size)
+        return with_model_prefix(iter_fp8_checkpoint(safetensors_files(source.path),
+                                                     config.weight_block_size))
     if source.format == "hf":
-        return iter_safetensors(safetensors_files(source.path), lazy=is_distributed(parallel))
+        return with_model_prefix(iter_safetensors(safetensors_files(source.path),
+                                                  lazy=is_distributed(parallel)))
     return gguf_stored.iter_gguf_stored(reader, config)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvserve.protocol.kv_transfer_params import KVTransferParams
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
@@ -35,6 +36,9 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None  # prefix blocks are shared only within one salt
     session_id: str | None = None  # its blocks are kept for the session's next turn
+    # a pooling request (--runner pooling): its prompt's hidden states pooled, no tokens
+    # sampled; `params` then only carries defaults the core reads
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True, **_WIRE):
@@ -75,6 +79,8 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # speculative decoding: drafts verified in this step, and how many were accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # a pooling request's vector (PoolingParams: truncated, normalized), on its only output
+    pooling_output: list[float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

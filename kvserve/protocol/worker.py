@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvserve.config import ModelConfig
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -52,6 +53,8 @@ class ModelRunnerOutput:
     # step time
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_forwards: list[tuple[int, float]] = field(default_factory=list)
+    # pooling requests whose prompt this step completed: each one's pooled vector
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "ModelRunnerOutput":
@@ -64,6 +67,7 @@ class ModelRunnerOutput:
         self.expert_counts.update(other.expert_counts)
         self.draft_token_ids.update(other.draft_token_ids)
         self.draft_forwards.extend(other.draft_forwards)
+        self.pooler_output.update(other.pooler_output)
 
 
 class KVConnectorOutput(msgspec.Struct, **_WIRE):
@@ -88,6 +92,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling_params: PoolingParams | None = None  # a pooling request's (--runner pooling)
 
 
 class ScheduledData(msgspec.Struct, **_WIRE):

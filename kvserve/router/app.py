@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvserve.entrypoints.openai.disconnect import until_disconnected
 from kvserve.entrypoints.openai.errors import error_body, error_response
 from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
@@ -277,17 +278,7 @@ class Router:
     async def until_disconnected(raw: Request, awaitable):
         """The awaitable's result, or None (it cancelled) once our client has gone away: the
         replica's request is dropped, so it aborts."""
-        task = asyncio.ensure_future(awaitable)
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.2)
-                if not task.done() and await raw.is_disconnected():
-                    return None
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        return await until_disconnected(raw, awaitable)
 
     async def _answer(self, replica: Replica, serial: int, upstream: httpx.Response,
                       raw: Request, extra_headers: dict) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable, Iterator
 
 
 from kvserve.config import ModelConfig
@@ -34,3 +35,14 @@ def safetensors_files(directory: Path) -> list[Path]:
             "convert them with save_pretrained(safe_serialization=True))."
         )
     return files
+
+
+# a base model's tensor names (saved from Qwen3Model, LlamaModel, ...: embedding checkpoints)
+_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
+def with_model_prefix(tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    """A base model's checkpoint names its tensors without the `model.` a causal LM's carry
+    (and has no LM head): they get it, so one loader takes both."""
+    for name, tensor in tensors:
+        yield (f"model.{name}" if name.startswith(_BASE_MODEL_PREFIXES) else name), tensor

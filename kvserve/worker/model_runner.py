@@ -99,10 +99,18 @@ class ModelRunner:
                 return ModelRunnerOutput.empty()
         if self.keep_forward:
             self.last_forward = ForwardView(scheduled, positions, metadata, hidden)
-        sampling = [s for s in scheduled if s.sample]
+        ends = metadata.query_start_loc_host
+        output = self._sample(scheduled, hidden, ends)
+        output.pooler_output = self._pool(scheduled, hidden, ends)
+        return output
+
+    def _sample(self, scheduled: list[ScheduledItem], hidden: torch.Tensor,
+                ends: list[int]) -> ModelRunnerOutput:
+        """The step's sampled tokens (or verified drafts), from logits of only the rows that
+        sample."""
+        sampling = [s for s in scheduled if s.sample and s.request.pooler is None]
         if not sampling:
             return ModelRunnerOutput.empty()
-        ends = metadata.query_start_loc_host
         batch_update, rows = self._batch_rows(scheduled, sampling)
         sampling = [scheduled[i] for i in rows]
         # each sampling row's last token, and before it its drafts' positions (to verify)
@@ -120,6 +128,21 @@ class ModelRunner:
         result = self.sampler(logits, sampling_rows, batch_update)
         self.input_batch.applied()
         return self._package(sampling, result)
+
+    def _pool(self, scheduled: list[ScheduledItem], hidden: torch.Tensor,
+              ends: list[int]) -> dict[str, list[float]]:
+        """Each pooling request's chunk goes into its pooler; those whose prompt this step
+        completed (`sample`: the chunk reaches its end) get their vector. Only on the rank
+        whose outputs the core reads."""
+        pooled = {}
+        for i, item in enumerate(scheduled):
+            pooler = item.request.pooler
+            if pooler is None or not self.samples:
+                continue
+            pooler.add_chunk(item.start_position, hidden[ends[i]:ends[i + 1]])
+            if item.sample:
+                pooled[item.request.request_id] = pooler.result()
+        return pooled
 
     def _batch_rows(self, scheduled: list[ScheduledItem], sampling: list[ScheduledItem]):
         """The persistent batch's changes, and its rows' indices into `scheduled`: logits rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.protocol.worker import NewRequestData
+from kvserve.sample.pooler import PromptPooler
 from kvserve.sampling_params import SamplingParams
 
 
@@ -25,11 +26,14 @@ class CachedRequestState:
     kv_shift: int = 0
     # prompt then output: one list that grows (speculative proposers index it in place)
     all_token_ids: list[int] = field(default_factory=list)
+    # a pooling request's pooler: what its prompt's chunks have pooled so far
+    pooler: PromptPooler | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         return cls(new.request_id, new.prompt_token_ids, new.params,
-                   all_token_ids=list(new.prompt_token_ids))
+                   all_token_ids=list(new.prompt_token_ids),
+                   pooler=PromptPooler(new.pooling_params) if new.pooling_params else None)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class KVCacheManager:
         they cover: the longest length every group can serve (asked in turn until they agree;
         each answer is at most the one before). Capped so at least one token is left to
         compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return self._no_hit(), 0
         max_hit_tokens = request.num_tokens - 1
         self._extend_hashes(request, max_hit_tokens)
@@ -161,7 +161,8 @@ class KVCacheManager:
         """Is the block right after this request's hit being computed by another request?
         Then waiting one step costs less than computing the same prefix twice."""
         index = num_hit_tokens // self.block_size
-        if not self.enable_prefix_caching or index >= len(request.block_hashes):
+        if (not self.enable_prefix_caching or request.skips_prefix_cache
+                or index >= len(request.block_hashes)):
             return False
         owner = self.pending.get(request.block_hashes[index])
         return owner is not None and owner != request.request_id

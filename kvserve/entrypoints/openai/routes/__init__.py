@@ -8,9 +8,10 @@ from kvserve.entrypoints.openai.routes import (
     generation,
     health,
     messages,
+    pooling,
     responses,
     tokenization,
 )
 
 ROUTERS = (health.router, tokenization.router, generation.router, responses.router,
-           messages.router)
+           messages.router, pooling.router)
