@@ -143,6 +143,11 @@ SYSTEMS = {
     # the int8 KV cache (issue 34): half the KV bytes a decode step reads
     "kvserve-kv-int8": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
                                      "--disable-log-requests", "--kv-cache-dtype", "int8"],
+    # LoRA served (issue 58), 4 slots of rank 16 and no adapter in use: what --enable-lora
+    # costs requests for the base model
+    "kvserve-lora": lambda port: [PY, "-m", "kvserve.cli", "serve", "--port", str(port),
+                                  "--disable-log-requests", "--enable-lora", "--max-loras", "4",
+                                  "--max-lora-rank", "16"],
     # speculative decoding (prompt lookup; suffix decoding)
     "kvserve-ngram": lambda port: [
         PY, "-m", "kvserve.cli", "serve", "--port", str(port), "--disable-log-requests",

@@ -106,10 +106,10 @@ def ratios(records: list[dict], scenario: str, client_key: str, metric: str,
 
 def markdown(records: list[dict], args, header: dict) -> list[str]:
     baseline, *variants = args.systems.split(",")
-    lines = ["# Speculative decoding against drafting off, paired rounds", "",
+    lines = [f"# {args.title}, paired rounds", "",
              f"CPU: {cpu_label(header)}. {args.rounds} rounds; each a fresh server per system, "
-             "the order rotated each round; each variant read against the off server of its "
-             "round (above 1: faster). Medians over rounds, then each round's ratio. "
+             f"the order rotated each round; each variant read against the {baseline} server "
+             "of its round (above 1: faster). Medians over rounds, then each round's ratio. "
              "`benchmarks/spec_paired.py`.", "",
              "| scenario | client | metric | " + " | ".join(variants) + " |",
              "|---|---|---|" + "---|" * len(variants)]
@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8120)
     parser.add_argument("--name", default="spec-paired")
+    parser.add_argument("--title", default="Speculative decoding against drafting off",
+                        help="the table's heading (other variants than drafting: LoRA)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the table from the rounds saved under today's --name")
     args = parser.parse_args()

@@ -16,10 +16,11 @@ _EXPORTS = {
     "RequestOutput": "kvserve.outputs",
     "SamplingParams": "kvserve.sampling_params",
     "RequestOutputKind": "kvserve.sampling_params",
+    "LoRARequest": "kvserve.lora_request",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "__version__"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "RequestOutputKind",
+           "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

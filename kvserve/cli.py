@@ -114,6 +114,10 @@ def _run_bench(args) -> int:
 def _run_serve(args) -> int:
     from kvserve.entrypoints.openai.server import ServerConfig, run_server
 
+    if args.replicas > 1 and args.lora_modules:
+        print("error: --lora-modules is not served by --replicas yet (Ray Serve replicas); "
+              "serve adapters from one replica", file=sys.stderr)
+        return 2
     if args.replicas > 1:  # engine replicas as Ray Serve deployments (kvserve/ray_serve/)
         from kvserve.ray_serve.app import run_replicas
         from kvserve.ray_serve.config import RayServeConfig

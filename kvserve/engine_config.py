@@ -103,6 +103,13 @@ class EngineConfig:
                                   "run the kernels on the cores left (checked once a second); "
                                   "--no-adaptive-threads keeps the thread count fixed")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
+    enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT directories) on the base model: "
+                             "requests name one, and requests for different adapters and the "
+                             "base share steps")
+    max_loras: int = _opt(1, "LoRA adapters loaded at once (each holds a slot in every "
+                          "projection; on the CPU there is no separate device cache)")
+    max_lora_rank: int = _opt(16, "the largest LoRA rank an adapter may have (slots are "
+                              "sized for it)")
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks (worker processes, each with a "
                                      "slice of every layer and of the KV heads)",
                                      aliases=["-tp"])

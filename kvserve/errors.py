@@ -48,6 +48,10 @@ class InvalidRequestError(KVServeError, ValueError):
         self.param = param
 
 
+class LoRANotFoundError(InvalidRequestError):
+    """A request or an unload names a LoRA adapter that is not loaded (HTTP 404)."""
+
+
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt plus the requested output does not fit the model's context."""
 

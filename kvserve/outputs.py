@@ -61,7 +61,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # its own entry and the best alternatives (vLLM's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
     num_transferred_tokens: int = 0  # prompt tokens whose KV a prefill engine computed
     kv_transfer_params: Any = None  # from a prefill engine: where a decode engine pulls the KV
 

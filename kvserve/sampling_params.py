@@ -127,6 +127,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # each prompt token's logprob (and this many alternatives) under the model, from the raw
+    # logits of the position before it (vLLM's field); such a request skips the prefix cache,
+    # so cached positions are recomputed, never missing
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # arguments for custom logits processors (vLLM's extra_args; `vllm_xargs` over HTTP)
     extra_args: dict[str, Any] | None = None
@@ -175,6 +179,8 @@ class SamplingParams:
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (len(self.stop) <= MAX_STOP_STRINGS, "stop",
              f"at most {MAX_STOP_STRINGS} stop strings"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",

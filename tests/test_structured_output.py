@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, Field
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -701,3 +702,27 @@ def test_http_bad_grammars_and_two_constraints_are_400s_naming_the_field(client,
                                        max_tokens=4, extra_body=fields)
     assert refused.value.status_code == 400
     assert refused.value.body["param"] == param, refused.value.body
+
+
+class _City(BaseModel):
+    name: str
+    country: str
+    is_capital: bool
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS", "JSON"])
+def test_instructor_returns_validated_objects(client, mode):
+    """instructor, as its users call it, in each mode it sends to an OpenAI-compatible
+    server: JSON_SCHEMA (response_format json_schema), TOOLS (a forced function call) and
+    JSON (json_object with the schema in the system prompt: the grammar makes any object, the
+    model follows the prompt). No retries: the first answer validates. (No integer field:
+    its grammar has no bound on digits, and this small model runs on in them.)"""
+    instructor = pytest.importorskip("instructor")
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    city = patched.chat.completions.create(
+        model="smol", response_model=_City, temperature=0, max_tokens=128, max_retries=0,
+        messages=[{"role": "user", "content": "Describe Paris: its name, its country and "
+                   "whether it is a capital, as a JSON object."}])
+    assert isinstance(city, _City)
+    assert city.name == "Paris" and city.country.lower() == "france" and city.is_capital

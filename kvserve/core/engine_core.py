@@ -48,7 +48,7 @@ from kvserve.protocol.engine_core import (
     EngineCoreRequest,
     SchedulerStats,
 )
-from kvserve.protocol.worker import KVCacheReady, ModelRunnerOutput
+from kvserve.protocol.worker import KVCacheReady, LoRALoad, ModelRunnerOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.config import (
     SpeculativeConfig,
@@ -78,7 +78,7 @@ EXPERT_REPORT_INTERVAL_S = 1.0  # how often a model with experts reports their r
 
 class EngineCore:
     # what a UtilityCall may invoke: state queries and resets, never arbitrary attributes
-    UTILITIES = ("reset_prefix_cache", "stats", "num_unfinished")
+    UTILITIES = ("reset_prefix_cache", "stats", "num_unfinished", "add_lora", "remove_lora")
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         load_plugins()
@@ -124,6 +124,8 @@ class EngineCore:
         # model with experts for their routed-token counts, for /metrics)
         self.step_encoder = StepEncoder(
             EXPERT_REPORT_INTERVAL_S if self.model_config.num_experts else None)
+        self._loras: set[int] = set()  # LoRA adapters the workers hold
+        self._lora_unloading: set[int] = set()  # removed, waiting for their last requests
         self.drafter = self._make_drafter(spec) if spec is not None else None  # speculation
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
@@ -388,7 +390,7 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, request.params, request.max_tokens,
             request.priority, request.arrival_time or time.monotonic(),
             request.kv_transfer_params, request.cache_salt, request.session_id,
-            pooling_params=request.pooling_params),
+            request.lora_id, request.pooling_params),
             wait_for_grammar=spec is not None and self.grammar_gate.must_wait(
                 request.request_id, spec))
 
@@ -431,6 +433,37 @@ class EngineCore:
     def num_unfinished(self) -> int:
         return len(self.scheduler.request_ids())
 
+    def add_lora(self, lora_id: int, path: str) -> bool:
+        """Have every worker load an adapter (checked by the front-end) before the next step."""
+        if not self.config.enable_lora:
+            return False
+        self.step_encoder.lora_loads.append(LoRALoad(lora_id, path))
+        self._loras.add(lora_id)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Free an adapter's slot once no request runs it (the front-end sends it no new
+        ones): requests already running finish on it."""
+        if lora_id not in self._loras:
+            return False
+        self._loras.discard(lora_id)
+        pending = self.step_encoder.lora_loads
+        if any(load.lora_id == lora_id for load in pending):  # no worker has it yet
+            pending[:] = [load for load in pending if load.lora_id != lora_id]
+            return True
+        self._lora_unloading.add(lora_id)
+        self._release_unused_loras()
+        return True
+
+    def _release_unused_loras(self) -> None:
+        if not self._lora_unloading:
+            return
+        in_use = {request.lora_id for request in self.scheduler.requests.values()}
+        done = self._lora_unloading - in_use
+        if done:
+            self.step_encoder.lora_unloads.extend(sorted(done))
+            self._lora_unloading -= done
+
     def reset_prefix_cache(self) -> bool:
         reset = self.kv_manager.reset_prefix_cache()
         self.kv_events.flush()  # AllBlocksCleared goes out now, not with the next step
@@ -467,6 +500,7 @@ class EngineCore:
         self.thread_governor.tick()
         self._take_kv_reports()
         self._admit_grammars()
+        self._release_unused_loras()
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
@@ -566,6 +600,8 @@ class EngineCore:
         sampling = [item.request for item in scheduler_output.scheduled
                     if item.sample and not item.request.is_finished]
         num_before = [request.num_output_tokens for request in sampling]
+        if runner_output.prompt_logprobs:
+            _keep_prompt_logprobs(scheduler_output, runner_output.prompt_logprobs)
         if self.drafter is not None:
             self._observe_drafts(scheduler_output, runner_output)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -651,6 +687,8 @@ class EngineCore:
         output = EngineCoreOutput(request.request_id, new_tokens, logprobs,
                                   num_preemptions=request.num_preemptions)
         if first:
+            if request.sampling_params.prompt_logprobs is not None:
+                output.prompt_logprobs = request.prompt_logprobs
             output.num_cached_tokens = request.num_cached_tokens
             output.first_scheduled_time = request.times.first_scheduled
             output.num_transferred_tokens = request.num_transferred_tokens
@@ -706,6 +744,18 @@ class EngineCore:
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         self.executor.shutdown()
+
+
+def _keep_prompt_logprobs(scheduler_output: SchedulerOutput,
+                          scored: dict[str, tuple[int, list]]) -> None:
+    """Each request's prompt logprobs from this step, in place by position: a prefill computed
+    again after a preemption overwrites its earlier entries rather than repeating them."""
+    for item in scheduler_output.scheduled:
+        entry = scored.get(item.request.request_id)
+        if entry is not None:
+            start, entries = entry
+            del item.request.prompt_logprobs[start:]
+            item.request.prompt_logprobs.extend(entries)
 
 
 def _pooled(request: Request) -> EngineCoreOutput:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.block_hash import salted_root
+from kvserve.protocol.worker import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -52,6 +53,7 @@ class Request:
     kv_transfer_params: Any = None  # the KVTransferParams its request carried, if any
     cache_salt: str | None = None  # prefix blocks are shared only with the same salt
     session_id: str | None = None  # an agent session's: its blocks outlive it for a while
+    lora_id: int = 0  # its LoRA adapter (0: the base); its cache salt keeps adapters apart
     pooling_params: PoolingParams | None = None  # a pooling request's: no tokens are sampled
 
     def __post_init__(self) -> None:
@@ -72,16 +74,20 @@ class Request:
         # speculative decoding: draft tokens to verify in its next step (set by the drafter
         # after each step; they compete for the token budget like any token)
         self.spec_token_ids: list[int] = []
+        # prompt logprobs as its prefill computes them, chunk by chunk (position p scores
+        # prompt token p + 1); sent with its first output
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.pooling_output: list[float] | None = None  # a pooling request's, once pooled
 
     @property
     def skips_prefix_cache(self) -> bool:
-        """A pooling request whose pooling reads every position (MEAN, CLS) computes its whole
-        prompt (its blocks are still cached for others): a cached or loaded block's hidden
-        states were never computed here. LAST reads only the last, which is always
-        computed."""
+        """Prompt logprobs are scored from every prompt position's logits, which a cached or
+        loaded block never had computed here: such a request computes its whole prompt (its
+        blocks are still cached for others). So does a pooling request whose pooling reads
+        every position (MEAN, CLS): LAST reads only the last, which is always computed."""
         pooling = self.pooling_params
-        return pooling is not None and pooling.skip_reading_prefix_cache
+        return self.sampling_params.prompt_logprobs is not None or (
+            pooling is not None and pooling.skip_reading_prefix_cache)
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ import msgspec
 
 from kvserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv_transfer.base import KVConnectorMetadata
-from kvserve.protocol.worker import ExecuteStep, NewRequestData, ScheduledData
+from kvserve.protocol.worker import ExecuteStep, LoRALoad, NewRequestData, ScheduledData
 
 
 class StepEncoder:
@@ -23,6 +23,9 @@ class StepEncoder:
         self._sent_blocks: dict[str, list[list[int]]] = {}
         self._expert_interval = expert_report_interval_s
         self._next_expert_report = 0.0
+        # LoRA adapters the workers load, or drop, with the next step they get
+        self.lora_loads: list[LoRALoad] = []
+        self.lora_unloads: list[int] = []
 
     def encode(self, scheduler_output: SchedulerOutput) -> ExecuteStep:
         new_requests, scheduled = [], []
@@ -34,8 +37,8 @@ class StepEncoder:
             sent = self._sent_blocks.get(request.request_id)
             if sent is None:
                 new_requests.append(NewRequestData(request.request_id, request.prompt_token_ids,
-                                                   request.sampling_params,
-                                                   pooling_params=request.pooling_params))
+                                                   request.sampling_params, request.lora_id,
+                                                   request.pooling_params))
                 sent = self._sent_blocks[request.request_id] = [
                     [] for _ in range(1 + len(item.group_block_ids))]
             (blocks, *others), reset = _tables_delta(sent, [item.block_ids,
@@ -43,10 +46,18 @@ class StepEncoder:
             scheduled.append(ScheduledData(request.request_id, item.token_ids,
                                            item.start_position, blocks, item.sample, reset,
                                            others, item.num_draft_tokens))
-        return ExecuteStep(new_requests, scheduled, list(scheduler_output.finished_ids),
-                           encode_connector_metadata(scheduler_output.kv_connector_metadata),
-                           report_expert_counts=self._expert_report_due(),
-                           draft_limits=scheduler_output.draft_limits)
+        return self._with_lora(ExecuteStep(
+            new_requests, scheduled, list(scheduler_output.finished_ids),
+            encode_connector_metadata(scheduler_output.kv_connector_metadata),
+            report_expert_counts=self._expert_report_due(),
+            draft_limits=scheduler_output.draft_limits))
+
+    def _with_lora(self, step: ExecuteStep) -> ExecuteStep:
+        """The step, carrying the adapter loads and unloads queued since the last one (loads
+        run before the step's forward, so a request's first step finds its adapter)."""
+        step.lora_loads, self.lora_loads = self.lora_loads, []
+        step.lora_unloads, self.lora_unloads = self.lora_unloads, []
+        return step
 
     def _expert_report_due(self) -> bool:
         if self._expert_interval is None:
@@ -63,15 +74,15 @@ class StepEncoder:
         request = item.request
         tables = [list(item.block_ids), *map(list, item.group_block_ids)]
         self._sent_blocks[request.request_id] = [list(table) for table in tables]
-        return ExecuteStep(
+        return self._with_lora(ExecuteStep(
             [NewRequestData(request.request_id, request.prompt_token_ids,
-                            request.sampling_params,
-                            pooling_params=request.pooling_params)],
+                            request.sampling_params, request.lora_id,
+                            request.pooling_params)],
             [ScheduledData(request.request_id, item.token_ids, item.start_position,
                            tables[0], item.sample, reset_blocks=True,
                            new_group_block_ids=tables[1:],
                            num_draft_tokens=item.num_draft_tokens)], [],
-            draft_limits={request.request_id: draft_limit} if draft_limit else {})
+            draft_limits={request.request_id: draft_limit} if draft_limit else {}))
 
 
 def _tables_delta(sent: list[list[int]], current: list[list[int]],

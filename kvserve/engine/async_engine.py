@@ -26,13 +26,15 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
+from kvserve.engine.lora_registry import LoadedLoRA
 from kvserve.engine.output_processor import StepProgress
 from kvserve.engine_config import EngineConfig
 from kvserve.errors import (
@@ -41,6 +43,7 @@ from kvserve.errors import (
     KVServeError,
     RequestFailedError,
 )
+from kvserve.lora_request import LoRARequest
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.pooling_params import PoolingParams
@@ -63,6 +66,15 @@ class ModelInfo:
     num_kv_blocks: int
 
 
+def _settle(done: asyncio.Future, result, error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
+
+
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
     for outputs, item in puts:
         outputs.put_nowait(item)
@@ -70,7 +82,10 @@ def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, model_name: str | None = None,
-                 restart_on_failure: bool = False, max_restarts: int = 3):
+                 restart_on_failure: bool = False, max_restarts: int = 3,
+                 lora_modules: Sequence[LoRARequest] = ()):
+        """`lora_modules`: adapters loaded with the engine (--lora-modules), and again after a
+        restart, like those loaded at run time."""
         self.config = config
         self.engine: LLMEngine | None = None
         self.metrics = EngineMetrics(model_name or config.model)
@@ -87,6 +102,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self.load_seconds: float | None = None
         self._serving = False  # a core is up and taking requests
+        # LoRA adapters by name, loaded again on a restarted core; calls the engine thread
+        # runs between steps (the core client has one reader: that thread)
+        self._lora_requests: dict[str, LoRARequest] = {r.lora_name: r for r in lora_modules}
+        self._engine_calls: queue.SimpleQueue = queue.SimpleQueue()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -150,16 +169,67 @@ class AsyncEngine:
                                       param="tokens")
         return inputs.tokenizer.decode(token_ids, False)
 
+    # ---- LoRA adapters (called from the event loop) ---------------------------------------
+    def lora(self, name: str) -> LoadedLoRA | None:
+        """The loaded adapter of that name, if any (what a request's `model` may name)."""
+        engine = self.engine
+        if engine is None or not self.is_ready:
+            return None
+        return next((l for l in engine.loras.loaded() if l.name == name), None)
+
+    def loras(self) -> list[LoadedLoRA]:
+        engine = self.engine
+        return engine.loras.loaded() if engine is not None and self.is_ready else []
+
+    async def add_lora(self, request: LoRARequest) -> LoadedLoRA:
+        """Load an adapter (InvalidRequestError when it cannot be: checked before any worker
+        sees it); requests may name it once this returns."""
+        loaded = await self._on_engine_thread(lambda engine: engine.loras.add(request))
+        self._lora_requests[request.lora_name] = request
+        return loaded
+
+    async def remove_lora(self, name: str) -> None:
+        """New requests can no longer name it; those running finish on it (LoRANotFoundError
+        when none of that name is loaded)."""
+        await self._on_engine_thread(lambda engine: engine.loras.remove(name))
+        self._lora_requests.pop(name, None)
+
+    async def _on_engine_thread(self, call):
+        """`call(engine)` on the engine thread, between steps; its result or its error."""
+        if not self.is_ready or self.engine is None:
+            raise EngineDeadError("the engine is not ready")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._engine_calls.put((call, loop, done))
+        self.engine.core.wake()
+        return await done
+
+    def _run_engine_calls(self, engine: LLMEngine | None) -> None:
+        while True:
+            try:
+                call, loop, done = self._engine_calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if engine is None:
+                    raise EngineDeadError("the engine stopped")
+                result, error = call(engine), None
+            except Exception as exc:  # the caller's error to raise, not the engine's
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
     # ---- requests (called from the event loop) -------------------------------------------
     def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 priority: int = 0, kv_transfer_params=None,
                 cache_salt: str | None = None,
-                session_id: str | None = None) -> PreparedRequest:
+                session_id: str | None = None,
+                lora: LoadedLoRA | None = None) -> PreparedRequest:
         if not self.is_ready or self.engine is None:
             raise EngineDeadError("the engine is not ready")
         return self.engine.prepare_request(request_id, prompt, params, priority,
                                            kv_transfer_params=kv_transfer_params,
-                                           cache_salt=cache_salt, session_id=session_id)
+                                           cache_salt=cache_salt, session_id=session_id,
+                                           lora=lora)
 
     def prepare_pooling(self, request_id: str, prompt: PromptType,
                         pooling_params: PoolingParams | None = None,
@@ -259,6 +329,8 @@ class AsyncEngine:
             start = time.perf_counter()
             self._shutdown_engine()
             self.engine = LLMEngine(self.config, warm_up=True)
+            for lora in self._lora_requests.values():  # --lora-modules, and run-time loads
+                self.engine.loras.add(lora)
             self.load_seconds = time.perf_counter() - start
             self._serving = True
             self.ready.set()
@@ -296,11 +368,13 @@ class AsyncEngine:
             self._serving = False
             with self._lock:
                 self._fail_all(error)
+            self._run_engine_calls(None)  # each call waiting fails: no engine to run it
         return error
 
     def _serve_core(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            self._run_engine_calls(engine)
             core_outputs = engine.core.get_outputs(LIVENESS_POLL_SECONDS)
             if core_outputs is None:
                 continue

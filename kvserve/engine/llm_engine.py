@@ -16,6 +16,7 @@ from typing import Iterable
 
 from kvserve.engine.core_client import InprocClient, make_core_client
 from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.engine.lora_registry import LoadedLoRA, LoRARegistry, salted
 from kvserve.engine.output_processor import RequestGroup, SampleState, StepProgress
 from kvserve.engine.pooling import PoolingInputs, pooling_sampling_params
 from kvserve.engine_config import EngineConfig
@@ -23,6 +24,7 @@ from kvserve.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from kvserve.lora_request import LoRARequest
 from kvserve.memory import return_freed_memory
 from kvserve.model_source import resolve_model
 from kvserve.outputs import RequestOutput
@@ -59,6 +61,7 @@ class PreparedRequest:
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    lora_id: int = 0  # its LoRA adapter's load (0: the base model)
     pooling_params: PoolingParams | None = None  # a pooling request's (--runner pooling)
 
 
@@ -74,7 +77,7 @@ class LLMEngine:
         self.pooling = PoolingInputs(config, self.source)  # --runner pooling: its pooler config
         # an unsupported architecture fails now, not after the tokenizer (by name: this process
         # never imports the model code)
-        load_config(self.source, check_architecture=check_architecture)
+        model_config = load_config(self.source, check_architecture=check_architecture)
         # a process core loads the model while this process loads the tokenizer
         self.core = make_core_client(config, warm_up, wait=False)
         try:
@@ -89,6 +92,7 @@ class LLMEngine:
         self.vocab_size = ready.vocab_size
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
                                      self.processor_classes)
+        self.loras = LoRARegistry(config, model_config, self.core)
         self.groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, SampleState] = {}  # child request id -> its state
         self._failures: list[tuple[str, RequestFailedError]] = []  # since take_failures()
@@ -117,13 +121,14 @@ class LLMEngine:
                         arrival_time: float | None = None,
                         kv_transfer_params: KVTransferParams | None = None,
                         cache_salt: str | None = None,
-                        session_id: str | None = None) -> PreparedRequest:
+                        session_id: str | None = None,
+                        lora: LoadedLoRA | None = None) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from any thread); raises
         InvalidRequestError if the request is bad. `kv_transfer_params`: disaggregated
         prefill/decode (kvserve/kv_transfer/). `cache_salt` (or a prompt dict's, as in
         vLLM): its prefix blocks are shared only with requests of the same salt.
         `session_id` (or a prompt dict's): its blocks are kept for the session's next turn
-        (--kv-session-ttl)."""
+        (--kv-session-ttl). `lora`: the loaded adapter it runs (`self.loras`)."""
         self.pooling.check_generate()
         if not fits_int64(priority):
             raise InvalidRequestError("priority must fit in 64 bits", param="priority")
@@ -133,6 +138,10 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if kv_transfer_params is not None and params.n != 1:
             raise InvalidRequestError("kv_transfer_params needs n = 1", param="n")
+        if kv_transfer_params is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be combined with "
+                                      "kv_transfer_params: the prompt's KV is computed "
+                                      "elsewhere", param="prompt_logprobs")
         if isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt") if cache_salt is None else cache_salt
             session_id = prompt.get("session_id") if session_id is None else session_id
@@ -142,15 +151,22 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt must be a non-empty string",
                                       param="cache_salt")
+        if lora is not None and kv_transfer_params is not None:
+            raise InvalidRequestError("LoRA adapters are not served disaggregated yet",
+                                      param="kv_transfer_params")
         return PreparedRequest(request_id, prompt_text, prompt_ids, params, max_tokens, priority,
-                               arrival, kv_transfer_params, cache_salt, session_id)
+                               arrival, kv_transfer_params, salted(cache_salt, lora),
+                               session_id, lora.lora_id if lora is not None else 0)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises InvalidRequestError (nothing queued) if bad."""
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request; raises InvalidRequestError (nothing queued) if bad.
+        `lora_request`: its adapter, loaded first if it is not (as vLLM's offline API does)."""
+        lora = self.loras.add(lora_request) if lora_request is not None else None
         self.add_prepared(self.prepare_request(request_id, prompt, params, priority,
-                                               arrival_time))
+                                               arrival_time, lora=lora))
 
     def prepare_pooling_request(self, request_id: str, prompt: PromptType,
                                 pooling_params: PoolingParams | None = None,
@@ -177,6 +193,9 @@ class LLMEngine:
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a validated request, fanning n > 1 out into sibling requests."""
         request_id, params = prepared.request_id, prepared.params
+        if prepared.lora_id and not self.loras.is_loaded(prepared.lora_id):
+            raise LoRANotFoundError("the request's LoRA adapter was unloaded before it started",
+                                    param="model")
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         group = RequestGroup(request_id, prepared.prompt, prepared.prompt_token_ids,
@@ -187,6 +206,8 @@ class LLMEngine:
             child_params.n = 1
             if params.seed is not None:
                 child_params.seed = params.seed + index
+            if index:  # the samples share one prompt: the first scores it
+                child_params.prompt_logprobs = None
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             state = SampleState(child_id, request_id, index, prepared.prompt_token_ids,
                                 child_params, self.tokenizer, prepared.arrival_time)
@@ -195,7 +216,7 @@ class LLMEngine:
                 child_id, prepared.prompt_token_ids, child_params, prepared.max_tokens,
                 prepared.priority, prepared.arrival_time,
                 prepared.kv_transfer_params, prepared.cache_salt, prepared.session_id,
-                pooling_params=prepared.pooling_params))
+                prepared.lora_id, pooling_params=prepared.pooling_params))
         sent: list[str] = []
         try:
             for request in requests:

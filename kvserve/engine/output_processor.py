@@ -48,6 +48,9 @@ class SampleState:
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # vLLM's shape: None for the first prompt token, then one dict per prompt token
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs_emitted = False  # a DELTA output carries them once
         self.stopped_by_string: str | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -77,6 +80,9 @@ class SampleState:
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
         self.num_preemptions = delta.num_preemptions
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] + [self._logprob_dict(entry)
+                                             for entry in delta.prompt_logprobs]
         if delta.pooling_output is not None:
             self.pooling_output = delta.pooling_output
         self.num_draft_tokens += delta.num_draft_tokens
@@ -136,6 +142,15 @@ class SampleState:
             if token_id not in entries:
                 entries[token_id] = Logprob(value, rank, decode([token_id], False))
         return entries
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs for this output: every output carries them once they arrived,
+        except DELTA outputs, where only the first does."""
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_emitted:
+                return None
+            self.prompt_logprobs_emitted = self.prompt_logprobs is not None
+        return self.prompt_logprobs
 
     def output(self) -> CompletionOutput:
         """The sample as its output kind asks: all of it so far, or (DELTA) what is new since
@@ -209,6 +224,7 @@ class RequestGroup:
             metrics=_group_metrics(samples),
             num_transferred_tokens=samples[0].num_transferred_tokens,
             kv_transfer_params=samples[0].kv_transfer_params,
+            prompt_logprobs=samples[0].take_prompt_logprobs(),
         )
 
 

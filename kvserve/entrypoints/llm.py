@@ -11,6 +11,7 @@ from tqdm import tqdm
 from kvserve.engine.llm_engine import LLMEngine, PromptType
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.pooling import PoolingMixin
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,20 +50,28 @@ class LLM(PoolingMixin):
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+        `lora_request`: the adapter every prompt runs, or one per prompt (None: the base);
+        an adapter not loaded yet is loaded first (needs `enable_lora=True`)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         request_ids = []
         try:
             for index, prompt in enumerate(prompts):
                 request_id = str(next(self._ids))
                 self.llm_engine.add_request(request_id, prompt, params[index],
-                                            priority=priority[index] if priority else 0)
+                                            priority=priority[index] if priority else 0,
+                                            lora_request=loras[index])
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

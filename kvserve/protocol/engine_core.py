@@ -36,6 +36,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, **_WIRE):
     kv_transfer_params: KVTransferParams | None = None
     cache_salt: str | None = None  # prefix blocks are shared only within one salt
     session_id: str | None = None  # its blocks are kept for the session's next turn
+    lora_id: int = 0  # the LoRA adapter it runs (0: the base model)
     # a pooling request (--runner pooling): its prompt's hidden states pooled, no tokens
     # sampled; `params` then only carries defaults the core reads
     pooling_params: PoolingParams | None = None
@@ -79,6 +80,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # speculative decoding: drafts verified in this step, and how many were accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # on the first output of a request that asked (SamplingParams.prompt_logprobs): prompt
+    # tokens 1.. each scored from the position before it (token 0 has no logprob)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # a pooling request's vector (PoolingParams: truncated, normalized), on its only output
     pooling_output: list[float] | None = None
 

@@ -53,6 +53,10 @@ class ModelRunnerOutput:
     # step time
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_forwards: list[tuple[int, float]] = field(default_factory=list)
+    # prompt logprobs (SamplingParams.prompt_logprobs): per request whose prompt positions this
+    # step computed, the first prompt position it scored the token after, and each position's
+    # entry (the logprob of prompt token p + 1 from position p's logits)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # pooling requests whose prompt this step completed: each one's pooled vector
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
@@ -67,6 +71,7 @@ class ModelRunnerOutput:
         self.expert_counts.update(other.expert_counts)
         self.draft_token_ids.update(other.draft_token_ids)
         self.draft_forwards.extend(other.draft_forwards)
+        self.prompt_logprobs.update(other.prompt_logprobs)
         self.pooler_output.update(other.pooler_output)
 
 
@@ -92,7 +97,15 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_id: int = 0  # the LoRA adapter it runs (0: the base model)
     pooling_params: PoolingParams | None = None  # a pooling request's (--runner pooling)
+
+
+class LoRALoad(msgspec.Struct, **_WIRE):
+    """An adapter every worker loads into a free slot before the step runs."""
+
+    lora_id: int
+    path: str
 
 
 class ScheduledData(msgspec.Struct, **_WIRE):
@@ -127,6 +140,9 @@ class ExecuteStep(msgspec.Struct, tag=True, **_WIRE):
     # speculative decoding: how many drafts the output rank's proposer may make, after this
     # step, for each request that samples in it (the engine core's allocation: what pays)
     draft_limits: dict[str, int] = {}
+    # LoRA: adapters to load before this step, and adapters no request runs any more
+    lora_loads: list[LoRALoad] = []
+    lora_unloads: list[int] = []
 
 
 class StopWorker(msgspec.Struct, tag=True, **_WIRE):

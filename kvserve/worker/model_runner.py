@@ -19,6 +19,7 @@ from kvserve.distributed.parallel_state import ParallelContext
 from kvserve.models.layers.decoder import IntermediateTensors
 from kvserve.protocol.worker import ModelRunnerOutput
 from kvserve.sample.logits_processor import LogitsProcessor
+from kvserve.sample.prompt_logprobs import score_prompt_rows
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingRow, SpecSamplerOutput
 from kvserve.spec_decode.proposal import ForwardView
 from kvserve.worker.input_batch import InputBatch
@@ -91,6 +92,8 @@ class ModelRunner:
                 for g in range(1, len(scheduled[0].tables))]
         input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long,
                                  device=self.device)
+        if getattr(self.model, "lora", None) is not None:
+            self._set_lora_rows(scheduled, metadata.query_start_loc_host)
         if self.stage is None:
             hidden = self.model(input_ids, positions, metadata)
         else:
@@ -101,6 +104,7 @@ class ModelRunner:
             self.last_forward = ForwardView(scheduled, positions, metadata, hidden)
         ends = metadata.query_start_loc_host
         output = self._sample(scheduled, hidden, ends)
+        output.prompt_logprobs = self._prompt_logprobs(scheduled, hidden, ends)
         output.pooler_output = self._pool(scheduled, hidden, ends)
         return output
 
@@ -128,6 +132,35 @@ class ModelRunner:
         result = self.sampler(logits, sampling_rows, batch_update)
         self.input_batch.applied()
         return self._package(sampling, result)
+
+    def _set_lora_rows(self, scheduled: list[ScheduledItem], ends: list[int]) -> None:
+        """Which of the step's token rows run which LoRA adapter (the base: none)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for i, item in enumerate(scheduled):
+            if item.request.lora_id:
+                spans.setdefault(item.request.lora_id, []).append((ends[i], ends[i + 1]))
+        self.model.lora.set_rows(spans)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledItem], hidden: torch.Tensor,
+                         ends: list[int]) -> dict[str, tuple[int, list]]:
+        """Prompt logprobs for the prompt positions this step computed of requests that asked:
+        position p scores prompt token p + 1 (the last prompt position's logits are the first
+        sample's, whose logprobs are the sample's own)."""
+        scored = {}
+        for i, item in enumerate(scheduled):
+            request = item.request
+            num_top = request.sampling_params.prompt_logprobs
+            last = len(request.prompt_token_ids) - 1  # the last position that scores a token
+            if num_top is None or item.start_position >= last:
+                continue
+            stop = min(item.start_position + item.num_new_tokens, last)
+            rows = hidden[ends[i]:ends[i] + stop - item.start_position]
+            targets = request.prompt_token_ids[item.start_position + 1:stop + 1]
+            entries = score_prompt_rows(self.model.compute_logits, rows, targets, num_top,
+                                        keep=self.samples)
+            if self.samples:
+                scored[request.request_id] = (item.start_position, entries)
+        return scored
 
     def _pool(self, scheduled: list[ScheduledItem], hidden: torch.Tensor,
               ends: list[int]) -> dict[str, list[float]]:

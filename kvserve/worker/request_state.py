@@ -26,13 +26,14 @@ class CachedRequestState:
     kv_shift: int = 0
     # prompt then output: one list that grows (speculative proposers index it in place)
     all_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
     # a pooling request's pooler: what its prompt's chunks have pooled so far
     pooler: PromptPooler | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         return cls(new.request_id, new.prompt_token_ids, new.params,
-                   all_token_ids=list(new.prompt_token_ids),
+                   all_token_ids=list(new.prompt_token_ids), lora_id=new.lora_id,
                    pooler=PromptPooler(new.pooling_params) if new.pooling_params else None)
 
 

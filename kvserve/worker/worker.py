@@ -87,6 +87,12 @@ class Worker:
                 pipeline_parallel_size=config.pipeline_parallel_size)
             self.parallel = _with_expert_parallel(self.parallel, config)
         self.loaded = load_engine_model(config, self.parallel)
+        if config.enable_lora:
+            from kvserve.models.lora import ModelLoRA
+
+            model = self.loaded.model
+            model.lora = ModelLoRA(model, config.max_loras, config.max_lora_rank,
+                                   model.activation_dtype)
         # speculative decoding's proposer runs here, on the rank that samples (made with the
         # KV cache: a draft model or MTP sizes its KV by the pool)
         self.spec = parse_speculative_config(config.speculative_config) \
@@ -212,6 +218,8 @@ class Worker:
             self.requests.pop(request_id, None)
             if self.proposer is not None:
                 self.proposer.finish(request_id)
+        if step.lora_loads or step.lora_unloads:
+            self._update_loras(step)
         for new in step.new_requests:  # a request sent again (a re-run alone) keeps its state
             if new.request_id not in self.requests:
                 self.requests[new.request_id] = CachedRequestState.from_new(new)
@@ -231,6 +239,16 @@ class Worker:
         if step.report_expert_counts:
             output.expert_counts = self.runner.model.expert_counts()
         return StepResult(output)
+
+    def _update_loras(self, step: ExecuteStep) -> None:
+        """Drop the adapters no request runs any more, then load the new ones into slots."""
+        from kvserve.models.lora import read_peft_adapter
+
+        lora = self.runner.model.lora
+        for lora_id in step.lora_unloads:
+            lora.remove(lora_id)
+        for load in step.lora_loads:
+            lora.add(load.lora_id, read_peft_adapter(load.path, lora.max_rank))
 
     def _propose(self, step: ExecuteStep, output) -> None:
         """The proposer's drafts for the requests that sampled, as many as the core allowed,

@@ -9,6 +9,7 @@ from kvserve.errors import (
     EngineDeadError,
     InvalidRequestError,
     KVServeError,
+    LoRANotFoundError,
     UnsupportedTokenizerError,
 )
 
@@ -32,6 +33,8 @@ def engine_error_body(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI-style body) for an error raised while serving a request."""
     if isinstance(exc, ContextLengthExceededError):
         return 400, error_body(400, str(exc), exc.param, "context_length_exceeded")
+    if isinstance(exc, LoRANotFoundError):
+        return 404, error_body(404, str(exc), exc.param, "model_not_found")
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(400, str(exc), exc.param, "invalid_request")
     if isinstance(exc, UnsupportedTokenizerError):

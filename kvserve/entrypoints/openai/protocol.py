@@ -22,7 +22,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # chat_template_kwargs may not override what the server itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "chat_template"})
@@ -175,6 +180,9 @@ class _SamplingFields(RequestBody):
     prompt_cache_key: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # each prompt token's logprob and this many alternatives (vLLM's field): the choice's (a
+    # chat response's) `prompt_logprobs`
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} to a prefill
     # engine; the handle it answers with, to a decode engine
     kv_transfer_params: dict[str, Any] | None = None
@@ -227,6 +235,7 @@ class _SamplingFields(RequestBody):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             extra_args=self.vllm_xargs,
             structured_outputs=self.structured_spec(),
@@ -277,11 +286,24 @@ class _SamplingFields(RequestBody):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0: score the prompt without generating (echo + logprobs, or prompt_logprobs)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the engine runs the prompt and samples one token nobody is shown."""
+        return self.max_tokens == 0
+
+    def engine_params(self) -> SamplingParams:
+        """The engine's sampling parameters: echoed logprobs score the prompt too."""
+        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -294,6 +316,10 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)
 
     def check_unsupported(self) -> None:
+        if self.prompt_only and not self.echo and self.prompt_logprobs is None:
+            raise InvalidRequestError("max_tokens 0 returns nothing: it scores the prompt "
+                                      "with echo and logprobs, or prompt_logprobs",
+                                      param="max_tokens")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -29,7 +29,8 @@ from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.routes import ROUTERS
 from kvserve.entrypoints.openai.routes.context import TENANT_SCOPE_KEY
 from kvserve.entrypoints.openai.server_config import ServerConfig
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.lora_request import LoRARequest
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
@@ -173,7 +174,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return response_for_engine_error(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException):
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        if anthropic_errors.speaks_anthropic(request.url.path):  # a 404 or 405 there
+            return anthropic_errors.error_response(exc.status_code, str(exc.detail))
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -216,6 +219,18 @@ def _publishing_kv_events(engine_config):
     return with_kv_events(engine_config, "127.0.0.1")
 
 
+def parse_lora_modules(modules: tuple[str, ...] | None) -> list[LoRARequest]:
+    """--lora-modules' name=path items (vLLM's form)."""
+    requests = []
+    for item in modules or ():
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise InvalidRequestError(f"--lora-modules {item!r}: expected name=path",
+                                      param="lora_modules")
+        requests.append(LoRARequest(name.strip(), len(requests) + 1, path.strip()))
+    return requests
+
+
 def run_server(engine_config, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT. In-flight requests get `shutdown_timeout` seconds to finish;
     those still running then get a clean error (a 503 body, or an SSE error event and [DONE])
@@ -226,7 +241,8 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
     engine_config = _publishing_kv_events(engine_config)
     engine = AsyncEngine(engine_config, server_config.served_model_name,
                          restart_on_failure=server_config.restart_engine_on_failure,
-                         max_restarts=server_config.max_engine_restarts)
+                         max_restarts=server_config.max_engine_restarts,
+                         lora_modules=parse_lora_modules(server_config.lora_modules))
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level="info", access_log=not server_config.disable_log_requests,

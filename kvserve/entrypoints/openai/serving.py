@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -55,6 +57,8 @@ class ChoiceCursor:
     deltas: bool = False  # the outputs carry only what is new (RequestOutputKind.DELTA)
     # when the request offered tools, the model speaks harmony (its channels) or thinks
     tools: StreamingToolParser | StreamingHarmonyParser | ReasoningStream | None = None
+    # the request's output that carried its prompt logprobs (they ride on the first chunk)
+    prompt: RequestOutput | None = None
 
 
 @dataclass
@@ -74,6 +78,11 @@ class Job:
     harmony: bool = False  # gpt-oss: the reply's channels are reasoning, calls and content
     reasoning: ThinkingPlan | None = None  # --reasoning-parser: the reply thinks, then answers
     include_reasoning: bool = True  # the reasoning goes out (vLLM's include_reasoning)
+    prompt_only: bool = False  # max_tokens 0: the one token the engine samples is not shown
+    show_prompt_logprobs: bool = False  # the request's prompt_logprobs: vLLM's field answers
+    # echo with logprobs: each prompt's first token's text (it has no logprob); the prompt's
+    # logprobs lead the choice's
+    echo_first_tokens: list[str] = field(default_factory=list)
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -180,12 +189,19 @@ def _completion_logprobs(choice: CompletionOutput, start: int, text_offset: int,
         chosen = entry[token_id]
         tokens.append(chosen.decoded_token)
         token_logprobs.append(chosen.logprob)
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in entry.values()
-                             if lp.rank is not None and lp.rank <= num_top} if num_top else None)
+        top_logprobs.append(_top_by_text(entry, num_top))
         offsets.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def _top_by_text(entry: dict[int, Any], num_top: int) -> dict[str, float] | None:
+    """The legacy completions shape of a token's alternatives: text -> logprob."""
+    if not num_top:
+        return None
+    return {lp.decoded_token: lp.logprob for lp in entry.values()
+            if lp.rank is not None and lp.rank <= num_top}
 
 
 def _chat_logprobs(choice: CompletionOutput, start: int, num_top: int) -> dict[str, Any] | None:
@@ -212,16 +228,66 @@ def completion_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any
     for prompt_index, output in enumerate(outputs):
         echo = job.echo_texts[prompt_index] if job.echo_texts else ""
         for sample in output.outputs:
-            choices.append({
+            sample = _without_hidden_token(job, sample)
+            choice = {
                 "index": job.choice_index(prompt_index, sample.index),
                 "text": echo + sample.text,
-                "logprobs": _completion_logprobs(sample, 0, len(echo), job.num_top),
+                "logprobs": _joined(_echo_logprobs(job, prompt_index, output),
+                                    _completion_logprobs(sample, 0, len(echo), job.num_top)),
                 "finish_reason": sample.finish_reason,
                 "stop_reason": sample.stop_reason,
-            })
+            }
+            if job.show_prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+            choices.append(choice)
     return _with_kv_handle({"id": job.response_id, "object": "text_completion",
                             "created": job.created, "model": job.model, "choices": choices,
-                            "usage": usage(outputs)}, outputs)
+                            "usage": usage(outputs, 0 if job.prompt_only else None)}, outputs)
+
+
+def _without_hidden_token(job: Job, sample: CompletionOutput) -> CompletionOutput:
+    """The sample as the client sees it: with max_tokens 0, nothing of the one token the
+    engine sampled to finish the prompt."""
+    if not job.prompt_only:
+        return sample
+    return dataclasses.replace(sample, text="", token_ids=[],
+                               logprobs=None if sample.logprobs is None else [])
+
+
+def _echo_logprobs(job: Job, prompt_index: int, output: RequestOutput) -> dict[str, Any] | None:
+    """The echoed prompt's tokens in the completions logprobs shape: the first has no logprob
+    (nothing comes before it), each other one its logprob after the tokens before it."""
+    if not job.echo_first_tokens or output.prompt_logprobs is None:
+        return None
+    tokens, token_logprobs = [job.echo_first_tokens[prompt_index]], [None]
+    top_logprobs: list[dict[str, float] | None] = [None]
+    for token_id, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append(_top_by_text(entry, job.num_top))
+    offsets = list(itertools.accumulate((len(t or "") for t in tokens[:-1]), initial=0))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None
+            ) -> dict[str, Any] | None:
+    """Two runs of completions logprobs, one after the other (the echoed prompt's, the
+    sample's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs_body(prompt_logprobs: list | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None for the first, else each scored
+    token id's logprob, rank and text."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token_id, lp in entry.items()} for entry in prompt_logprobs]
 
 
 def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -231,9 +297,11 @@ def chat_response(job: Job, outputs: list[RequestOutput]) -> dict[str, Any]:
         "logprobs": _chat_logprobs(sample, 0, job.num_top),
         "stop_reason": sample.stop_reason,
     } for sample in outputs[0].outputs]
-    return _with_kv_handle({"id": job.response_id, "object": "chat.completion",
-                            "created": job.created, "model": job.model, "choices": choices,
-                            "usage": usage(outputs)}, outputs)
+    body = {"id": job.response_id, "object": "chat.completion", "created": job.created,
+            "model": job.model, "choices": choices, "usage": usage(outputs)}
+    if job.show_prompt_logprobs:  # vLLM puts a chat answer's at the top level
+        body["prompt_logprobs"] = prompt_logprobs_body(outputs[0].prompt_logprobs)
+    return _with_kv_handle(body, outputs)
 
 
 def _chat_message(job: Job, sample: CompletionOutput) -> dict[str, Any]:
@@ -333,6 +401,8 @@ async def stream_job(engine: AsyncEngine, job: Job, include_usage: bool) -> Asyn
                 if cursor is None:
                     cursor = cursors[index] = ChoiceCursor(tools=_stream_parser(job),
                                                            deltas=not parsed)
+                if output.prompt_logprobs is not None:
+                    cursor.prompt = output
                 for chunk in _delta_chunks(job, prompt_index, sample, cursor):
                     yield _sse({**base, "choices": [chunk]})
         if include_usage:
@@ -382,9 +452,11 @@ def _tool_finish_reason(sample: CompletionOutput, called: bool) -> str | None:
 def _delta_chunk(job: Job, prompt_index: int, sample: CompletionOutput,
                  cursor: ChoiceCursor) -> dict[str, Any] | None:
     """One chunk of this output's new text and tokens (all of a DELTA output; past the cursor
-    of a cumulative one), or None when it has nothing to say."""
+    of a cumulative one), or None when it has nothing to say. The first carries the echoed
+    prompt and the prompt's logprobs."""
     if cursor.finished:
         return None
+    sample = _without_hidden_token(job, sample)
     if cursor.deltas:
         text, token_start = sample.text, 0
     else:
@@ -407,7 +479,12 @@ def _delta_chunk(job: Job, prompt_index: int, sample: CompletionOutput,
         logprobs = _completion_logprobs(sample, token_start, start, job.num_top)
         if logprobs is not None:
             cursor.token_text_offset = start + sum(len(t or "") for t in logprobs["tokens"])
+        if not cursor.started and cursor.prompt is not None:
+            logprobs = _joined(_echo_logprobs(job, prompt_index, cursor.prompt), logprobs)
         chunk = {"index": index, "text": text_delta, "logprobs": logprobs}
+    if not cursor.started and job.show_prompt_logprobs:
+        chunk["prompt_logprobs"] = prompt_logprobs_body(
+            cursor.prompt.prompt_logprobs if cursor.prompt is not None else None)
     chunk["finish_reason"] = sample.finish_reason
     chunk["stop_reason"] = sample.stop_reason
     cursor.started = True
@@ -445,4 +522,5 @@ def make_job(kind: str, response_id: str, request: CompletionRequest | ChatCompl
              log_requests: bool, num_top: int) -> Job:
     return Job(kind=kind, response_id=response_id, model=model, created=int(time.time()),
                prepared=prepared, n=request.n, echo_texts=echo_texts, log_requests=log_requests,
-               num_top=num_top)
+               num_top=num_top, prompt_only=getattr(request, "prompt_only", False),
+               show_prompt_logprobs=request.prompt_logprobs is not None)

@@ -46,6 +46,7 @@ class CausalLM(nn.Module):
         self.config = shard_config(config, parallel.tp_size if parallel is not None else 1)
         self.parallel = active(parallel)
         self.quant = quant or QuantPolicy("none", torch.float32)
+        self.lora = None  # its LoRA adapters (models/lora/ModelLoRA), with --enable-lora
         self.model = DecoderModel(self.config, backend, parallel, self._make_layer,
                                   self.norm_weight_offset, self.embedding_multiplier(config),
                                   self.quant)

@@ -108,6 +108,9 @@ class DecoderModel(nn.Module):
         # The decoder layers as one C++ call for decode steps (models/decode_stack.py), built on
         # the first step that can use it; `enforce_eager` (--enforce-eager) keeps Python's loop.
         self.enforce_eager = False
+        # LoRA (models/lora/): a step whose rows run adapters takes the Python loop, where
+        # each projection adds its adapters' products (the stack multiplies base weights only)
+        self.lora_batch = None
         self._decode_stack: object | None | bool = None  # False: does not apply to this model
         self._kernel_limits = autotune.generation()  # the decode stack is built with these
 
@@ -185,7 +188,8 @@ class DecoderModel(nn.Module):
         and every sequence of the step on the paged kernel or, over a bf16 cache, the flash
         kernel (plans the step if needed; the Python path reuses the plan)."""
         if self.enforce_eager or self._decode_stack is False or intermediate is not None \
-                or self.kv_connector is not None or metadata.group_metadata:
+                or self.kv_connector is not None or metadata.group_metadata \
+                or (self.lora_batch is not None and self.lora_batch.active):
             return None
         if self._decode_stack is None:
             from kvserve.models.decode_stack import build_decode_stack

@@ -67,6 +67,7 @@ class PartitionedLinear(nn.Module):
         self.fused_name = fused_name
         self.export_fused = export_fused
         self.method = method
+        self.lora = None  # its LoRA adapters' slots (models/lora/slots.py), when enabled
         self.tp: ParallelContext | None = None  # row-parallel layers all-reduce their output
         self.adds_bias = True  # a row-parallel layer's bias is added by its first rank only
         self._pending = self._expected()
@@ -132,6 +133,8 @@ class PartitionedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
+        if self.lora is not None and self.lora.batch.active:
+            self.lora.add_(x, out)
         if self.tp is not None:
             self.tp.communicator.all_reduce_(out)
         return out

@@ -15,7 +15,6 @@ import json
 
 from kvserve.entrypoints.openai.reasoning.parser import THINK_END, THINK_START, ThinkingPlan
 from kvserve.sampling_params import StructuredOutputsParams, ThinkingMarkers
-from kvserve.structured_output.compiler import build_grammar
 
 # what reasoning models write between </think> and the answer ("\n\n"): spaces and newlines
 # only (a random model wrote vertical tabs under \s, which JSON does not take as whitespace)
@@ -26,6 +25,10 @@ def after_thinking(spec: StructuredOutputsParams, plan: ThinkingPlan
                    ) -> StructuredOutputsParams:
     """The constraint applied to the answer only (imports xgrammar: call it off the event
     loop)."""
+    # xgrammar (and torch under it) only where a reasoning reply has a grammar: the API
+    # front-end imports neither otherwise
+    from kvserve.structured_output.compiler import build_grammar
+
     answer = {"type": "grammar", "grammar": str(build_grammar(spec))}
     thinking = {"type": "tag", "begin": "" if plan.inside else THINK_START,
                 "content": {"type": "any_text"}, "end": THINK_END}

@@ -7,6 +7,7 @@ server's options on `app.state` (see `context`).
 from kvserve.entrypoints.openai.routes import (
     generation,
     health,
+    lora,
     messages,
     pooling,
     responses,
@@ -14,4 +15,5 @@ from kvserve.entrypoints.openai.routes import (
 )
 
 ROUTERS = (health.router, tokenization.router, generation.router, responses.router,
-           messages.router, pooling.router)
+           messages.router, lora.router,
+           pooling.router)

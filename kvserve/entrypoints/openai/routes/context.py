@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.lora_registry import LoadedLoRA
 from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.server_config import ServerConfig
 
@@ -37,13 +38,33 @@ def check_ready_and_model(raw: Request, requested: str | None) -> JSONResponse |
     if not engine.is_ready:
         return error_response(503, "the model is still loading" if engine.is_alive
                               else "the engine is not running", code="not_ready")
-    if requested and requested not in (model_name(raw), engine.config.model):
+    if requested and requested not in (model_name(raw), engine.config.model) \
+            and engine.lora(requested) is None:
         return error_response(404, f"model {requested!r} does not exist; this server "
-                              f"serves {model_name(raw)!r}", "model", "model_not_found")
+                              f"serves {model_name(raw)!r}" + _adapters_note(engine),
+                              "model", "model_not_found")
     if engine.num_unfinished >= config_of(raw).max_waiting_requests:
         return error_response(503, "too many requests in flight; retry later",
                               code="overloaded", headers={"Retry-After": "1"})
     return None
+
+
+def _adapters_note(engine: AsyncEngine) -> str:
+    names = [loaded.name for loaded in engine.loras()]
+    return f" and the LoRA adapters {', '.join(map(repr, names))}" if names else ""
+
+
+def lora_of(raw: Request, requested: str | None) -> LoadedLoRA | None:
+    """The LoRA adapter a request's `model` names, if it names one (checked by
+    `check_ready_and_model`)."""
+    if not requested or requested in (model_name(raw), engine_of(raw).config.model):
+        return None
+    return engine_of(raw).lora(requested)
+
+
+def served_name(raw: Request, lora: LoadedLoRA | None) -> str:
+    """The `model` a response names: the adapter's, when the request ran one."""
+    return lora.name if lora is not None else model_name(raw)
 
 
 def cache_salt(raw: Request, requested: str | None) -> str | None:

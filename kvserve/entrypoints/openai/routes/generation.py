@@ -25,7 +25,8 @@ from kvserve.entrypoints.openai.routes.context import (
     check_ready_and_model,
     config_of,
     engine_of,
-    model_name,
+    lora_of,
+    served_name,
 )
 from kvserve.entrypoints.openai.tools.formats import choose_format, template_takes_tools
 from kvserve.entrypoints.openai.tools.grammar import harmony_call_tag, tool_structural_tag
@@ -44,19 +45,24 @@ async def completions(body: CompletionRequest, raw: Request):
     body.check_unsupported()
     engine = engine_of(raw)
     response_id = serving.new_id("cmpl")
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.engine_params()
     await _validate_grammar(engine, body, params)
     prompts = body.prompts()
     kv_params = body.kv_params()
     if kv_params is not None and len(prompts) != 1:
         raise InvalidRequestError("kv_transfer_params needs a single prompt", param="prompt")
     salt = cache_salt(raw, body.cache_salt)
+    lora = lora_of(raw, body.model)
     prepared = [_prepare(engine, f"{response_id}-{i}", p, params, body.priority, kv_params,
-                         salt, body.session()) for i, p in enumerate(prompts)]
+                         salt, body.session(), lora) for i, p in enumerate(prompts)]
     echo = [p.prompt if p.prompt is not None else engine.detokenize(p.prompt_token_ids)
             for p in prepared] if body.echo else []
-    job = serving.make_job("completion", response_id, body, model_name(raw), prepared, echo,
+    job = serving.make_job("completion", response_id, body, served_name(raw, lora), prepared,
+                           echo,
                            not config_of(raw).disable_log_requests, body.logprobs or 0)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs lead them
+        job.echo_first_tokens = [engine.inputs.tokenizer.decode(p.prompt_token_ids[:1], False)
+                                 for p in prepared]
     return await _run(job, body, raw, engine)
 
 
@@ -100,9 +106,10 @@ async def prepare_chat_job(body: ChatCompletionRequest, raw: Request,
     prompt = engine.inputs.render_chat(messages, body.add_generation_prompt, **template_kwargs)
     plan = None if harmony else thinking_plan(parser, prompt["prompt"], template_kwargs)
     await _plan_thinking(engine, body, params, plan, parser, grammar_field)
+    lora = lora_of(raw, body.model)
     prepared = [_prepare(engine, response_id, prompt, params, body.priority, body.kv_params(),
-                         cache_salt(raw, body.cache_salt), body.session())]
-    job = serving.make_job("chat", response_id, body, model_name(raw), prepared, [],
+                         cache_salt(raw, body.cache_salt), body.session(), lora)]
+    job = serving.make_job("chat", response_id, body, served_name(raw, lora), prepared, [],
                            not config_of(raw).disable_log_requests, num_top or 0)
     job.tool_format = tool_format
     job.harmony = harmony

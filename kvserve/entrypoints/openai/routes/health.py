@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve import __version__
 from kvserve.entrypoints.openai.errors import error_response
+from kvserve.entrypoints.openai.routes.lora import lora_model_cards
 from kvserve.entrypoints.openai.routes.context import engine_of, model_name
 from kvserve.kv_events import kv_events_info
 
@@ -36,9 +37,11 @@ async def models(raw: Request):
     engine = engine_of(raw)
     info = engine.model_info()
     max_len = info.max_model_len if info else None
+    created = int(time.time())
     return {"object": "list", "data": [{
-        "id": model_name(raw), "object": "model", "created": int(time.time()),
-        "owned_by": "kvserve", "root": engine.config.model, "max_model_len": max_len}]}
+        "id": model_name(raw), "object": "model", "created": created,
+        "owned_by": "kvserve", "root": engine.config.model, "max_model_len": max_len},
+        *lora_model_cards(raw, created, max_len)]}
 
 
 @router.get("/metrics")
