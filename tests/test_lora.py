@@ -11,7 +11,7 @@ import torch
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.errors import InvalidRequestError, LoRANotFoundError
-from tests.helpers import TINY_FAMILY_SHAPE, hf_reference, save_hf_checkpoint
+from tests.helpers import TINY_FAMILY_SHAPE, hf_reference, read_metrics, save_hf_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -260,3 +260,41 @@ def test_adapters_with_two_tensor_parallel_ranks_equal_hf_peft(case):
     for output, name in zip(outputs, (None, "attn", "mlp")):
         assert output.outputs[0].token_ids == \
             hf_reference(_hf_with(case, name), [prompt], NEW_TOKENS)[1][0], name
+
+
+def test_an_adapter_unloaded_mid_stream_finishes_its_requests(case, lora_server, tokenizer):
+    """Streams on an adapter have begun when it is unloaded: each ends with HF + PEFT's
+    tokens (the workers free its slot only after its last request), and new requests for
+    it are 404s at once."""
+    import itertools
+    import json
+
+    import httpx
+
+    base_url = lora_server.base_url
+    path = str(case["adapters"]["attn"])
+    loaded = httpx.post(f"{base_url}/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "late", "lora_path": path})
+    assert loaded.status_code == 200, loaded.text
+    prompt, length = case["prompts"][0], 600  # long enough to be running at the unload
+    expected = [tokenizer.decode([t], False) for t in
+                hf_reference(_hf_with(case, "attn"), [prompt], length)[1][0]]
+    body = {"model": "late", "prompt": prompt, "max_tokens": length, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(3)]
+        responses = [stream.__enter__() for stream in streams]
+        lines = [response.iter_lines() for response in responses]
+        firsts = [next(line) for line in lines]  # each stream admitted and running
+        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert gone.status_code == 200
+        assert read_metrics(base_url)["kvserve:num_requests_running"] > 0
+        assert client.post("/v1/completions", json={**body, "stream": False}).status_code == 404
+        for stream, first, line in zip(streams, firsts, lines):
+            tokens = []
+            for raw in itertools.chain([first], line):
+                if raw.startswith("data: {"):
+                    logprobs = json.loads(raw[6:])["choices"][0]["logprobs"]
+                    tokens += logprobs["tokens"] if logprobs else []
+            stream.__exit__(None, None, None)
+            assert tokens == expected

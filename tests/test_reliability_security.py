@@ -38,6 +38,13 @@ EXPECTED_ROUTES = {
     # FastAPI's generated docs: the schema and two HTML pages, built in memory
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
     ("GET", "/redoc"),
+    # Anthropic's Messages API over the chat path
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    # LoRA adapters loaded and unloaded at run time (from paths the server can read)
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+    # pooling: embeddings, vLLM's pooling and scores, rerank under its three names
+    ("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/score"), ("POST", "/rerank"),
+    ("POST", "/v1/rerank"), ("POST", "/v2/rerank"),
 }
 
 
@@ -88,16 +95,24 @@ def test_server_listens_on_loopback_only(locked_server):
 
 @pytest.mark.parametrize("method,path", sorted(EXPECTED_ROUTES - {("GET", "/health")}))
 def test_every_route_but_health_needs_the_key(locked_server, method, path):
+    """Refused without the key, however it is mangled; taken as `Authorization: Bearer` or
+    as Anthropic's `x-api-key` header. The 401 is in the route's API's shape."""
     url = locked_server.base_url + path
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                     {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"bearer {KEY}"},
-                    {"X-API-Key": KEY}):
+                    {"X-API-Key": f"{KEY}x"}, {"X-API-Key": f"Bearer {KEY}"}):
         response = httpx.request(method, url, headers=headers, json={"prompt": "x"})
         assert response.status_code == 401, (path, headers)
-        assert response.json()["error"]["code"] == "invalid_api_key"
-    good = httpx.request(method, url, headers=GOOD, json={"prompt": "x", "max_tokens": 1})
-    assert good.status_code != 401
-    assert good.status_code < 500
+        error = response.json()["error"]
+        if path.startswith("/v1/messages"):
+            assert error["type"] == "authentication_error"
+        else:
+            assert error["code"] == "invalid_api_key"
+    for good_headers in (GOOD, {"X-API-Key": KEY}):
+        good = httpx.request(method, url, headers=good_headers,
+                             json={"prompt": "x", "max_tokens": 1})
+        assert good.status_code != 401
+        assert good.status_code < 500
 
 
 def test_health_needs_no_key(locked_server):
