@@ -29,11 +29,8 @@ class ModelLoRA:
             if isinstance(module, DecoderModel):
                 module.lora_batch = self.batch
 
-    def check(self, adapter: LoRAAdapter, source: str) -> None:
-        check_adapter({name: (lora.layer, part) for name, (lora, part) in self._targets.items()},
-                      adapter, source)
-
     def add(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Put an adapter (checked by the front-end: `check_adapter`) in a free slot."""
         if adapter_id in self.slot_of:
             return
         free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
