@@ -25,7 +25,8 @@ OP_NAMES = ("rms_norm", "add_rms_norm_", "rms_norm_heads_", "silu_and_mul", "gel
             "apply_token_bitmask_", "int4_linear", "int4_linear_fast", "int8_linear",
             "bf16_linear", "int4_linear_q8", "int8_linear_q8", "q8_dot_wide", "gguf_pack",
             "gguf_dequantize", "gguf_linear_q8", "gguf_linear_q8k", "gguf_linear_int",
-            "gguf_superblocks_enabled", "set_gguf_superblocks", "gguf_linear_dequant")
+            "gguf_superblocks_enabled", "set_gguf_superblocks", "gguf_linear_dequant",
+            "lora_add_")
 # Compiled-only: the decoder layers as one C++ call (models/decode_stack.py), the fused
 # mixture of experts (models/layers/moe.py) and the AMX tiles under gguf_linear_dequant; the
 # torch reference op set has none of them, and the model then keeps its Python loops.

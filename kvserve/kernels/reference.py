@@ -335,6 +335,18 @@ def dequantize_int32(acc, token_scale, weight_scale, bias, dtype) -> torch.Tenso
     return out.to(dtype)
 
 
+def lora_add_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """out[t] += (x[t] @ a[s].T) @ b[s] for each row t of slot s = slots[t] >= 0, in float32
+    (csrc/lora.cpp): each slot's rows gathered, two matmuls, the sum scattered back."""
+    for slot in slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (slots == slot).nonzero().squeeze(1)
+        delta = (x.index_select(0, rows).float() @ a[slot].float().T) @ b[slot].float()
+        out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 

@@ -73,7 +73,7 @@ class Recorder:
         stack_linear = layer.method.stack_linear(layer, self.kernels)
         if stack_linear is None:
             raise Unsupported(f"{type(layer.method).__name__}'s kernel")
-        return self._emit(LINEAR, x, linear=stack_linear)
+        return self._emit(LINEAR, x, linear=stack_linear, **_lora_settings(layer))
 
     def add_(self, x: Value, other: Value) -> None:
         self._emit(ADD, x, other, produces=False)
@@ -119,6 +119,17 @@ class Recorder:
 
     def all_reduce_(self, x: Value, tp) -> None:
         raise Unsupported("a tensor-parallel all-reduce")
+
+
+def _lora_settings(layer: nn.Module) -> dict:
+    """A projection's LoRA slots (with --enable-lora): the stack adds each row's adapter after
+    the base product, as LinearLoRA.add_ does, with the same kernel."""
+    lora = getattr(layer, "lora", None)
+    if lora is None:
+        return {}
+    if not lora.compiled:
+        raise Unsupported(f"LoRA slots in {lora.a.dtype} (the torch reference's)")
+    return {"lora_a": lora.a, "lora_b": lora.b}
 
 
 def _norm_settings(norm: nn.Module) -> dict:

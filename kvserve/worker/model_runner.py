@@ -139,7 +139,7 @@ class ModelRunner:
         for i, item in enumerate(scheduled):
             if item.request.lora_id:
                 spans.setdefault(item.request.lora_id, []).append((ends[i], ends[i + 1]))
-        self.model.lora.set_rows(spans)
+        self.model.lora.set_rows(spans, ends[-1])
 
     def _prompt_logprobs(self, scheduled: list[ScheduledItem], hidden: torch.Tensor,
                          ends: list[int]) -> dict[str, tuple[int, list]]:

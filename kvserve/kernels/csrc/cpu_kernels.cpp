@@ -19,6 +19,7 @@
 #include "layer_ops.h"
 #include "flash_attention.h"
 #include "latent_attention.h"
+#include "lora.h"
 #include "bf16_gemm.h"
 #include "gguf_amx.h"
 #include "gguf_gemm.h"
@@ -1224,6 +1225,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gguf_amx", &kvserve::set_gguf_amx,
         "switch the AMX tiles of gguf_linear_dequant on or off (where the CPU has them)",
         py::arg("enabled"));
+  m.def("lora_add_", &kvserve::lora_add_,
+        "out[t] += (x[t] @ a[s].T) @ b[s] for each row t of slot s = slots[t] >= 0 (grouped LoRA)",
+        py::arg("x"), py::arg("out"), py::arg("a"), py::arg("b"), py::arg("slots"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
   m.def("q8_dot_wide", &kvserve::q8_dot_wide,
@@ -1300,7 +1305,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<at::Tensor> kv_cache, c10::optional<at::Tensor> cos_sin,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t sliding_window, double scale, double softcap, double limit,
-                       std::shared_ptr<kvserve::MoeLayer> moe, c10::optional<at::Tensor> sinks) {
+                       std::shared_ptr<kvserve::MoeLayer> moe, c10::optional<at::Tensor> sinks,
+                       c10::optional<at::Tensor> lora_a, c10::optional<at::Tensor> lora_b) {
              TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kMoe),
                          "decode stack: unknown op ", op);
              kvserve::StackInstruction in;
@@ -1316,6 +1322,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              in.sliding_window = sliding_window, in.scale = scale, in.softcap = softcap;
              in.limit = limit, in.moe = std::move(moe);
              if (sinks) in.sinks = *sinks;
+             TORCH_CHECK(lora_a.has_value() == lora_b.has_value(),
+                         "decode stack: a LoRA needs both a and b");
+             if (lora_a) in.lora_a = *lora_a, in.lora_b = *lora_b;
              return in;
            }),
            "one op of a recorded layer program (models/decode_stack.py)", py::arg("op"),
@@ -1326,11 +1335,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("cos_sin") = py::none(), py::arg("num_heads") = 0,
            py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
            py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0,
-           py::arg("limit") = 0.0, py::arg("moe") = py::none(), py::arg("sinks") = py::none());
+           py::arg("limit") = 0.0, py::arg("moe") = py::none(), py::arg("sinks") = py::none(),
+           py::arg("lora_a") = py::none(), py::arg("lora_b") = py::none());
   py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<kvserve::StackInstruction>, int64_t, int64_t>(),
            py::arg("program"), py::arg("num_registers"), py::arg("output"))
       .def("run", &kvserve::DecodeStack::run,
            "the stage's decoder layers for a step whose sequences take the paged or flash kernel",
+           py::arg("residual"), py::arg("positions"), py::arg("slot_mapping"),
+           py::arg("seq_ids"), py::arg("flash_seq_ids"), py::arg("query_start_loc"),
+           py::arg("seq_lens"), py::arg("block_tables"), py::arg("lora_slots") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }

@@ -8,6 +8,7 @@
 
 #include "flash_attention.h"
 #include "layer_ops.h"
+#include "lora.h"
 
 namespace kvserve {
 namespace {
@@ -75,7 +76,8 @@ DecodeStack::DecodeStack(std::vector<StackInstruction> program, int64_t num_regi
 at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
                             const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
                             const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc,
-                            const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                            const c10::optional<at::Tensor>& lora_slots) const {
   const StepArgs step{positions, slot_mapping, seq_ids, flash_seq_ids, query_start_loc,
                       seq_lens, block_tables};
   std::vector<at::Tensor> regs(num_registers_);
@@ -90,8 +92,13 @@ at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
                                  in.weight_offset);
         break;
       case StackOp::kLinear:
-        regs[in.dst] = in.linear(regs[in.src]);
+      {
+        const at::Tensor x = regs[in.src];  // dst may reuse src's register
+        regs[in.dst] = in.linear(x);
+        if (lora_slots && in.lora_a.defined())
+          lora_add_(x, regs[in.dst], in.lora_a, in.lora_b, *lora_slots);
         break;
+      }
       case StackOp::kSiluAndMul:
         regs[in.dst] = layer_ops::silu_and_mul(regs[in.src]);
         break;

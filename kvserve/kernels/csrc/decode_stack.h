@@ -35,6 +35,9 @@ struct StackInstruction {
   at::Tensor weight, key_weight;
   double eps = 0.0, weight_offset = 0.0;
   StackLinear linear;
+  // kLinear's LoRA slots (models/lora/slots.py), undefined without --enable-lora: a [S, W, K]
+  // and b [S, W, N], filled in place as adapters load
+  at::Tensor lora_a, lora_b;
   // attention: the layer's cache and RoPE table, heads, scale, window, soft cap
   at::Tensor kv_cache, cos_sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;
@@ -53,11 +56,13 @@ class DecodeStack {
   DecodeStack(std::vector<StackInstruction> program, int64_t num_registers, int64_t output);
 
   // residual: the embedded tokens [T, H] (register 0, updated in place as the Python path
-  // does); returns register `output`.
+  // does); lora_slots: each row's LoRA slot (int32, -1: none), when the step runs adapters;
+  // returns register `output`.
   at::Tensor run(at::Tensor residual, const at::Tensor& positions,
                  const at::Tensor& slot_mapping, const at::Tensor& seq_ids,
                  const at::Tensor& flash_seq_ids, const at::Tensor& query_start_loc,
-                 const at::Tensor& seq_lens, const at::Tensor& block_tables) const;
+                 const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                 const c10::optional<at::Tensor>& lora_slots = c10::nullopt) const;
 
  private:
   std::vector<StackInstruction> program_;

@@ -108,8 +108,8 @@ class DecoderModel(nn.Module):
         # The decoder layers as one C++ call for decode steps (models/decode_stack.py), built on
         # the first step that can use it; `enforce_eager` (--enforce-eager) keeps Python's loop.
         self.enforce_eager = False
-        # LoRA (models/lora/): a step whose rows run adapters takes the Python loop, where
-        # each projection adds its adapters' products (the stack multiplies base weights only)
+        # LoRA (models/lora/): each step's row slots; the stack and the Python loop both add
+        # each projection's adapters' products with ops.lora_add_
         self.lora_batch = None
         self._decode_stack: object | None | bool = None  # False: does not apply to this model
         self._kernel_limits = autotune.generation()  # the decode stack is built with these
@@ -159,7 +159,8 @@ class DecoderModel(nn.Module):
             plan = metadata.plan
             return stack.run(self.embed(input_ids), positions, metadata.slot_mapping,
                              plan.paged_seq_ids, plan.flash_seq_ids, plan.query_start_loc,
-                             metadata.seq_lens, metadata.block_tables)
+                             metadata.seq_lens, metadata.block_tables,
+                             self.lora_batch.slots if self.lora_batch is not None else None)
         if intermediate is None:  # the first layer takes the embedding as its residual
             residual, hidden = None, self.embed(input_ids)
         else:
@@ -188,8 +189,7 @@ class DecoderModel(nn.Module):
         and every sequence of the step on the paged kernel or, over a bf16 cache, the flash
         kernel (plans the step if needed; the Python path reuses the plan)."""
         if self.enforce_eager or self._decode_stack is False or intermediate is not None \
-                or self.kv_connector is not None or metadata.group_metadata \
-                or (self.lora_batch is not None and self.lora_batch.active):
+                or self.kv_connector is not None or metadata.group_metadata:
             return None
         if self._decode_stack is None:
             from kvserve.models.decode_stack import build_decode_stack

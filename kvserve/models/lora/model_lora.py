@@ -21,13 +21,14 @@ class ModelLoRA:
         self.batch = LoRABatch()
         self.slot_of: dict[int, int] = {}
         self._targets: dict[str, tuple[LinearLoRA, int]] = {}
+        decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
+        for decoder in decoders:
+            decoder.lora_batch = self.batch
+        ops = decoders[0].ops if decoders else None
         for module, (layer, part) in lora_targets(model).items():
             if layer.lora is None:
-                layer.lora = LinearLoRA(layer, max_loras, max_rank, dtype, self.batch)
+                layer.lora = LinearLoRA(layer, max_loras, max_rank, dtype, self.batch, ops)
             self._targets[module] = (layer.lora, part)
-        for module in model.modules():
-            if isinstance(module, DecoderModel):
-                module.lora_batch = self.batch
 
     def add(self, adapter_id: int, adapter: LoRAAdapter) -> None:
         """Put an adapter (checked by the front-end: `check_adapter`) in a free slot."""
@@ -48,16 +49,18 @@ class ModelLoRA:
     def remove(self, adapter_id: int) -> None:
         self.slot_of.pop(adapter_id, None)
 
-    def set_rows(self, rows_by_adapter: dict[int, list[tuple[int, int]]]) -> None:
-        """This step's rows of each adapter ([start, end) spans of the flattened tokens)."""
-        rows: dict[int, torch.Tensor | slice] = {}
+    def set_rows(self, rows_by_adapter: dict[int, list[tuple[int, int]]],
+                 num_rows: int) -> None:
+        """This step's rows of each adapter ([start, end) spans of its num_rows flattened
+        tokens); none: the step runs the base model only."""
+        if not rows_by_adapter:
+            self.batch.set(None)
+            return
+        slots = torch.full((num_rows,), -1, dtype=torch.int32)
         for adapter_id, spans in rows_by_adapter.items():
-            slot = self.slot_of[adapter_id]
-            if len(spans) == 1:
-                rows[slot] = slice(*spans[0])
-            else:
-                rows[slot] = torch.cat([torch.arange(s, e) for s, e in spans])
-        self.batch.set(rows)
+            for start, end in spans:
+                slots[start:end] = self.slot_of[adapter_id]
+        self.batch.set(slots)
 
 
 def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
