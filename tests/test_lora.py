@@ -116,7 +116,7 @@ def test_adapters_and_the_base_share_no_kv_block(case):
         assert cached(loras["attn"]) == 0  # loaded again: a new load, its own blocks
 
 
-def test_load_unload_and_bad_adapters(case, tmp_path):
+def test_load_unload_and_bad_adapters(case, tmp_path, tiny_llm):
     loras = _requests(case)
     with LLM(model=str(case["base"]), dtype="float32", enable_lora=True, max_loras=1,
              max_lora_rank=4) as llm:
@@ -144,9 +144,28 @@ def test_load_unload_and_bad_adapters(case, tmp_path):
         out = llm.generate(case["prompts"][0], SamplingParams(max_tokens=3, temperature=0),
                            use_tqdm=False, lora_request=LoRARequest("low", 9, str(low)))
         assert len(out[0].outputs[0].token_ids) == 3
-    with LLM(model=str(case["base"]), dtype="float32") as plain:
-        with pytest.raises(InvalidRequestError, match="enable-lora"):
-            plain.generate("x", use_tqdm=False, lora_request=loras["attn"])
+    # an engine started without --enable-lora (the session's tiny one) refuses any adapter
+    with pytest.raises(InvalidRequestError, match="enable-lora"):
+        tiny_llm.generate("x", use_tqdm=False, lora_request=loras["attn"])
+
+
+def test_lora_modules_take_vllms_forms():
+    """vLLM's --lora-modules: space-separated name=path items and JSON objects, repeatable;
+    comma-separated items too; a base_model_name that is not the served model refused."""
+    from kvserve.cli import _build_parser
+    from kvserve.entrypoints.openai.server import parse_lora_modules
+
+    args = _build_parser().parse_args([
+        "serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": '
+        '"smol"}', "--lora-modules", "c=/z,d=/w"])
+    loras = parse_lora_modules(args.lora_modules, ("smol",))
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in loras] == [
+        ("a", 1, "/x"), ("b", 2, "/y"), ("c", 3, "/z"), ("d", 4, "/w")]
+    for bad, message in [('{"name": "b", "path": "/y", "base_model_name": "other"}',
+                          "not the served model"), ('{"name": "b", "rank": 3}', "rank"),
+                         ("nopath", "expected name=path")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            parse_lora_modules((bad,), ("smol",))
 
 
 # ---- over HTTP: --lora-modules, /v1/models, load and unload under load ------------------------

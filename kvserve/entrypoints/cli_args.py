@@ -32,7 +32,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
             continue
         if field.metadata.get("multiple"):
             group.add_argument(*flags, action=_AppendNames, default=field.default,
-                               help=help_text)
+                               nargs=field.metadata.get("nargs"), help=help_text)
             continue
         group.add_argument(*flags, type=kind, default=field.default,
                            choices=field.metadata.get("choices"),
@@ -40,10 +40,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
 
 
 class _AppendNames(argparse.Action):
-    """A repeatable flag whose values may also be comma-separated: a tuple of them all."""
+    """A repeatable flag whose values may also be comma-separated (or, with nargs="+",
+    space-separated): a tuple of them all. A JSON object value is one item, commas and all."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        names = tuple(name.strip() for name in values.split(",") if name.strip())
+        names = ()
+        for value in [values] if isinstance(values, str) else values:
+            if value.lstrip().startswith("{"):
+                names += (value.strip(),)
+            else:
+                names += tuple(name.strip() for name in value.split(",") if name.strip())
         setattr(namespace, self.dest, tuple(getattr(namespace, self.dest) or ()) + names)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 
 from fastapi import FastAPI
@@ -219,16 +220,40 @@ def _publishing_kv_events(engine_config):
     return with_kv_events(engine_config, "127.0.0.1")
 
 
-def parse_lora_modules(modules: tuple[str, ...] | None) -> list[LoRARequest]:
-    """--lora-modules' name=path items (vLLM's form)."""
+def parse_lora_modules(modules: tuple[str, ...] | None,
+                       base_names: tuple[str | None, ...] = ()) -> list[LoRARequest]:
+    """--lora-modules' items in vLLM's two forms: name=path, or a JSON object with "name" and
+    "path" and optionally "base_model_name", which must then be one of `base_names` (the
+    served model: one base here)."""
     requests = []
     for item in modules or ():
-        name, _, path = item.partition("=")
-        if not name or not path:
-            raise InvalidRequestError(f"--lora-modules {item!r}: expected name=path",
-                                      param="lora_modules")
-        requests.append(LoRARequest(name.strip(), len(requests) + 1, path.strip()))
+        name, path = _lora_module(item, base_names)
+        requests.append(LoRARequest(name, len(requests) + 1, path))
     return requests
+
+
+def _lora_module(item: str, base_names: tuple[str | None, ...]) -> tuple[str, str]:
+    if item.startswith("{"):
+        try:
+            fields = json.loads(item)
+        except json.JSONDecodeError as error:
+            raise InvalidRequestError(f"--lora-modules {item!r}: {error}",
+                                      param="lora_modules") from error
+        unknown = set(fields) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise InvalidRequestError(f"--lora-modules {item!r}: unknown field(s) "
+                                      f"{', '.join(sorted(unknown))}", param="lora_modules")
+        name, path = str(fields.get("name") or ""), str(fields.get("path") or "")
+        base = fields.get("base_model_name")
+        if base is not None and base not in base_names:
+            raise InvalidRequestError(f"--lora-modules {item!r}: base_model_name {base!r} is "
+                                      "not the served model", param="lora_modules")
+    else:
+        name, _, path = (part.strip() for part in item.partition("="))
+    if not name or not path:
+        raise InvalidRequestError(f"--lora-modules {item!r}: expected name=path or "
+                                  '{"name": ..., "path": ...}', param="lora_modules")
+    return name, path
 
 
 def run_server(engine_config, server_config: ServerConfig) -> int:
@@ -242,7 +267,9 @@ def run_server(engine_config, server_config: ServerConfig) -> int:
     engine = AsyncEngine(engine_config, server_config.served_model_name,
                          restart_on_failure=server_config.restart_engine_on_failure,
                          max_restarts=server_config.max_engine_restarts,
-                         lora_modules=parse_lora_modules(server_config.lora_modules))
+                         lora_modules=parse_lora_modules(
+                             server_config.lora_modules,
+                             (server_config.served_model_name, engine_config.model)))
     app = build_app(engine, server_config)
     uv_config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                log_level="info", access_log=not server_config.disable_log_requests,

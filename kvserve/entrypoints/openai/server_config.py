@@ -38,10 +38,10 @@ class ServerConfig:
                                      "recently used out first) for previous_response_id and "
                                      "GET /v1/responses/{id}; 0 keeps none")
     lora_modules: tuple[str, ...] | None = _opt(
-        None, "LoRA adapters (PEFT directories) served from the start, each name=path "
-        "(repeatable or comma-separated); requests name them as their model. Needs "
-        "--enable-lora; more load at run time with POST /v1/load_lora_adapter",
-        multiple=True)
+        None, "LoRA adapters (PEFT directories) served from the start, each name=path or "
+        "vLLM's JSON {\"name\": ..., \"path\": ...} (space-separated, repeatable or "
+        "comma-separated); requests name them as their model. Needs --enable-lora; more "
+        "load at run time with POST /v1/load_lora_adapter", multiple=True, nargs="+")
     restart_engine_on_failure: bool = _opt(False, "when the engine core dies (crash, kill, "
                                            "OOM kill), fail its requests and start a new core "
                                            "instead of exiting non-zero")
