@@ -1064,13 +1064,14 @@ def assert_kernels_refuse_rows_of_the_wrong_width(compiled, row_dtype):
                                   metadata.block_tables, KV_HEADS_Q, KV_HEADS_KV, 32, 0.1, 0)
 
 
-def equal_up_to_near_ties(expected, got, near_tie: float) -> list[int]:
+def equal_up_to_near_ties(expected, got, near_tie: float, steps: int | None = None) -> list[int]:
     """Completion outputs (`expected` with logprobs >= 2) against others for the same prompts:
-    each pair's tokens equal, or first different at a step where `expected`'s own top two
-    logprobs were within `near_tie` nats. Returns how many leading tokens each pair shares."""
+    each pair's tokens equal (the first `steps` of them, default all), or first different at a
+    step where `expected`'s own top two logprobs were within `near_tie` nats. Returns how many
+    leading tokens each pair shares."""
     shared = []
     for want, have in zip(expected, got):
-        pairs = list(zip(want.token_ids, have.token_ids))
+        pairs = list(zip(want.token_ids, have.token_ids))[:steps]
         first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
         shared.append(first)
         if first < len(pairs):
@@ -1080,11 +1081,14 @@ def equal_up_to_near_ties(expected, got, near_tie: float) -> list[int]:
 
 
 def assert_chunked_prompts_give_their_tokens_again(model_dir, tokenizer, kv_cache_dtype,
-                                                   near_tie: float = 0.0):
+                                                   near_tie: float = 0.0,
+                                                   prefill_near_tie: float = 0.0):
     """float32 activations over a quantized cache: prompts chunked by a 32-token budget give
     the same greedy tokens when served again over their cached blocks (the same kernels read
     the same codes), up to a step where the first pass's top two were within `near_tie` nats,
-    and begin as the prompts prefilled whole do (their first 4 tokens). Not token for token to
+    and begin as the prompts prefilled whole do (their first 4 tokens, up to a step where the
+    whole prompt's top two were within `prefill_near_tie` nats: the two prefills round their
+    own K/V, which differ in last bits, so their codes may differ). Not token for token to
     the end: the whole prompt's attention (SDPA) and the chunks' (the paged kernel) sum in
     different orders, and so do decode steps of other batch sizes; where float32 KV would
     differ in a last bit, a value near a rounding boundary can take the neighbouring code, and a
@@ -1099,14 +1103,13 @@ def assert_chunked_prompts_give_their_tokens_again(model_dir, tokenizer, kv_cach
     common = dict(model=str(model_dir), dtype="float32", kv_cache_dtype=kv_cache_dtype,
                   block_size=16, num_kv_blocks=64, max_model_len=256, engine_core="thread")
     with LLM(enable_prefix_caching=False, **common) as whole:
-        expected = [r.outputs[0].token_ids for r in whole.generate(prompts, params,
-                                                                   use_tqdm=False)]
+        expected = [r.outputs[0] for r in whole.generate(prompts, params, use_tqdm=False)]
     with LLM(enable_prefix_caching=True, max_num_batched_tokens=32, **common) as chunked:
         first = [r.outputs[0] for r in chunked.generate(prompts, params, use_tqdm=False)]
         again = [r.outputs[0] for r in chunked.generate(prompts, params, use_tqdm=False)]
         assert chunked.llm_engine.engine_core.kv_manager.stats.hits > 0
     equal_up_to_near_ties(first, again, near_tie)
-    assert [o.token_ids[:4] for o in first] == [tokens[:4] for tokens in expected]
+    equal_up_to_near_ties(expected, first, prefill_near_tie, steps=4)
 
 
 def assert_blocks_go_to_a_ram_tier_and_come_back(model_dir, tokenizer, kv_cache_dtype):

@@ -12,21 +12,11 @@ import pytest
 import torch
 
 from kvserve.attention import build_attention_metadata
-from kvserve.kernels import isa, reference
+from kvserve.kernels import reference
 import tests.helpers as helpers
 
 FP8 = reference.FP8_KV_DTYPE
 
-# Found on Intel Xeon family 6 model 207 (Emerald Rapids, AVX512-FP16 and AMX) on 2026-11-30:
-# at the AVX-512 kernel levels fp8 KV reads a perplexity of 9.3620 against float KV's 9.3228
-# (+0.42%; +0.16% on Zen 4/5 with the same binaries; the AVX2 level passes here, and
-# KVSERVE_AMX=0 changes nothing), and a chunked prompt's first tokens over fp8 rows differ from
-# the whole prompt's. Not explained yet: the compiled code is the same as on the CPUs where
-# these pass, so something chosen at run time differs (under investigation, issue 58's note).
-_FP8_DRIFTS_HERE = pytest.mark.xfail(
-    "avx512_fp16" in isa.cpu_flags() and isa.best_level().startswith("avx512"),
-    reason="fp8 KV drifts further at AVX-512 levels on Sapphire/Emerald Rapids-class CPUs "
-    "(see the comment above)", strict=False)
 # e4m3's finite magnitudes by code 0..126 (code 127 is NaN), from the format's definition:
 # 3 mantissa bits, exponent bias 7, subnormals at 2^-6 x m / 8.
 E4M3_VALUES = torch.tensor([(code & 7) / 8 * 2.0**-6 if code < 8
@@ -122,9 +112,23 @@ def test_the_kernels_write_the_reference_bytes_on_edge_values(act_dtype, compile
     assert torch.equal(keys[:-3, :dim], nearest_e4m3_codes(rows.float()[:-3]))
 
 
+@pytest.fixture(params=[False, True], ids=["ieee", "ftz_daz"])
+def denormals_flushed(request):
+    """Also with FTZ and DAZ set (torch.set_flush_denormal; a library built with -ffast-math
+    sets them when it loads), on one thread so the kernel runs where they are set: fp8's
+    subnormal codes decode through fp16 subnormals, which `vcvtph2ps` converts whatever DAZ
+    says; a decode through float32 arithmetic on them would read 0."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(request.param)
+    yield request.param
+    torch.set_flush_denormal(False)
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_decode_every_code_as_torch_does(act_dtype, dim, compiled):
+def test_the_kernels_decode_every_code_as_torch_does(act_dtype, dim, compiled, denormals_flushed):
     """Every byte but the two NaNs as the value row of a one-token sequence with scale 1: the
     attention output is that row decoded (softmax over one key is 1; e4m3 values are exact in
     bf16 too), equal to torch's float8_e4m3fn -> float32."""
@@ -229,14 +233,24 @@ def test_kv_bytes_per_token_equal_int8_and_about_half_of_bf16(smollm_source):
     assert layout.bytes_per_token == 2 * config.num_key_value_heads * (config.head_dim + 4)
 
 
-@_FP8_DRIFTS_HERE
-def test_fp8_perplexity_stays_within_0_3_percent_of_float_kv(smollm_source):
+def test_fp8_perplexity_stays_within_1_percent_of_float_kv(smollm_source):
     """Two held-out windows of 512 tokens scored with float32 activations over a float32 and
-    an fp8 KV cache: measured +0.16% (int8 +0.04%). The whole text, 22 windows: fp8 +0.39%,
-    int8 +0.09% (bf16 activations: +0.71% and +0.21%; docs/performance-journal.md)."""
+    an fp8 KV cache. On two windows the figure is a draw, not a constant: K/V that differ in a
+    last bit (another ISA level's or CPU's float sums) round some values near a boundary to
+    the neighbouring e4m3 code, a step of 1/16 of the value, and later layers diverge from
+    there. Measured (Emerald Rapids, 2026-11-30, docs/performance-journal.md): K/V given
+    relative noise of 1.2e-7 before rounding read +0.09% to +0.79% over 30 seeds at the
+    avx512_bf16 level (mean +0.48%, sd 0.19%) and +0.01% to +0.66% over 15 at avx2 (mean
+    +0.36%, sd 0.17%; 11 of the 45 under the former bound of 0.3%), float KV moving by 4e-7;
+    unperturbed: avx2 +0.28%, avx512_bf16 +0.42%, the torch reference ops +0.56%, Zen 4/5
+    +0.16%. int8 over 8 seeds: -0.11% to +0.09%. The bound is the 45's mean + 3 sd; codes
+    rounded toward zero read -1.05% (subnormal codes read as 0: +0.51%, inside the spread: the
+    decode test above catches that). The whole text, 22
+    windows: fp8 +0.39%, int8 +0.09% (bf16 activations: +0.71% and +0.21%;
+    docs/performance-journal.md)."""
     exact, quantized = helpers.kv_cache_perplexities(smollm_source, FP8)
     assert quantized != exact  # the fp8 rows were read
-    assert abs(quantized / exact - 1) < 0.003, (exact, quantized)
+    assert abs(quantized / exact - 1) < 0.01, (exact, quantized)
 
 
 @pytest.mark.slow
@@ -279,11 +293,15 @@ def test_greedy_tokens_agree_with_float_kv_up_to_near_ties(smollm_source, tokeni
     assert sum(shared) / len(shared) >= 6, shared
 
 
-@_FP8_DRIFTS_HERE
 def test_chunked_prompts_give_their_tokens_again_over_cached_blocks(smollm_source, tokenizer):
-    """Up to near-ties of 0.05 nats (one measured at 0.022)."""
+    """Again over the same codes: up to near-ties of 0.05 nats (one measured at 0.022). Against
+    the prompt prefilled whole, which rounds K/V of its own that differ in last bits: up to
+    near-ties of 0.3 nats. The third prompt's first token is a near-tie of the model's (1112
+    over 1466 by 0.016 nats with float KV); with its whole-prompt K/V given relative noise of
+    1.2e-7 before the fp8 rounding, 10 seeds read margins from 1112 by 0.123 to 1466 by 0.119
+    (8 of them 1466), and the first prompt's first margin 1.08 to 1.24."""
     helpers.assert_chunked_prompts_give_their_tokens_again(smollm_source.path, tokenizer, "fp8",
-                                                           near_tie=0.05)
+                                                           near_tie=0.05, prefill_near_tie=0.3)
 
 
 def test_fp8_blocks_go_to_a_ram_tier_and_come_back(tiny_model_dir, tokenizer):
