@@ -241,19 +241,39 @@ def _serve(tmp_path_factory, directory, *flags):
     return server, log
 
 
+# each server: its chat template, its flags
+SERVERS = {"qwen3": (QWEN3, ("--reasoning-parser", "qwen3")),
+           "deepseek": (R1, ("--reasoning-parser", "deepseek_r1")),
+           "no-parser": (QWEN3, ()),
+           "misfit": (None, ("--reasoning-parser", "qwen3"))}
+
+
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory, tokenizer):
-    server, log = _serve(tmp_path_factory, _model_dir(tmp_path_factory, tokenizer, QWEN3),
-                         "--reasoning-parser", "qwen3")
+def servers(tmp_path_factory, tokenizer):
+    """The module's four servers, launched together so their starts (mostly Python imports, one
+    core each) overlap; each test's fixture or body enters its own (waits for /health) and
+    stops it. Any left running stop with the module."""
+    started = {}
+    for name, (template, flags) in SERVERS.items():
+        started[name] = _serve(tmp_path_factory, _model_dir(tmp_path_factory, tokenizer,
+                                                            template), *flags)
+        started[name][0].start()
+    yield started
+    for server, _ in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3(servers):
+    server, log = servers["qwen3"]
     with server:
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused"), log
     assert "outside its grammar" not in log.read_text()
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory, tokenizer):
-    server, log = _serve(tmp_path_factory, _model_dir(tmp_path_factory, tokenizer, R1),
-                         "--reasoning-parser", "deepseek_r1")
+def deepseek(servers):
+    server, _ = servers["deepseek"]
     with server:
         yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
 
@@ -443,9 +463,9 @@ def test_langchain_reads_the_answer_and_the_reasoning(qwen3, tokenizer):
     assert blocks[1]["text"] == ANSWER
 
 
-def test_without_the_flag_the_thinking_stays_in_the_content(tmp_path_factory, tokenizer):
+def test_without_the_flag_the_thinking_stays_in_the_content(servers, tokenizer):
     """As vLLM: no --reasoning-parser, no split (and a budget has nothing to count: 400)."""
-    server, _ = _serve(tmp_path_factory, _model_dir(tmp_path_factory, tokenizer, QWEN3))
+    server, _ = servers["no-parser"]
     with server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
         message = _chat(client, tokenizer, QWEN3_REPLY).choices[0].message
@@ -455,10 +475,8 @@ def test_without_the_flag_the_thinking_stays_in_the_content(tmp_path_factory, to
             _chat(client, tokenizer, QWEN3_REPLY, extra_body={"thinking_token_budget": 4})
 
 
-def test_a_parser_the_template_does_not_fit_is_warned_about_at_start(tmp_path_factory,
-                                                                     tokenizer):
-    server, log = _serve(tmp_path_factory, _model_dir(tmp_path_factory, tokenizer, None),
-                         "--reasoning-parser", "qwen3")
+def test_a_parser_the_template_does_not_fit_is_warned_about_at_start(servers):
+    server, log = servers["misfit"]
     with server:
         from tests.helpers import wait_until
 
