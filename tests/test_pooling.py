@@ -366,18 +366,16 @@ def test_pooling_runner_400s(server):
             assert error["param"] == param, (path, body, error)
 
 
-def test_generate_runner_refuses_pooling_routes(tiny_model_dir, tmp_path):
-    log = tmp_path / "server.log"
-    with ServerProcess(tiny_server_flags(tiny_model_dir, kv_blocks=64), log_path=log) as server:
-        for path, body in (("/v1/embeddings", {"input": "hello"}), ("/pooling", {"input": "x"}),
-                           ("/score", {"text_1": "a", "text_2": "b"}),
-                           ("/v1/rerank", {"query": "q", "documents": ["d"]})):
-            response = _post(server, path, body)
-            assert response.status_code == 400, (path, response.text)
-            assert "--runner pooling" in response.json()["error"]["message"]
-        assert _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}
-                     ).status_code == 200
-    assert server.exit_code == 0, log.read_text()[-3000:]
+def test_generate_runner_refuses_pooling_routes(smol_server):
+    """The session's generate runner (conftest's smol_server: no server of its own to start)."""
+    for path, body in (("/v1/embeddings", {"input": "hello"}), ("/pooling", {"input": "x"}),
+                       ("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "q", "documents": ["d"]})):
+        response = _post(smol_server, path, body)
+        assert response.status_code == 400, (path, response.text)
+        assert "--runner pooling" in response.json()["error"]["message"]
+    assert _post(smol_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}
+                 ).status_code == 200
 
 
 def test_run_batch_embeddings_on_a_pooling_runner(checkpoints, reference, tmp_path):
