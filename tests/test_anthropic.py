@@ -111,7 +111,12 @@ def test_output_format_is_the_chat_paths_json_schema():
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "tint": 1}]}]},
      "messages.0.content.0.text.tint: unrecognized"),
     ({"system": [{"type": "image"}]}, "system: content blocks of type 'image'"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"thinking": {"type": "between_tools"}}, "thinking.type"),
+    ({"thinking": {"type": "enabled"}}, 'budget_tokens is needed with type "enabled"'),
+    ({"thinking": {"type": "enabled", "budget_tokens": 8}},
+     "thinking.budget_tokens (8) must be less than max_tokens (8)"),
+    ({"thinking": {"type": "adaptive", "display": "omitted"}},
+     'thinking.display: display "omitted" is not supported'),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
     ({"tools": [{**ADD, "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
     ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
@@ -215,19 +220,21 @@ HARMONY_TURN = ("<|channel|>analysis<|message|>Need the sum.<|end|><|start|>assi
 
 
 @pytest.mark.parametrize("whole", [False, True])
-def test_a_harmony_turn_is_its_text_and_calls_without_the_analysis(whole):
+@pytest.mark.parametrize("show_thinking", [True, False])
+def test_a_harmony_turn_is_its_thinking_text_and_calls(whole, show_thinking):
     """Fed as the model writes it: a marker (one special token) at once, text a character
-    at a time."""
+    at a time. The analysis channel is a thinking block, unless thinking was disabled."""
     pieces = [HARMONY_TURN] if whole else [
         piece for part in re.split(r"(<\|[a-z]+\|>)", HARMONY_TURN) if part
         for piece in ([part] if part.startswith("<|") else part)]
-    blocks = ContentBlocks(harmony=True)
+    blocks = ContentBlocks(harmony=True, show_thinking=show_thinking)
     for end in range(1, len(pieces) + 1):
         blocks.feed("".join(pieces[:end]), end == len(pieces))
     blocks.close()
-    assert _without_ids(blocks.blocks) == [{"type": "text", "text": "Adding."},
-                                           {"type": "tool_use", "name": "add",
-                                            "input": {"a": 2, "b": 3}}]
+    thinking = [{"type": "thinking", "thinking": "Need the sum.", "signature": ""}]
+    assert _without_ids(blocks.blocks) == thinking * show_thinking + [
+        {"type": "text", "text": "Adding."},
+        {"type": "tool_use", "name": "add", "input": {"a": 2, "b": 3}}]
 
 
 def test_a_call_cut_off_keeps_its_name_with_no_input():
@@ -433,7 +440,8 @@ def test_an_api_key_comes_as_x_api_key_or_bearer(server):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "iVBORw0KGgo="}}]}]},
      "messages.0.content: content blocks of type 'image'"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "adaptive"}}, "thinking ({\"type\": \"adaptive\"}) needs a server "
+     "started with --reasoning-parser"),
     ({"tools": [ADD], "tool_choice": {"type": "any"},
       "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
      "output_config.format"),

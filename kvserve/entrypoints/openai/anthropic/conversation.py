@@ -1,7 +1,9 @@
 """A Messages API conversation as the chat messages the chat path renders: the system prompt
 first, then each message's blocks: text as the turn's content, an assistant's tool_use blocks
-as its tool_calls, a user's tool_result blocks as tool messages (which the tool prompt writes
-back as <tool_response> blocks, or a template with tools renders itself)."""
+as its tool_calls and its thinking blocks as its reasoning_content (which the template keeps
+or drops; redacted thinking is dropped), a user's tool_result blocks as tool messages (which
+the tool prompt writes back as <tool_response> blocks, or a template with tools renders
+itself)."""
 
 from __future__ import annotations
 
@@ -54,11 +56,16 @@ def _turn(number: int, role: str, blocks: list) -> list[dict[str, Any]]:
 
 
 def _assistant_turn(number: int, blocks: list) -> dict[str, Any]:
-    """An earlier answer: its text, and its tool_use blocks as the turn's tool_calls."""
-    text, calls = [], []
+    """An earlier answer: its text, its tool_use blocks as the turn's tool_calls, its
+    thinking as the turn's reasoning_content."""
+    text, calls, thinking = [], [], []
     for index, block in enumerate(blocks):
         if block.type == "text":
             text.append(block.text)
+        elif block.type == "thinking":
+            thinking.append(block.thinking)
+        elif block.type == "redacted_thinking":
+            continue
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function", "function": {
                 "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
@@ -67,6 +74,8 @@ def _assistant_turn(number: int, blocks: list) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": TEXT_JOINER.join(text)}
     if calls:
         message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = TEXT_JOINER.join(thinking)
     return message
 
 
@@ -82,6 +91,6 @@ def _result_text(block) -> str:
 
 
 def _misplaced(number: int, index: int, kind: str, role: str) -> InvalidRequestError:
-    belongs = "assistant" if kind == "tool_use" else "user"
+    belongs = "user" if kind == "tool_result" else "assistant"
     return InvalidRequestError(f"messages.{number}.content.{index}: {kind} blocks go in "
                                f"{belongs} messages, not {role} ones", param="messages")

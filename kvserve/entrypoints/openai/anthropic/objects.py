@@ -13,10 +13,16 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 def message(job: Job, output: RequestOutput) -> dict[str, Any]:
     """The whole answer as a message object."""
     sample = output.outputs[0]
-    blocks = ContentBlocks(job.tool_format, job.harmony)
+    blocks = content_blocks(job)
     content = blocks.whole(sample.text)
     return {**shell(job), "content": content,
             **stop_fields(job, sample, blocks.called), "usage": usage(output)}
+
+
+def content_blocks(job: Job) -> ContentBlocks:
+    """The job's answer as blocks: its tools' format, harmony, its thinking (shown unless
+    the request disabled it)."""
+    return ContentBlocks(job.tool_format, job.harmony, job.reasoning, job.include_reasoning)
 
 
 def shell(job: Job) -> dict[str, Any]:

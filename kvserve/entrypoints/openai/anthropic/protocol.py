@@ -1,7 +1,8 @@
 """Request bodies of POST /v1/messages and /v1/messages/count_tokens. Whatever the server
 would not honour is refused by name before anything runs (a 400): unknown fields, content
-blocks other than text / tool_use / tool_result, server tools, thinking. Prompt-caching hints
-(`cache_control`) pass anywhere, since the prefix cache here is automatic.
+blocks other than text / tool_use / tool_result / thinking, server tools. `thinking` is
+`thinking.ThinkingConfig`; an earlier answer's thinking blocks are accepted back.
+Prompt-caching hints (`cache_control`) pass anywhere, since the prefix cache here is automatic.
 
 The chat-completions request that serves one (`chat_request`) is built here and nowhere
 else: rendering, tool grammars and sampling are then the chat route's own."""
@@ -22,6 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvserve.entrypoints.openai.anthropic.conversation import chat_messages
+from kvserve.entrypoints.openai.anthropic.thinking import ThinkingConfig, check_budget
 from kvserve.entrypoints.openai.protocol import (
     FUNCTION_NAME_PATTERN,
     ChatCompletionRequest,
@@ -31,7 +33,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.errors import InvalidRequestError
 
 # the content blocks each place takes; any other type is refused by name
-MESSAGE_BLOCK_TYPES = ("text", "tool_use", "tool_result")
+MESSAGE_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 RESULT_BLOCK_TYPES = ("text",)
 # Anthropic fields the server does not implement -> the values that ask for nothing
 _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
@@ -79,6 +81,23 @@ class ToolUseBlock(_Block):
         refuse_not_implemented(_BLOCK_NOT_IMPLEMENTED))
 
 
+class ThinkingBlock(_Block):
+    """An earlier answer's thinking sent back (clients must, in a tool-use loop): the template
+    renders it where it keeps thinking (Qwen3's: the turns after the last user query, as
+    Anthropic keeps only the current tool loop's), and drops it elsewhere."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None  # this server signs nothing: any value is accepted back
+
+
+class RedactedThinkingBlock(_Block):
+    """Another server's encrypted thinking: unreadable here, so dropped from the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -95,12 +114,13 @@ class ToolResultBlock(_Block):
         return _checked_blocks(value, RESULT_BLOCK_TYPES)
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                  | RedactedThinkingBlock, Field(discriminator="type")]
 
 
 def _checked_blocks(blocks: Any, allowed: tuple[str, ...]) -> Any:
     """`blocks` as a list (a string is shorthand for one text block), once every block's type
-    is one of `allowed`; another type (image, document, thinking, server tool results) is
+    is one of `allowed`; another type (image, document, server tool results) is
     refused by name and place."""
     if isinstance(blocks, str):
         return [{"type": "text", "text": blocks}]
@@ -197,7 +217,7 @@ class _Conversation(RequestBody):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
-    thinking: Any = None
+    thinking: ThinkingConfig | None = None
     cache_control: Any = None  # top-level caching hint: the prefix cache is automatic
     # not implemented: a 400 unless the value asks for nothing
     container: Any = None
@@ -224,14 +244,6 @@ class _Conversation(RequestBody):
                                        "tools (name, description, input_schema)")
         return value
 
-    @field_validator("thinking")
-    @classmethod
-    def _no_thinking(cls, value):
-        if value is None or value == {"type": "disabled"}:
-            return value
-        raise _not_implemented('thinking is not supported by this server: no thinking blocks '
-                               'are written; leave it out or send {"type": "disabled"}')
-
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_an_offered_tool(cls, choice, info: ValidationInfo):
@@ -256,6 +268,7 @@ class _Conversation(RequestBody):
                 "name": "output", "schema": output.format.schema_}}
                 if output and output.format else None),
             "reasoning_effort": output.effort if output else None,
+            **(self.thinking.chat_fields() if self.thinking else {}),
         }
 
     def chat_request(self) -> ChatCompletionRequest:
@@ -287,9 +300,18 @@ class MessagesRequest(_Conversation):
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    # vLLM's: arguments for the server's custom logits processors (--logits-processors)
+    vllm_xargs: dict[str, Any] | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _room_after_thinking(cls, max_tokens, info: ValidationInfo):
+        check_budget(info.data.get("thinking"), max_tokens)
+        return max_tokens
 
     def chat_fields(self) -> dict[str, Any]:
         return {**super().chat_fields(), "max_tokens": self.max_tokens,
                 "stop": self.stop_sequences or None, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k,
-                "user": self.metadata.user_id if self.metadata else None}
+                "user": self.metadata.user_id if self.metadata else None,
+                "vllm_xargs": self.vllm_xargs}

@@ -1,8 +1,9 @@
 """A streamed message as Anthropic's events, in Anthropic's order: message_start; per content
-block content_block_start, content_block_delta... (text_delta, or input_json_delta for a
-tool_use block), content_block_stop, with a ping after the first block opens; message_delta
-(stop_reason, stop_sequence, usage); message_stop. An engine failure midway ends the stream
-with an `error` event instead."""
+block content_block_start, content_block_delta... (thinking_delta then one signature_delta
+for a thinking block, text_delta for text, input_json_delta for a tool_use block),
+content_block_stop, with a ping after the first block opens; message_delta (stop_reason,
+stop_sequence, usage); message_stop. An engine failure midway ends the stream with an `error`
+event instead."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import logging
 from typing import Any, AsyncIterator
 
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.entrypoints.openai.anthropic.blocks import ContentBlocks
 from kvserve.entrypoints.openai.anthropic.errors import exception_body
-from kvserve.entrypoints.openai.anthropic.objects import shell, stop_fields, usage
+from kvserve.entrypoints.openai.anthropic.objects import (
+    content_blocks,
+    shell,
+    stop_fields,
+    usage,
+)
 from kvserve.entrypoints.openai.serving import Job, merged_stream
 from kvserve.sampling_params import RequestOutputKind
 
@@ -29,7 +34,7 @@ def frame(event: dict[str, Any]) -> str:
 
 async def message_events(engine: AsyncEngine, job: Job) -> AsyncIterator[str]:
     yield frame({"type": "message_start", "message": shell(job)})
-    blocks = ContentBlocks(job.tool_format, job.harmony)
+    blocks = content_blocks(job)
     pinged = False
     try:
         result = None

@@ -15,8 +15,14 @@ from kvserve.entrypoints.openai.anthropic.errors import AnthropicRoute, reshaped
 from kvserve.entrypoints.openai.anthropic.objects import message
 from kvserve.entrypoints.openai.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvserve.entrypoints.openai.anthropic.stream import message_events
+from kvserve.entrypoints.openai.anthropic.thinking import check_server_thinks
+from kvserve.entrypoints.openai.reasoning.parser import uses_harmony
 from kvserve.entrypoints.openai.responses.objects import new_id
-from kvserve.entrypoints.openai.routes.context import check_ready_and_model, engine_of
+from kvserve.entrypoints.openai.routes.context import (
+    check_ready_and_model,
+    config_of,
+    engine_of,
+)
 from kvserve.entrypoints.openai.routes.generation import prepare_chat_job
 from kvserve.errors import InvalidRequestError
 
@@ -24,7 +30,8 @@ router = APIRouter(route_class=AnthropicRoute)
 
 # the chat fields an error from the chat path may name -> the Messages API's
 _FIELDS = {"response_format": "output_config.format", "reasoning_effort": "output_config.effort",
-           "max_completion_tokens": "max_tokens"}
+           "max_completion_tokens": "max_tokens",
+           "thinking_token_budget": "thinking.budget_tokens"}
 
 
 @router.post("/v1/messages")
@@ -60,6 +67,9 @@ async def count_tokens(body: CountTokensRequest, raw: Request):
 async def _prepare(body: CountTokensRequest | MessagesRequest, raw: Request,
                    message_id: str) -> serving.Job:
     """The chat path's job for this request; its errors name the Messages API's fields."""
+    parser = config_of(raw).reasoning_parser
+    check_server_thinks(body.thinking, parser is not None or uses_harmony(
+        parser, engine_of(raw).inputs.tokenizer.chat_template))
     try:
         return await prepare_chat_job(body.chat_request(), raw, message_id)
     except InvalidRequestError as exc:
