@@ -111,23 +111,31 @@ def kernel_level(level: str) -> Iterator[None]:
 
 
 # ---- HF transformers reading GGUF files ------------------------------------------------------
+_GGUF_READERS: dict[tuple, object] = {}  # read-only readers, kept for the whole session
+
+
 @contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """Inside, `gguf.GGUFReader` parses each file once and hands the same reader (a read-only
-    memory map) to every later caller. HF transformers opens a GGUF file again for each part it
-    loads (config, then weights or tokenizer), and the gguf package parses every metadata value
-    into numpy views: ~20 s a time for Gemma 3's 262k-token vocabulary on one core (see
-    kvserve/weights/gguf_reader.py). What HF reads from the file is the same either way."""
+    memory map) to every later caller, in this block or any later one of the session (the
+    HF reference model and tokenizer of one file; Gemma's in tests/test_gemma3.py and
+    tests/test_sentencepiece_tokenizer.py). HF transformers opens a GGUF file again for each
+    part it loads (config, then weights or tokenizer), and the gguf package parses every
+    metadata value into numpy views: ~20 s a time for Gemma 3's 262k-token vocabulary on one
+    core (see kvserve/weights/gguf_reader.py). What HF reads from the file is the same either
+    way; a file written again (a new size or mtime) is parsed again."""
     import gguf
 
     parse = gguf.GGUFReader
-    readers: dict[tuple, object] = {}
 
     def parsed_once(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = parse(path, mode)
-        return readers[key]
+        if mode != "r":
+            return parse(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = parse(path, mode)
+        return _GGUF_READERS[key]
 
     gguf.GGUFReader = parsed_once
     try:
@@ -638,16 +646,32 @@ def llama_cpp_chat_template(name: str) -> str:
 
 def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
     """`outfile`: the HF directory as llama.cpp's own converter writes it."""
+    return convert_hf_to_gguf_types(model_dir, {outtype: outfile})[outtype]
+
+
+def convert_hf_to_gguf_types(model_dir, outfiles: dict):
+    """{outtype: outfile} -> the same, each file the HF directory as llama.cpp's own converter
+    writes it in that type. The conversions run side by side: each is a mostly single-threaded
+    Python process (~10 s, most of it imports), so two take about the time of one on 2 cores."""
     import subprocess
     import sys
+    import tempfile
 
     tree = llama_cpp_converter_tree()
     env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-    done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir),
-                           "--outfile", str(outfile), "--outtype", outtype],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return outfile
+    running = []
+    for outtype, outfile in outfiles.items():
+        stderr = tempfile.TemporaryFile(mode="w+")
+        running.append((subprocess.Popen(
+            [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outfile",
+             str(outfile), "--outtype", outtype], env=env, stdout=subprocess.DEVNULL,
+            stderr=stderr, text=True), stderr))
+    for process, stderr in running:
+        with stderr:
+            returncode = process.wait(timeout=600)
+            stderr.seek(0)
+            assert returncode == 0, stderr.read()[-3000:]
+    return outfiles
 
 
 # ---- tiny checkpoints saved by HF transformers ------------------------------------------------
