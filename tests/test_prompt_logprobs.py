@@ -50,35 +50,51 @@ def prompts(tokenizer):
         [tokenizer.encode("The capital of France is Paris. The capital of Italy is")]
 
 
+@pytest.fixture(scope="module")
+def llm_for():
+    """SmolLM2 in float32 with the prefix cache on, one engine per step size (None: a prompt in
+    one step), each loaded on first use and shared by the tests below: a real model load
+    each, not one per test."""
+    opened = {}
+
+    def llm(chunk: int | None):
+        if chunk not in opened:
+            options = dict(max_num_batched_tokens=chunk) if chunk else {}
+            opened[chunk] = LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=True,
+                                **options)
+        return opened[chunk]
+
+    yield llm
+    for engine in opened.values():
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("chunk", [None, 32], ids=["one-step", "chunked"])
-def test_prompt_logprobs_equal_hf(hf_model, prompts, chunk):
+def test_prompt_logprobs_equal_hf(hf_model, prompts, chunk, llm_for):
     """Batched with a request that does not ask; the long prompts span several 32-token
     chunks; the prompt repeated after it was cached is recomputed and scores the same."""
-    options = dict(max_num_batched_tokens=chunk) if chunk else {}
-    with LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=True,
-             **options) as llm:
-        asks = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
-        plain = SamplingParams(max_tokens=2, temperature=0)
-        outputs = llm.generate(prompts + [prompts[3]], [asks] * len(prompts) + [plain],
-                               use_tqdm=False)
-        assert outputs[-1].prompt_logprobs is None
-        for output in outputs[:-1]:
-            _assert_matches_hf(output, hf_model, 3)
-        again = llm.generate([prompts[3], prompts[2]], asks, use_tqdm=False)
+    llm = llm_for(chunk)
+    asks = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    plain = SamplingParams(max_tokens=2, temperature=0)
+    outputs = llm.generate(prompts + [prompts[3]], [asks] * len(prompts) + [plain],
+                           use_tqdm=False)
+    assert outputs[-1].prompt_logprobs is None
+    for output in outputs[:-1]:
+        _assert_matches_hf(output, hf_model, 3)
+    again = llm.generate([prompts[3], prompts[2]], asks, use_tqdm=False)
     for output in again:  # recomputed, not read from the cache
         assert output.num_cached_tokens == 0
         _assert_matches_hf(output, hf_model, 3)
 
 
-def test_prompt_logprobs_leave_samples_unchanged(prompts):
+def test_prompt_logprobs_leave_samples_unchanged(prompts, llm_for):
     """Asking for prompt logprobs changes no sampled token; n > 1 scores the prompt once."""
-    with LLM(dtype="float32", max_model_len=1024) as llm:
-        plain = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0),
-                             use_tqdm=False)
-        asked = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
-                                                     prompt_logprobs=0), use_tqdm=False)
-        several = llm.generate(prompts[2], SamplingParams(max_tokens=3, n=2, temperature=0,
-                                                          prompt_logprobs=1), use_tqdm=False)
+    llm = llm_for(None)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    asked = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0,
+                                                 prompt_logprobs=0), use_tqdm=False)
+    several = llm.generate(prompts[2], SamplingParams(max_tokens=3, n=2, temperature=0,
+                                                      prompt_logprobs=1), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in asked] == [o.outputs[0].token_ids for o in plain]
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in asked)
     # prompt_logprobs=0: the prompt token's own entry only
