@@ -646,32 +646,16 @@ def llama_cpp_chat_template(name: str) -> str:
 
 def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
     """`outfile`: the HF directory as llama.cpp's own converter writes it."""
-    return convert_hf_to_gguf_types(model_dir, {outtype: outfile})[outtype]
-
-
-def convert_hf_to_gguf_types(model_dir, outfiles: dict):
-    """{outtype: outfile} -> the same, each file the HF directory as llama.cpp's own converter
-    writes it in that type. The conversions run side by side: each is a mostly single-threaded
-    Python process (~10 s, most of it imports), so two take about the time of one on 2 cores."""
     import subprocess
     import sys
-    import tempfile
 
     tree = llama_cpp_converter_tree()
     env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-    running = []
-    for outtype, outfile in outfiles.items():
-        stderr = tempfile.TemporaryFile(mode="w+")
-        running.append((subprocess.Popen(
-            [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir), "--outfile",
-             str(outfile), "--outtype", outtype], env=env, stdout=subprocess.DEVNULL,
-            stderr=stderr, text=True), stderr))
-    for process, stderr in running:
-        with stderr:
-            returncode = process.wait(timeout=600)
-            stderr.seek(0)
-            assert returncode == 0, stderr.read()[-3000:]
-    return outfiles
+    done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir),
+                           "--outfile", str(outfile), "--outtype", outtype],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return outfile
 
 
 # ---- tiny checkpoints saved by HF transformers ------------------------------------------------

@@ -275,7 +275,7 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, mon
     import json
 
     from kvserve.models.paged_loop import PagedLoop
-    from tests.helpers import convert_hf_to_gguf_types
+    from tests.helpers import convert_hf_to_gguf
 
     monkeypatch.setenv("KVSERVE_AUTOTUNE", "0")
     directory = tmp_path / name
@@ -291,9 +291,8 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, mon
               "head_dim", "moe_scoring", "moe_groups", "moe_topk_groups", "moe_layers",
               "routed_scaling_factor", "norm_topk_prob", "shared_expert_intermediate_size",
               "moe_correction_bias", "attention_scale")
-    paths = convert_hf_to_gguf_types(directory, {outtype: tmp_path / f"{name}-{outtype}.gguf"
-                                                 for outtype in ("f32", "q8_0")})
-    for outtype, path in paths.items():
+    for outtype in ("f32", "q8_0"):
+        path = convert_hf_to_gguf(directory, tmp_path / f"{name}-{outtype}.gguf", outtype)
         model, config = load_model(resolve_model(path), "float32", attention_backend="paged",
                                    quantization="gguf" if outtype == "q8_0" else "none")
         assert config.source_weight_type == outtype.upper()  # "auto" keeps Q8_0 as stored

@@ -222,18 +222,17 @@ def test_converted_gguf_loads_as_the_hf_directory(name, tmp_path, tokenizer, mon
     experts tensor, the dequantizing GEMM: row limit 0), the same file dequantized to float32
     within 1e-3."""
     from kvserve.models.paged_loop import PagedLoop
-    from tests.helpers import convert_hf_to_gguf_types, save_hf_checkpoint
+    from tests.helpers import convert_hf_to_gguf, save_hf_checkpoint
 
     # the row limits set below stay (the background autotuner would set its own)
     monkeypatch.setenv("KVSERVE_AUTOTUNE", "0")
     directory = tmp_path / name
     save_hf_checkpoint(GGUF_FAMILIES[name](), directory, tokenizer)
-    paths = convert_hf_to_gguf_types(directory, {outtype: tmp_path / f"{name}-{outtype}.gguf"
-                                                 for outtype in ("f32", "q8_0")})
     hf_dir, _ = load_model(resolve_model(directory), "float32", attention_backend="paged")
     prompt = list(range(5, 45))
     expected = PagedLoop(hf_dir, 1, MAX_LEN).step([prompt], [len(prompt)], [0])[0]
-    for outtype, path in paths.items():
+    for outtype in ("f32", "q8_0"):
+        path = convert_hf_to_gguf(directory, tmp_path / f"{name}-{outtype}.gguf", outtype)
         model, config = load_model(resolve_model(path), "float32", attention_backend="paged",
                                    quantization="gguf" if outtype == "q8_0" else "none")
         assert config.architecture == name
