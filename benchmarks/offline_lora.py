@@ -10,6 +10,7 @@ Writes benchmarks/results/<cpu>/<date>-lora-offline.{md,json}.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -64,8 +65,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--name", default="lora-offline", help="the result file's name")
+    parser.add_argument("--note", default="", help="a line for the result (what changed)")
     args = parser.parse_args()
     header = machine_header()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         adapters = make_adapters(Path(scratch), 4, args.rank)
         llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=args.rank,
@@ -83,7 +87,8 @@ def main() -> None:
                 rows.append({"round": round_index + 1, "variant": variant, "seconds": seconds,
                              "tok_s": len(prompts) * args.max_tokens / seconds})
         llm.shutdown()
-    print("\n".join(write_dated_result(RESULTS, header, "lora-offline", rows,
+    args.load = (load_before, os.getloadavg()[0])
+    print("\n".join(write_dated_result(RESULTS, header, args.name, rows,
                                        markdown(rows, args, header)).read_text().splitlines()))
 
 
@@ -101,7 +106,16 @@ def markdown(rows: list[dict], args, header: dict) -> list[str]:
     for variant, value in median.items():
         each = ", ".join(f"{r['tok_s']:.0f}" for r in rows if r["variant"] == variant)
         lines.append(f"| {variant} | {value:.0f} | {each} |")
-    lines += ["", f"4 adapters / base: {median['4 adapters'] / median['base']:.2f}x"]
+    paired = [next(r["tok_s"] for r in rows if r["round"] == n and r["variant"] == "4 adapters")
+              / next(r["tok_s"] for r in rows if r["round"] == n and r["variant"] == "base")
+              for n in sorted({r["round"] for r in rows})]
+    lines += ["", f"4 adapters / base: {median['4 adapters'] / median['base']:.2f}x of the "
+              f"medians; per round {', '.join(f'{x:.2f}' for x in paired)}, median "
+              f"{statistics.median(paired):.2f}x.", "",
+              f"1-minute load average: {args.load[0]:.1f} before, {args.load[1]:.1f} after "
+              "(2 cores: above ~2, other work shared the machine)."]
+    if args.note:
+        lines += ["", args.note]
     return lines
 
 
