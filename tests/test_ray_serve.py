@@ -310,20 +310,25 @@ def _until_replicas(base_url: str, count: int, timeout: float = 60.0, gone: str 
         time.sleep(0.2)
 
 
-def _indexed_blocks(base_url: str) -> int:
-    """Blocks the router's index holds, over the current replicas."""
-    return sum(info["indexed_blocks"] for info in _current_replicas(base_url).values())
+def _indexed_blocks(base_url: str) -> dict[str, int]:
+    """Blocks the router's index holds, per current replica."""
+    return {replica: info["indexed_blocks"]
+            for replica, info in _current_replicas(base_url).items()}
 
 
-def _until_indexed(base_url: str, before: int, timeout: float = 20.0) -> int:
-    """Waits until the router's index has grown past `before` and held still for a few polls:
-    the KV events of the requests just answered have all arrived (a fixed sleep lost this race
-    on a busy 2-core machine, and a session's next turn went by load)."""
+def _until_indexed(base_url: str, before: dict[str, int], served: set[str],
+                   timeout: float = 20.0) -> dict[str, int]:
+    """Waits until the index of every replica in `served` (those that answered since `before`)
+    has grown and the whole index held still for a few polls: the KV events of the requests
+    just answered have all arrived. (A fixed sleep lost this race on a busy 2-core machine,
+    and so did waiting for the total to grow: one replica's events came, the other's had not,
+    and a session's next turn went by load.)"""
     deadline = time.monotonic() + timeout
-    history: list[int] = []
+    history: list[dict[str, int]] = []
     while True:
         history.append(_indexed_blocks(base_url))
-        if len(history) >= 3 and history[-1] > before and len(set(history[-3:])) == 1:
+        grown = all(history[-1].get(r, 0) > before.get(r, 0) for r in served)
+        if len(history) >= 3 and grown and history[-1] == history[-2] == history[-3]:
             return history[-1]
         assert time.monotonic() < deadline, history
         time.sleep(0.15)
@@ -404,7 +409,8 @@ def test_kv_aware_sessions_land_where_their_prefix_is_cached(serving):
             placed.setdefault(s, []).append(replica)
             cached.setdefault(s, []).append(
                 answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-        indexed = _until_indexed(serving.base_url, indexed)  # this turn's events arrived
+        served = {placed[s][-1] for s in placed}  # this turn's events arrived, from each
+        indexed = _until_indexed(serving.base_url, indexed, served)
     for s, chosen in placed.items():
         assert chosen == [chosen[0]] * 3, placed
         # the engine itself found the session's earlier turns in its cache
