@@ -241,10 +241,7 @@ class EngineConfig:
                              f"{', '.join(kv_choices)}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        self.transfer_config()  # a bad one fails here
-        from kvserve.kv_events import parse_kv_events_config
-
-        parse_kv_events_config(self.kv_events_config)
+        self._check_zmq_binds(self.transfer_config())  # a bad one fails here
         if self.streaming_window is not None and (self.streaming_window < 1
                                                   or self.streaming_sink_tokens < 0):
             raise ValueError("--streaming-window must be >= 1 and --streaming-sink-tokens "
@@ -252,6 +249,18 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"the uni executor runs one rank; {self.world_size} ranks need "
                              f"--distributed-executor-backend mp (this host) or ray")
+
+    def _check_zmq_binds(self, transfer) -> None:
+        """Parse --kv-events-config, and refuse (ZmqSecurityError) a KV sender or KV events
+        socket bound beyond loopback without KVSERVE_ZMQ_SECRET, here rather than in a worker."""
+        from kvserve.kv_events import parse_kv_events_config
+        from kvserve.zmq_security import curve_keys
+
+        keys = curve_keys()  # a secret too short fails here too
+        events = parse_kv_events_config(self.kv_events_config)
+        for config in (transfer, events):
+            if config is not None:
+                config.check_binds(keys)
 
     def eplb(self):
         """The parsed --eplb-config (kvserve/eplb_config.py)."""

@@ -33,6 +33,14 @@ import zmq
 
 from kvserve.ports import free_port
 from kvserve.protocol.block_hash import HASH_ALGORITHM
+from kvserve.zmq_security import (
+    CurveKeys,
+    curve_keys,
+    make_client,
+    make_server,
+    require_secret,
+    start_authenticator,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +143,14 @@ class KVEventsConfig:
     def publishes(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
+    def check_binds(self, keys: CurveKeys | None) -> None:
+        """A ZmqSecurityError when a socket would bind beyond loopback without the shared
+        secret (zmq_security.py): the events carry prompts' token ids."""
+        if self.publishes:
+            for name in ("endpoint", "replay_endpoint"):
+                if getattr(self, name):
+                    require_secret(getattr(self, name), f"--kv-events-config {name}", keys)
+
 
 def parse_kv_events_config(text: str | dict | None) -> KVEventsConfig | None:
     """`--kv-events-config` JSON (or a dict) -> the config; None when not given. A bad one is a
@@ -181,7 +197,11 @@ class ZmqEventPublisher:
 
     def __init__(self, config: KVEventsConfig, instance_id: str, block_size: int,
                  snapshot: Callable[[], list[int]],
-                 probe: Callable[[list[int], str | None], int]):
+                 probe: Callable[[list[int], str | None], int], secret: str | None = None):
+        """`secret`: the shared secret (default: $KVSERVE_ZMQ_SECRET); with one, both sockets
+        admit only CURVE clients that know it."""
+        self.keys = curve_keys(secret)
+        config.check_binds(self.keys)
         self.config = config
         self.instance_id = instance_id
         self.block_size = block_size
@@ -234,15 +254,19 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         context = zmq.Context()
         sockets: list[zmq.Socket] = []
+        auth = None
         try:
+            auth = start_authenticator(context, self.keys)
             pub = context.socket(zmq.PUB)
             sockets.append(pub)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            make_server(pub, self.keys)
             pub.bind(self.config.endpoint)
             replay = None
             if self.config.replay_endpoint:
                 replay = context.socket(zmq.ROUTER)
                 sockets.append(replay)
+                make_server(replay, self.keys)
                 replay.bind(self.config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._error = exc
@@ -253,6 +277,8 @@ class ZmqEventPublisher:
         finally:
             for socket in sockets:
                 socket.close(linger=0)
+            if auth is not None:
+                auth.stop()
             context.term()
 
     def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
@@ -395,7 +421,8 @@ def kv_events_info(config_text: str | None, block_size: int) -> dict[str, Any]:
     return {"enabled": True, "endpoint": config.endpoint,
             "replay_endpoint": config.replay_endpoint, "topic": config.topic,
             "block_size": block_size, "hash_algorithm": HASH_ALGORITHM,
-            "heartbeat_seconds": config.heartbeat_seconds}
+            "heartbeat_seconds": config.heartbeat_seconds,
+            "curve": curve_keys() is not None}  # subscribers need KVSERVE_ZMQ_SECRET too
 
 
 # ---- the subscriber's side of the ROUTER -------------------------------------------------------
@@ -405,10 +432,14 @@ class ReplayClient:
     thread-safe); after a timeout the socket is replaced, so a late answer cannot be taken for
     the next one."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, timeout: float = 2.0):
+    def __init__(self, context: zmq.Context, endpoint: str, timeout: float = 2.0,
+                 secret: str | None = None):
+        """`secret`: the publisher's shared secret (default: $KVSERVE_ZMQ_SECRET; none: a
+        plain connection)."""
         self.context = context
         self.endpoint = endpoint
         self.timeout = timeout
+        self.keys = curve_keys(secret)
         self._batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._snapshot_decoder = msgspec.msgpack.Decoder(KVSnapshot)
         self._socket: zmq.Socket | None = None
@@ -417,6 +448,7 @@ class ReplayClient:
         if self._socket is None:
             self._socket = self.context.socket(zmq.DEALER)
             self._socket.setsockopt(zmq.LINGER, 0)
+            make_client(self._socket, self.keys)
             self._socket.connect(self.endpoint)
         return self._socket
 

@@ -14,6 +14,7 @@ from kvserve.kv_transfer.factory import (
     OFFLOADING_CONNECTOR,
     check_connector_name,
 )
+from kvserve.zmq_security import CurveKeys, require_secret
 
 ROLES = ("prefill", "decode", "both")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -49,6 +50,12 @@ class KVTransferConfig:
                              f"{', '.join(TRANSPORTS)}")
         if self.hold_timeout_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("kv hold and transfer timeouts must be positive")
+
+    def check_binds(self, keys: CurveKeys | None) -> None:
+        """A ZmqSecurityError when the built-in connector's KV sender would bind beyond
+        loopback without the shared secret (zmq_security.py): pullers read the KV cache."""
+        if self.connector == DEFAULT_CONNECTOR and self.produces:
+            require_secret(self.host, "--kv-transfer-config kv_ip", keys)
 
     @property
     def produces(self) -> bool:

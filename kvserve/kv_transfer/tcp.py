@@ -10,7 +10,9 @@ is a pull that times out (`transfer_timeout_s`). A pull may come before the send
 heard of the lease (it hears in a step after the request finished, the decode engine as soon as
 the prefill engine answered): such a pull waits, up to the transfer timeout, for it. When both
 engines are on one host (the pull names the puller's host and it matches) the blocks go through
-a /dev/shm file instead of frames (shm.py), unless the sender's transport is "tcp".
+a /dev/shm file instead of frames (shm.py), unless the sender's transport is "tcp". With the
+shared secret ($KVSERVE_ZMQ_SECRET, zmq_security.py) both ends speak CURVE and the sender admits
+only pullers that know it; without one the sender binds loopback only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from kvserve.kv_transfer.shm import (
     write_blocks,
 )
 from kvserve.platform import host_identity
+from kvserve.zmq_security import (
+    curve_keys,
+    make_client,
+    make_server,
+    require_secret,
+    start_authenticator,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +93,13 @@ class PullReply(msgspec.Struct, array_like=True):
 
 class KVSender:
     """Serves pulls of held blocks from `kv_caches` on tcp://host:port (port 0: a free one,
-    then `self.port`), on its own thread."""
+    then `self.port`), on its own thread. `secret`: default $KVSERVE_ZMQ_SECRET."""
 
     def __init__(self, kv_caches: list[torch.Tensor], leases: LeaseTable, host: str,
-                 port: int = 0, use_shm: bool = True, transfer_timeout_s: float = 10.0):
+                 port: int = 0, use_shm: bool = True, transfer_timeout_s: float = 10.0,
+                 secret: str | None = None):
+        keys = curve_keys(secret)
+        require_secret(host, "the KV sender's host (--kv-transfer-config kv_ip)", keys)
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.leases = leases
@@ -96,8 +108,10 @@ class KVSender:
         self.use_shm = use_shm and shm_available()
         self.janitor = ShmJanitor(2 * transfer_timeout_s) if self.use_shm else None
         self._context = zmq.Context()
+        self._auth = start_authenticator(self._context, keys)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        make_server(self._socket, keys)
         bind_host = "*" if host in ("0.0.0.0", "*") else host
         if port:
             self._socket.bind(f"tcp://{bind_host}:{port}")
@@ -183,25 +197,31 @@ class KVSender:
         if self.janitor is not None:
             self.janitor.close()
         self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
 
 def pull_into(context: zmq.Context, host: str, port: int, request_id: str,
               kv_caches: list[torch.Tensor], block_ids: list[int], timeout_s: float,
-              use_shm: bool = True, first_block: int = 0) -> int:
+              use_shm: bool = True, first_block: int = 0, secret: str | None = None) -> int:
     """Pull a held request's blocks, from its `first_block`th on, into `block_ids` of kv_caches
-    (as many as both have); returns how many blocks arrived. Raises KVTransferError when the sender refuses or does
-    not answer within timeout_s."""
+    (as many as both have); returns how many blocks arrived. Raises KVTransferError when the
+    sender refuses or does not answer within timeout_s. `secret`: the sender's shared secret
+    (default $KVSERVE_ZMQ_SECRET; none: a plain connection)."""
     layout = KVLayout.of(kv_caches)
     host_id = host_identity() if use_shm and shm_available() else ""
+    keys = curve_keys(secret)
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     try:
+        make_client(socket, keys)
         socket.connect(f"tcp://{host}:{port}")
         socket.send(msgspec.msgpack.encode(Pull(request_id, layout, host_id, first_block)))
         if not socket.poll(int(timeout_s * 1000)):
             raise KVTransferError(f"no answer from the KV sender at {host}:{port} in "
-                                  f"{timeout_s:g}s")
+                                  f"{timeout_s:g}s (dead, hung, or it expects another "
+                                  f"KVSERVE_ZMQ_SECRET than this engine's)")
         header, *frames = socket.recv_multipart(copy=False)
     finally:
         socket.close(linger=0)

@@ -5,7 +5,8 @@ same FastAPI app `kvserve serve` uses (entrypoints/openai/server.py), in process
 replica streams back the app's status and headers, the body chunks, and last its prefix-cache
 counters (the ingress's /metrics adds them up for `kvserve bench`).
 
-Each replica publishes its KV events on free ports of its node's address, so the router can
+Each replica publishes its KV events on free ports of its node's address when KVSERVE_ZMQ_SECRET
+guards them (else on loopback: only an ingress on its node can subscribe), so the router can
 subscribe wherever it runs, and tells the router where, with its block size and pool size, in
 `record_replica_metadata` (once, when ready) and again with its load in `record_routing_stats`
 (every `request_routing_stats_period_s`). A dead engine fails `check_health`, and Serve
@@ -24,6 +25,7 @@ from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.kv_events import kv_events_info, with_kv_events
 from kvserve.ray_serve.asgi import call_app, http_scope
 from kvserve.ray_serve.request import OpenAIRequest
+from kvserve.zmq_security import SECRET_ENV, curve_keys
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,8 @@ class EngineReplica:
         from kvserve.engine.async_engine import AsyncEngine
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.config = with_kv_events(engine_config, kv_events_host or get_node_ip_address())
+        self.node_ip = get_node_ip_address()
+        self.config = with_kv_events(engine_config, kv_events_host or _events_host(self.node_ip))
         self.engine = AsyncEngine(self.config, server_config.served_model_name,
                                   restart_on_failure=server_config.restart_engine_on_failure,
                                   max_restarts=server_config.max_engine_restarts)
@@ -71,6 +74,7 @@ class EngineReplica:
     # ---- what the router and the ingress learn -------------------------------------------
     def kv_events(self) -> dict:
         info = kv_events_info(self.config.kv_events_config, self.config.block_size)
+        info["node_ip"] = self.node_ip  # a loopback endpoint is reachable from this node only
         model = self.engine.model_info()
         info["num_kv_blocks"] = model.num_kv_blocks if model else None
         return info
@@ -105,3 +109,13 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop(timeout=10.0)
+
+
+def _events_host(node_ip: str) -> str:
+    """The node's address when the shared secret guards the sockets (zmq_security.py), else
+    loopback: an ingress on another node then routes this replica by load alone."""
+    if curve_keys() is not None:
+        return node_ip
+    logger.warning("KV events on 127.0.0.1: set %s on every node so that an ingress on another "
+                   "node can subscribe to them", SECRET_ENV)
+    return "127.0.0.1"

@@ -17,6 +17,7 @@ ingress replicas' requests) while those stats are recent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -35,6 +36,7 @@ from kvserve.router.index import DEFAULT_TIER_WEIGHTS, KVIndex
 from kvserve.router.policy import Candidate, make_policy
 from kvserve.router.prompts import PromptTokenizer, cache_salt_of
 from kvserve.router.subscriber import EventSubscriber
+from kvserve.zmq_security import endpoint_host, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -193,4 +195,18 @@ def _kv_events(replica: RunningReplica) -> dict | None:
     """Where the replica publishes its KV events: its metadata, else its routing stats."""
     info = (replica.replica_metadata or {}).get("kv_events") \
         or (replica.routing_stats or {}).get("kv_events")
-    return info if info and info.get("enabled") else None
+    return info if info and info.get("enabled") and _reachable(info) else None
+
+
+def _reachable(info: dict) -> bool:
+    """False for a replica on another node that publishes on loopback (it has no
+    KVSERVE_ZMQ_SECRET, so it may not bind its node's address): our 127.0.0.1 is not its."""
+    node, host = info.get("node_ip"), endpoint_host(info.get("endpoint") or "")
+    return node is None or host is None or not is_loopback(host) or node == _local_node_ip()
+
+
+@functools.lru_cache(maxsize=1)
+def _local_node_ip() -> str:
+    from ray.util import get_node_ip_address
+
+    return get_node_ip_address()

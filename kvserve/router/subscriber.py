@@ -5,7 +5,9 @@ snapshots). `track(replica, info)` (any thread) connects, reconnects to new endp
 info None disconnects and forgets the replica's entries. A replica is snapshotted as soon as it
 is tracked (resync on connect); batches lost before the subscription took hold show up as a gap
 and are replayed. Replays and snapshots run on this thread with a timeout, so a replica that
-stops answering delays the others' events by that timeout at most (ZeroMQ buffers them).
+stops answering delays the others' events by that timeout at most (ZeroMQ buffers them). With
+KVSERVE_ZMQ_SECRET both sockets speak CURVE (zmq_security.py); a replica whose
+/kv_events_info says otherwise than this process's secret is not subscribed (routed by load).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zmq
 
 from kvserve.kv_events import KVEventBatch, ReplayClient, seq_from_bytes
 from kvserve.router.index import EventSync, KVIndex
+from kvserve.zmq_security import SECRET_ENV, curve_keys, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +52,13 @@ class _Feed:
 class EventSubscriber:
     POLL_MS = 100
 
-    def __init__(self, index: KVIndex, replay_timeout: float = 2.0):
+    def __init__(self, index: KVIndex, replay_timeout: float = 2.0, secret: str | None = None):
+        """`secret`: the replicas' shared secret (default: $KVSERVE_ZMQ_SECRET; a short one
+        fails here, at the router's start)."""
         self.index = index
         self.replay_timeout = replay_timeout
+        self.secret = secret
+        self.keys = curve_keys(secret)
         self.context = zmq.Context()
         self._feeds: dict[str, _Feed] = {}
         self._by_socket: dict[zmq.Socket, str] = {}
@@ -111,14 +118,16 @@ class EventSubscriber:
         if feed is not None and feed.key == key and endpoint:
             return  # same endpoints: ZeroMQ reconnects by itself
         self._drop(replica, poller)
-        if not (info and info.get("enabled") and endpoint):
+        if not (info and info.get("enabled") and endpoint) or not self._same_security(replica,
+                                                                                      info):
             return
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # keep everything: a lost batch costs a replay
         sub.setsockopt(zmq.SUBSCRIBE, key[2].encode())
+        make_client(sub, self.keys)
         sub.connect(endpoint)
-        replay = ReplayClient(self.context, replay_endpoint, self.replay_timeout) \
+        replay = ReplayClient(self.context, replay_endpoint, self.replay_timeout, self.secret) \
             if replay_endpoint else None
         sync = EventSync(replica, self.index, replay.replay if replay else None,
                          replay.snapshot if replay else None)
@@ -131,6 +140,17 @@ class EventSubscriber:
         if replay is not None and sync.resync():
             logger.info("replica %s: snapshot of %d blocks at seq %d", replica,
                         self.index.num_blocks(replica), sync.last_seq)
+
+    def _same_security(self, replica: str, info: dict) -> bool:
+        """Whether both ends agree on CURVE (a replica that does not say is assumed to); a
+        mismatch would only time out, so say what to set instead."""
+        if "curve" not in info or bool(info["curve"]) == (self.keys is not None):
+            return True
+        logger.warning("replica %s: its KV events %s, this router's %s: not subscribed (routed "
+                       "by load); give both the same %s", replica,
+                       "need a shared secret" if info["curve"] else "have no shared secret",
+                       "has one" if self.keys else "has none", SECRET_ENV)
+        return False
 
     def _drop(self, replica: str, poller: zmq.Poller) -> None:
         feed = self._feeds.pop(replica, None)
