@@ -1,4 +1,4 @@
-"""`kvserve` command: generate, chat, serve, run-batch, router, bench."""
+"""`kvserve` command: generate, chat, serve, run-batch, router, bench, plan."""
 
 from __future__ import annotations
 
@@ -74,6 +74,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
+    from kvserve.bench.plan.cli import add_plan_parser
+
+    add_plan_parser(commands)
     return parser
 
 
@@ -109,6 +112,12 @@ def _run_bench(args) -> int:
     from kvserve.bench.cli import run_bench
 
     return run_bench(args)
+
+
+def _run_plan(args) -> int:
+    from kvserve.bench.plan.cli import run_plan
+
+    return run_plan(args)
 
 
 def _run_serve(args) -> int:
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve,
-                    "router": _run_router, "bench": _run_bench,
+                    "router": _run_router, "bench": _run_bench, "plan": _run_plan,
                     "run-batch": _run_batch}
         return commands[args.command](args)
     except KVServeError as exc:

@@ -1,0 +1,225 @@
+"""Predicted latency and throughput of one deployment candidate, from the roofline (bytes and
+FLOPs per token) on a hardware profile plus the engine's overheads.
+
+One engine instance spans tp x pp devices. A decode step at batch b reads the weights once
+(a mixture: the experts its b tokens touch) and each sequence's KV, and does b tokens' FLOPs:
+its time is the larger of the memory and compute times, plus the TP all-reduces, plus the
+engine's fixed and per-sequence costs. A prefill is compute time plus a per-token overhead.
+Arrivals: "burst" is `kvserve bench serve` without a rate: b requests arrive together, are
+prefilled one after another and decode in step (the i-th waits for i prefills); "steady"
+spreads arrivals, so a prefill waits only for those queued ahead (M/D/1)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvserve.bench.plan.cost import PlanCost, attention_flops_per_token, \
+    expected_experts_touched
+from kvserve.bench.plan.hardware import Hardware
+from kvserve.config import ModelConfig
+
+MAX_NUM_SEQS = 256  # the engine's default max_num_seqs: the batch one instance runs at most
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    prefix_share: float = 0.0  # fraction of each prompt already cached (shared prefix)
+    arrival: str = "steady"  # "steady" or "burst"
+
+    @property
+    def new_prompt_tokens(self) -> int:
+        return max(1, round(self.input_len * (1.0 - self.prefix_share)))
+
+    @property
+    def mean_context(self) -> float:
+        return self.input_len + self.output_len / 2
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ((self.ttft_ms is None or ttft_s * 1e3 <= self.ttft_ms)
+                and (self.tpot_ms is None or tpot_s * 1e3 <= self.tpot_ms))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A deployment: `instances` engines of tp x pp devices each, aggregated (replicas, the
+    router or Ray Serve in front) or disaggregated (prefill_instances of them prefill, the rest
+    decode); weights in `quantization`, KV in `kv_dtype`. `share`: the fraction of one
+    device's resources each instance gets (1: own devices; 1/2: two engines on one CPU)."""
+    tp: int
+    pp: int
+    instances: int
+    mode: str  # "aggregated" or "disaggregated"
+    quantization: str
+    kv_dtype: str
+    prefill_instances: int = 0
+    share: float = 1.0
+
+    @property
+    def devices(self) -> int:
+        return max(1, round(self.tp * self.pp * self.instances * self.share))
+
+    @property
+    def decode_instances(self) -> int:
+        return self.instances - self.prefill_instances
+
+    def label(self) -> str:
+        layout = f"TP{self.tp}" + (f" PP{self.pp}" if self.pp > 1 else "")
+        if self.mode == "disaggregated":
+            return f"{self.prefill_instances}P{self.decode_instances}D x {layout}"
+        return f"{self.instances} x {layout}" if self.instances > 1 else layout
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    memory_s: float
+    compute_s: float
+    comm_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.comm_s + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        parts = {"bandwidth": self.memory_s, "compute": self.compute_s,
+                 "interconnect": self.comm_s, "engine overhead": self.overhead_s}
+        return max(parts, key=parts.get)
+
+
+class InstanceModel:
+    """One engine instance of a candidate on a hardware profile."""
+
+    def __init__(self, config: ModelConfig, cost: PlanCost, hardware: Hardware,
+                 candidate: Candidate, compute_dtype: str):
+        self.config, self.cost, self.hw, self.cand = config, cost, hardware, candidate
+        share = candidate.share
+        # token latency crosses the pp stages one after another: tp devices' rates at a time
+        self.bandwidth = hardware.memory_gbps * 1e9 * hardware.bandwidth_efficiency \
+            * candidate.tp * share
+        self.flops = hardware.gflops[compute_dtype] * 1e9 * hardware.flops_efficiency \
+            * candidate.tp * share
+        # MLA's one latent row serves every head: each TP rank keeps (and reads) all of it
+        self.kv_replication = candidate.tp if config.kv_lora_rank else 1
+
+    def weight_bytes_read(self, tokens: float) -> float:
+        """Weights one step of `tokens` tokens reads: a mixture's experts as touched."""
+        cost, config = self.cost, self.config
+        if not config.num_experts:
+            return cost.cost.weight_bytes
+        extra = expected_experts_touched(config, tokens) - config.num_experts_per_tok
+        return min(cost.resident_weight_bytes,
+                   cost.cost.weight_bytes + cost.moe_layers * cost.expert_bytes_per_layer * extra)
+
+    def _allreduce_s(self, tokens: float) -> float:
+        """Two all-reduces a layer of tokens x hidden bf16 activations over a ring."""
+        tp = self.cand.tp
+        if tp == 1:
+            return 0.0
+        ring = 2.0 * (tp - 1) / tp * tokens * self.config.hidden_size * 2
+        one = self.hw.collective_latency_s + ring / (self.hw.interconnect_gbps * 1e9)
+        return 2 * self.config.num_hidden_layers * one
+
+    def _pipeline_s(self, tokens: float) -> float:
+        hops = self.cand.pp - 1
+        link = self.hw.interconnect_gbps or self.hw.network_gbps
+        return hops * (self.hw.collective_latency_s
+                       + tokens * self.config.hidden_size * 2 / (link * 1e9))
+
+    def decode_step(self, batch: int, context: float) -> StepTimes:
+        cost = self.cost
+        kv = batch * cost.kv_bytes_per_sequence(int(context)) * self.kv_replication
+        flops = batch * (cost.cost.layer_flops_per_token + cost.cost.lm_head_flops_per_token
+                         + attention_flops_per_token(self.config, int(context)))
+        return StepTimes(
+            memory_s=(self.weight_bytes_read(batch) + kv) / self.bandwidth,
+            compute_s=flops / self.flops,
+            comm_s=self._allreduce_s(batch) + self._pipeline_s(batch),
+            overhead_s=self.hw.step_overhead_s + batch * self.hw.seq_overhead_s)
+
+    def prefill(self, new_tokens: int, prompt_len: int) -> StepTimes:
+        """One prompt's prefill of `new_tokens` (the rest cached): its tokens' FLOPs, and
+        the attention over the whole prompt so far."""
+        mean_context = prompt_len - new_tokens / 2
+        flops = new_tokens * (self.cost.cost.layer_flops_per_token
+                              + attention_flops_per_token(self.config, int(mean_context))) \
+            + self.cost.cost.lm_head_flops_per_token
+        return StepTimes(
+            memory_s=self.weight_bytes_read(new_tokens) / self.bandwidth,
+            compute_s=flops / self.flops,
+            comm_s=self._allreduce_s(new_tokens) + self._pipeline_s(new_tokens),
+            overhead_s=self.hw.step_overhead_s
+            + new_tokens * self.hw.prefill_token_overhead_s)
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        """A prompt's KV from a prefill to a decode instance: over the node's interconnect,
+        or through shared memory (memory bandwidth) on one CPU."""
+        link = self.hw.interconnect_gbps or self.hw.memory_gbps
+        return self.cost.kv_bytes_per_sequence(tokens) * self.kv_replication / (link * 1e9)
+
+
+def compute_dtype(hardware: Hardware, quantization: str) -> str:
+    """The GEMM rate a format runs at: fp8 (W8A8) at the fp8 rate where the device has one;
+    weight-only formats dequantize to bf16; a CPU without native bf16 at float32."""
+    if quantization == "fp8" and "fp8" in hardware.gflops:
+        return "fp8"
+    return "bfloat16" if "bfloat16" in hardware.gflops else "float32"
+
+
+@dataclass(frozen=True)
+class Latency:
+    ttft_s: float
+    tpot_s: float
+    throughput: float  # output tokens/s of the whole deployment
+    bound: str  # what dominates the decode step
+
+
+def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
+    """`batch` sequences per instance, prefills sharing the steps with decodes."""
+    step = model.decode_step(batch, workload.mean_context)
+    prefill = model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
+    out = workload.output_len
+    cycle = out * step.total_s + batch * prefill  # each sequence's life: decode plus prefills
+    if workload.arrival == "burst":
+        ttft = (batch + 1) / 2 * prefill
+        tpot = step.total_s + (batch - 1) / 2 * prefill / out
+    else:
+        utilization = min(0.99, batch * prefill / cycle)
+        ttft = prefill + utilization * prefill / (2 * (1 - utilization)) + step.total_s / 2
+        tpot = cycle / out
+    pipeline = model.cand.pp  # pp micro-batches in flight at the same token latency
+    throughput = model.cand.instances * pipeline * batch * out / cycle
+    return Latency(ttft, tpot, throughput, step.bound)
+
+
+def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
+                  workload: Workload, batch: int) -> Latency:
+    """`batch` sequences per decode instance; prefills on their own instances, each prompt's
+    KV then moved to a decode instance (the decode's first step makes the first token)."""
+    cand = decode_model.cand
+    step = decode_model.decode_step(batch, workload.mean_context)
+    prefill = prefill_model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
+    decode_rate = cand.decode_instances * cand.pp * batch / (workload.output_len * step.total_s)
+    prefill_rate = cand.prefill_instances / prefill
+    rate = min(decode_rate, prefill_rate)  # requests/s
+    transfer = prefill_model.kv_transfer_s(workload.input_len)
+    if workload.arrival == "burst":
+        waiting = cand.decode_instances * batch / cand.prefill_instances
+        queue = (waiting + 1) / 2 * prefill
+    else:
+        utilization = min(0.99, rate * prefill / cand.prefill_instances)
+        queue = prefill + utilization * prefill / (2 * (1 - utilization))
+    return Latency(queue + transfer + step.total_s, step.total_s, rate * workload.output_len,
+                   step.bound)
+
+
+def candidate_dict(candidate: Candidate) -> dict:
+    return dict(asdict(candidate), label=candidate.label(), devices=candidate.devices)

@@ -1,0 +1,191 @@
+"""`kvserve plan --validate`: serve the candidates this machine can run, load each with
+`kvserve bench serve` (a burst of --max-concurrency requests at a time, as the plan's "burst"
+arrival models), and set the measured TTFT, TPOT and throughput beside the predictions at the
+same concurrency. Predictions are never adjusted to the measurements."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvserve.bench.plan.calibrate import default_quantization
+from kvserve.bench.plan.hardware import Hardware
+from kvserve.bench.plan.predict import SLO, Candidate, Workload
+from kvserve.bench.plan.search import predict
+from kvserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A candidate and how to start it here."""
+    name: str
+    candidate: Candidate
+    serve_args: tuple[str, ...]  # `kvserve serve` options beyond --model and --port
+
+
+def deployments(config: ModelConfig) -> list[Deployment]:
+    """The default format, bf16 and int4 weights, int8 KV, two Ray Serve replicas, and one
+    prefill plus one decode server behind the router."""
+    default = default_quantization(config)
+    base = Candidate(1, 1, 1, "aggregated", default, "bfloat16")
+    rows = [Deployment(f"weights {default}", base, ("--quantization", default))]
+    for quant in ("none", "int4"):
+        if quant != default:
+            rows.append(Deployment(f"weights {quant}", replace(base, quantization=quant),
+                                   ("--quantization", quant)))
+    rows.append(Deployment("KV int8", replace(base, kv_dtype="int8"),
+                           ("--quantization", default, "--kv-cache-dtype", "int8")))
+    rows.append(Deployment("2 replicas (Ray Serve)", replace(base, instances=2, share=0.5),
+                           ("--quantization", default, "--replicas", "2")))
+    rows.append(Deployment("1P1D (router)", replace(base, instances=2, share=0.5,
+                                                    mode="disaggregated",
+                                                    prefill_instances=1),
+                           ("--quantization", default)))
+    return rows
+
+
+def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
+             only: int | None = None) -> dict:
+    """Each deployment measured and predicted; `only`: the first that many."""
+    burst = replace(workload, arrival="burst")
+    rows = []
+    for deployment in deployments(config)[:only]:
+        measured = _measure(args, deployment, burst)
+        cand = deployment.candidate
+        serving = cand.decode_instances if cand.mode == "disaggregated" else cand.instances
+        batch = max(1, args.max_concurrency // serving)
+        predicted = predict(config, hardware, cand, burst, SLO(), batch=batch).latency
+        rows.append(_row(deployment, measured, predicted))
+    return {"load_average": os.getloadavg(), "num_prompts": args.num_prompts,
+            "max_concurrency": args.max_concurrency, "workload": burst.__dict__,
+            "deployments": rows,
+            "within_20_percent": sum(r["all_within_20_percent"] for r in rows
+                                     if "error" not in r)}
+
+
+def _row(deployment: Deployment, measured: dict, predicted) -> dict:
+    row = {"name": deployment.name, "label": deployment.candidate.label(),
+           "serve_args": list(deployment.serve_args)}
+    if "error" in measured:
+        return dict(row, error=measured["error"])
+    pairs = {"ttft_ms": (predicted.ttft_s * 1e3, measured["ttft_ms"]),
+             "tpot_ms": (predicted.tpot_s * 1e3, measured["tpot_ms"]),
+             "throughput_tok_s": (predicted.throughput, measured["throughput_tok_s"])}
+    for key, (pred, meas) in pairs.items():
+        row[key] = {"predicted": pred, "measured": meas,
+                    "error": (pred - meas) / meas if meas else None}
+    row["all_within_20_percent"] = all(
+        v["error"] is not None and abs(v["error"]) <= 0.2 for v in
+        (row[k] for k in pairs))
+    return dict(row, load_average=measured["load_average"])
+
+
+def _measure(args, deployment: Deployment, workload: Workload) -> dict:
+    """Start the deployment, run the bench against it, stop it."""
+    processes: list[subprocess.Popen] = []
+    try:
+        url = _start(args.model, deployment, processes)
+        return _bench(args, url, workload)
+    except (RuntimeError, OSError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+
+
+def _start(model: str, deployment: Deployment, processes: list) -> str:
+    """Launch the servers (and router) of one deployment; the URL to load."""
+    from kvserve.ports import free_port
+
+    if deployment.candidate.mode != "disaggregated":
+        port = free_port()
+        processes.append(_spawn(["serve", "--model", model, "--port", str(port),
+                                 *deployment.serve_args]))
+        return _healthy(f"http://127.0.0.1:{port}", processes)
+    urls = {}
+    for role in ("prefill", "decode"):
+        port = free_port()
+        processes.append(_spawn(["serve", "--model", model, "--port", str(port),
+                                 "--kv-role", role, *deployment.serve_args]))
+        urls[role] = _healthy(f"http://127.0.0.1:{port}", processes)
+    port = free_port()
+    processes.append(_spawn(["router", "--port", str(port), "--prefill", urls["prefill"],
+                             "--decode", urls["decode"]]))
+    return _healthy(f"http://127.0.0.1:{port}", processes)
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    log = tempfile.NamedTemporaryFile(prefix="kvserve-plan-", suffix=".log", delete=False)
+    return subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _healthy(url: str, processes: list, timeout: float = 240.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p for p in processes if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{' '.join(map(str, dead[0].args[2:5]))} exited with "
+                               f"{dead[0].returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return url
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy in {timeout:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's session (a Ray Serve launch has children), then wait."""
+    from kvserve.processes import stop_process
+
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, 15)
+        except ProcessLookupError:
+            pass
+    stop_process(process, grace=30.0)
+
+
+def _bench(args, url: str, workload: Workload) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        command = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", url,
+                   "--model", args.model, "--tokenizer", args.model, "--workload", "random",
+                   "--num-prompts", str(args.num_prompts), "--max-concurrency",
+                   str(args.max_concurrency), "--input-len", str(workload.input_len),
+                   "--output-len", str(workload.output_len), "--output-json", str(out),
+                   "--no-progress"]
+        load = os.getloadavg()[0]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode or not out.exists():
+            raise RuntimeError(f"bench failed: {done.stdout[-500:]} {done.stderr[-500:]}")
+        summary = json.loads(out.read_text())["summary"]
+    return {"ttft_ms": summary["ttft_s"]["p50"] * 1e3, "tpot_ms": summary["tpot_s"]["p50"] * 1e3,
+            "throughput_tok_s": summary["output_throughput"], "load_average": load}
+
+
+def validation_table(validation: dict) -> str:
+    lines = [f"validation ({validation['num_prompts']} requests per deployment, concurrency "
+             f"{validation['max_concurrency']}; load average {validation['load_average'][0]:.2f})",
+             "| deployment | TTFT ms pred / meas (err) | TPOT ms pred / meas (err) | "
+             "tok/s pred / meas (err) |", "|---|---|---|---|"]
+    for row in validation["deployments"]:
+        if "error" in row:
+            lines.append(f"| {row['name']} | failed: {row['error'][:80]} | | |")
+            continue
+        cells = [f"{row[k]['predicted']:.1f} / {row[k]['measured']:.1f} "
+                 f"({row[k]['error']:+.0%})" for k in ("ttft_ms", "tpot_ms",
+                                                        "throughput_tok_s")]
+        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+    lines.append(f"{validation['within_20_percent']} deployments within 20% on all three")
+    return "\n".join(lines)

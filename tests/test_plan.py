@@ -1,0 +1,209 @@
+"""`kvserve plan`: the cost model on known shapes, the recommendation's response to SLOs and
+hardware, the JSON schema, and (soak) one --validate run. No benchmark runs in make test."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from dataclasses import replace
+
+import pytest
+
+from kvserve.bench import roofline
+from kvserve.bench.plan import make_plan
+from kvserve.bench.plan.cost import attention_flops_per_token, plan_cost
+from kvserve.bench.plan.hardware import CPU_2CORE, H100_SXM, H200, named_profile
+from kvserve.bench.plan.predict import SLO, Candidate, Workload
+from kvserve.bench.plan.search import predict
+from kvserve.bench.plan.shapes import load_plan_model
+from kvserve.cli import main
+
+BF16 = roofline.weight_format("bfloat16", "none")
+CHAT = Workload(input_len=2048, output_len=256)
+
+
+def _plan_json(*argv: str) -> dict:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_gqa_shapes_bytes_and_flops_per_token():
+    """Llama 3: 8.03B / 70.55B parameters, 8 KV heads of 128 dims: 128 KiB / 320 KiB of bf16
+    KV per token; a decode token does 2 FLOPs per weight it reads."""
+    for name, params, kv in (("llama-3-8b", 8.03e9, 131072), ("llama-3-70b", 70.55e9, 327680)):
+        config, runnable = load_plan_model(name)
+        cost = plan_cost(config, BF16, "bfloat16")
+        assert not runnable
+        assert cost.resident_weight_bytes == pytest.approx(2 * params, rel=1e-3)
+        assert cost.cost.kv_bytes_per_token == kv
+        assert cost.kv_bytes_per_sequence(1000) == 1000 * kv
+        flops = cost.cost.layer_flops_per_token + cost.cost.lm_head_flops_per_token
+        embedding = config.hidden_size * config.vocab_size  # looked up, not multiplied
+        assert flops == 2 * (cost.resident_weight_bytes / 2 - embedding)
+        # a dense GQA model costs what the roofline says
+        assert cost.cost == roofline.model_cost(config)
+    # int8 KV: one byte plus a float32 scale per row of 128 values
+    int8 = plan_cost(load_plan_model("llama-3-8b")[0], BF16, "int8")
+    assert int8.cost.kv_bytes_per_token == 32 * 16 * (128 + 4)
+
+
+def test_mla_and_moe_shape_of_deepseek_v3():
+    """DeepSeek-V3: 671B parameters held, ~37B read per token; MLA caches one 512-latent plus
+    64-dim RoPE key row per layer: 61 x 576 x 2 bytes = 70,272 bytes per token in bf16."""
+    config, _ = load_plan_model("deepseek-v3")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_experts,
+            config.num_experts_per_tok, config.moe_intermediate_size, config.kv_lora_rank,
+            config.head_dim, config.shared_expert_intermediate_size) == \
+        (61, 7168, 256, 8, 2048, 512, 64, 2048)
+    assert config.source_weight_type == "fp8"
+    cost = plan_cost(config, BF16, "bfloat16")
+    assert cost.cost.kv_bytes_per_token == 61 * 576 * 2
+    assert cost.resident_weight_bytes / 2 == pytest.approx(671e9, rel=0.005)
+    assert cost.cost.weight_bytes / 2 == pytest.approx(37e9, rel=0.02)
+    assert cost.moe_layers == 58  # the first three layers are dense
+    # absorbed MLA attention: 128 heads x (2 x 512 + 64) dims x 2 FLOPs per context token
+    assert attention_flops_per_token(config, 100) == 61 * 2 * 128 * (2 * 512 + 64) * 100
+
+
+def test_sliding_windows_cap_the_kv_of_their_layers():
+    config, _ = load_plan_model("gemma3-270m")
+    cost = plan_cost(config, BF16, "bfloat16")
+    windows = [w for w in cost.windows if w]
+    assert windows and len(windows) < len(cost.windows)
+    per_layer = cost.kv_bytes_per_token_layer[0]
+    full_layers = len(cost.windows) - len(windows)
+    assert cost.kv_bytes_per_sequence(4096) == pytest.approx(
+        per_layer * (full_layers * 4096 + sum(min(4096, w) for w in windows)))
+
+
+def test_70b_on_one_2_core_cpu_does_not_fit():
+    plan = _plan_json("--model", "llama-3-70b", "--hardware", "cpu-2core")
+    assert plan["recommendation"] is None
+    assert plan["candidates"] and not any(row["fits"] for row in plan["candidates"])
+    assert all(row["limited_by"].startswith("memory") for row in plan["candidates"])
+
+
+def test_json_schema():
+    plan = _plan_json("--model", "llama-3-8b", "--hardware", "h100", "--devices", "2",
+                      "--input-len", "1024", "--output-len", "128", "--ttft-ms", "1000",
+                      "--tpot-ms", "40", "--prefix-share", "0.5")
+    assert set(plan) >= {"model", "shape", "hardware", "devices", "workload", "slo",
+                         "candidates", "recommendation"}
+    assert plan["shape"]["kv_heads"] == 8 and plan["workload"]["prefix_share"] == 0.5
+    assert plan["hardware"]["sources"]["spec"].startswith("https://www.nvidia.com/")
+    layouts = {row["candidate"]["label"] for row in plan["candidates"]}
+    assert layouts == {"TP1 PP2", "2 x TP1", "1P1D x TP1", "TP2"}
+    best = plan["recommendation"]
+    for key in ("candidate", "kv_capacity_tokens", "concurrency", "ttft_ms", "tpot_ms",
+                "throughput_tok_s", "throughput_per_device_tok_s", "bound", "reason"):
+        assert key in best
+    assert best["ttft_ms"] <= 1000 and best["tpot_ms"] <= 40
+    assert best["throughput_per_device_tok_s"] == pytest.approx(best["throughput_tok_s"] / 2)
+
+
+def test_a_tighter_tpot_slo_lowers_the_concurrency_and_throughput():
+    config, _ = load_plan_model("llama-3-8b")
+    loose = make_plan("llama-3-8b", config, H100_SXM, 1, CHAT, SLO(tpot_ms=100))
+    tight = make_plan("llama-3-8b", config, H100_SXM, 1, CHAT, SLO(tpot_ms=15))
+    assert loose["recommendation"]["limited_by"] != "TPOT SLO" or \
+        loose["recommendation"]["tpot_ms"] <= 100
+    assert tight["recommendation"]["tpot_ms"] <= 15
+    assert tight["recommendation"]["concurrency"] < loose["recommendation"]["concurrency"]
+    assert tight["recommendation"]["throughput_tok_s"] < \
+        loose["recommendation"]["throughput_tok_s"]
+    impossible = make_plan("llama-3-8b", config, H100_SXM, 1, CHAT, SLO(tpot_ms=1))
+    assert impossible["recommendation"] is None
+
+
+def test_hardware_decides_what_fits_and_how_fast():
+    """bf16 70B (141 GB) fits neither one H100 nor two (70.5 GB a device beside 80 x 0.9 - 4
+    usable), but two H200 with room for KV; H200's bandwidth makes the same deployment's TPOT
+    shorter and its memory the KV capacity larger."""
+    config, _ = load_plan_model("llama-3-70b")
+    one = (("none",), ("bfloat16",))
+    assert make_plan("x", config, H100_SXM, 1, CHAT, SLO(), *one)["recommendation"] is None
+    two_h100 = make_plan("x", config, H100_SXM, 2, CHAT, SLO(), *one)
+    two_h200 = make_plan("x", config, H200, 2, CHAT, SLO(), *one)
+    assert two_h100["recommendation"] is None  # 70.5 GB a device beside 68 usable
+    best = two_h200["recommendation"]
+    assert best is not None and best["candidate"]["tp"] * best["candidate"]["pp"] == 2
+    # the same candidate at the same batch: H200's 4.8 TB/s against H100's 3.35
+    cand = Candidate(8, 1, 1, "aggregated", "fp8", "fp8")
+    h100 = predict(config, H100_SXM, cand, CHAT, SLO(), batch=32).latency
+    h200 = predict(config, H200, cand, CHAT, SLO(), batch=32).latency
+    assert h200.tpot_s < h100.tpot_s
+    assert predict(config, H200, cand, CHAT, SLO()).kv_capacity_tokens > \
+        predict(config, H100_SXM, cand, CHAT, SLO()).kv_capacity_tokens
+
+
+def test_int8_kv_doubles_what_a_memory_bound_cpu_holds():
+    config, _ = load_plan_model("llama-3-8b")
+    small = replace(CPU_2CORE, memory_bytes=24e9)
+    work = Workload(input_len=1024, output_len=128)
+    bf16 = predict(config, small, Candidate(1, 1, 1, "aggregated", "int4", "bfloat16"), work,
+                   SLO())
+    int8 = predict(config, small, Candidate(1, 1, 1, "aggregated", "int4", "int8"), work,
+                   SLO())
+    assert int8.kv_capacity_tokens / bf16.kv_capacity_tokens == pytest.approx(
+        2 / (1 + 4 / 128), rel=0.01)
+
+
+def test_calibration_recovers_known_overheads():
+    """Measurements made of the roofline's time plus known overheads give those back."""
+    from kvserve.bench.plan import calibrate
+    from kvserve.bench.plan.cost import plan_cost as cost_of
+    from kvserve.bench.plan.predict import InstanceModel, compute_dtype
+    from kvserve.bench.plan.search import weight_format
+
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    base = replace(CPU_2CORE, step_overhead_s=0.0, seq_overhead_s=0.0,
+                   prefill_token_overhead_s=0.0)
+    quant = calibrate.default_quantization(config)
+    model = InstanceModel(config, cost_of(config, weight_format(config, base, quant),
+                                          "bfloat16"), base,
+                          Candidate(1, 1, 1, "aggregated", quant, "bfloat16"),
+                          compute_dtype(base, quant))
+    fixed, per_seq, per_token = 4e-3, 0.3e-3, 0.1e-3
+
+    def roof(times):
+        return max(times.memory_s, times.compute_s)
+
+    one = roof(model.decode_step(1, 256 + 33 / 2)) + fixed + per_seq
+    many = roof(model.decode_step(8, 64 + 33 / 2)) + fixed + 8 * per_seq
+    ttft = roof(model.prefill(256, 256)) + fixed + 256 * per_token
+    fitted = calibrate._fit(config, base, {"ttft_s": ttft, "step_1_s": one, "step_8_s": many})
+    assert fitted["step_overhead_s"] == pytest.approx(fixed)
+    assert fitted["seq_overhead_s"] == pytest.approx(per_seq)
+    assert fitted["prefill_token_overhead_s"] == pytest.approx(per_token)
+
+
+def test_bad_input_is_a_clear_error(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--hardware", "tpu-v9"]) == 2
+    assert "unknown hardware 'tpu-v9'" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3-8b", "--hardware", "this"]) == 2
+    assert "named hardware profile" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3-8b", "--hardware", "h100",
+                 "--prefix-share", "1.5"]) == 2
+    assert named_profile("H100").name == "h100-sxm"
+
+
+@pytest.mark.soak
+def test_validate_the_smallest_candidate(tmp_path):
+    """One deployment served and benchmarked; its prediction error is reported (not
+    asserted small: the machine's load moves it)."""
+    import argparse
+
+    from kvserve.bench.plan.validate import validate
+
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    args = argparse.Namespace(model="smollm2-135m-instruct", num_prompts=8, max_concurrency=2)
+    result = validate(args, config, CPU_2CORE, Workload(128, 32), only=1)
+    row = result["deployments"][0]
+    assert "error" not in row, row
+    for key in ("ttft_ms", "tpot_ms", "throughput_tok_s"):
+        assert row[key]["measured"] > 0 and row[key]["predicted"] > 0
+        assert row[key]["error"] == pytest.approx(
+            (row[key]["predicted"] - row[key]["measured"]) / row[key]["measured"])
