@@ -123,16 +123,18 @@ def _run_plan(args) -> int:
 def _run_serve(args) -> int:
     from kvserve.entrypoints.openai.server import ServerConfig, run_server
 
-    if args.replicas > 1 and args.lora_modules:
+    from kvserve.ray_serve.config import RayServeConfig
+
+    serve_config = dataclass_from_args(RayServeConfig, args)
+    if serve_config.on_ray and args.lora_modules:
         print("error: --lora-modules is not served by --replicas yet (Ray Serve replicas); "
               "serve adapters from one replica", file=sys.stderr)
         return 2
-    if args.replicas > 1:  # engine replicas as Ray Serve deployments (kvserve/ray_serve/)
+    if serve_config.on_ray:  # engine replicas as Ray Serve deployments (kvserve/ray_serve/)
         from kvserve.ray_serve.app import run_replicas
-        from kvserve.ray_serve.config import RayServeConfig
 
         return run_replicas(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
-                            dataclass_from_args(RayServeConfig, args))
+                            serve_config)
     return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args))
 
 

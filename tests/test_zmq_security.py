@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 import zmq
@@ -20,8 +21,8 @@ from kvserve.kv_events import ReplayClient
 from kvserve.kv_transfer.leases import LeaseTable
 from kvserve.kv_transfer.tcp import KVSender, KVTransferError, pull_into
 from kvserve.router.index import KVIndex
-from kvserve.router.subscriber import EventSubscriber
-from kvserve.testing.server import free_port
+from kvserve.router.subscriber import EventSubscriber, reachable_endpoint
+from kvserve.testing.server import ServerProcess, free_port
 from kvserve.zmq_security import (
     SECRET_ENV,
     ZmqSecurityError,
@@ -29,7 +30,7 @@ from kvserve.zmq_security import (
     is_loopback,
     require_secret,
 )
-from tests.helpers import cache_tokens, kv_event_publisher, wait_until
+from tests.helpers import cache_tokens, kv_event_publisher, tiny_server_flags, wait_until
 
 SECRET = "correct horse battery staple 42"
 WRONG = "incorrect horse battery staple 42"
@@ -216,3 +217,53 @@ def test_ray_replicas_publish_on_loopback_without_a_secret(monkeypatch):
     assert not _reachable({**loopback, "node_ip": "192.0.2.7"})
     assert _reachable({"endpoint": "tcp://192.0.2.7:5557", "node_ip": "192.0.2.7"})
     assert _reachable(loopback)  # a replica that does not say where it runs
+
+
+# ---- a real server: the secret reaches its engine core and worker through the environment -----
+@pytest.mark.multiprocess
+def test_a_server_with_the_secret_serves_events_and_kv_only_behind_it(tiny_model_dir, tmp_path):
+    """Every interface, with the secret: its events and its held KV reach a peer with the
+    secret; a plain SUB and a puller without it get nothing."""
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://0.0.0.0:{free_port('')}",
+              "replay_endpoint": f"tcp://0.0.0.0:{free_port('')}"}
+    flags = tiny_server_flags(tiny_model_dir, "--kv-events-config", json.dumps(events),
+                              "--kv-transfer-config",
+                              json.dumps({"kv_role": "kv_producer", "kv_ip": "0.0.0.0"}))
+    context = zmq.Context()
+    with ServerProcess(flags, env={SECRET_ENV: SECRET}, log_path=tmp_path / "server.log") \
+            as server:
+        info = httpx.get(server.base_url + "/kv_events_info", timeout=10).json()
+        assert info["curve"] is True
+        subscriber = EventSubscriber(KVIndex(), replay_timeout=2.0, secret=SECRET)
+        plain_sub = context.socket(zmq.SUB)
+        plain_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        plain_sub.connect(reachable_endpoint(info["endpoint"], server.base_url))
+        try:
+            subscriber.track(server.base_url, info)
+            wait_until(lambda: subscriber.fresh(server.base_url, 5.0), what="the subscription")
+            body = {"prompt": "The secret keeps the rivers of KV blocks flowing. " * 4,
+                    "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            handle = httpx.post(server.base_url + "/v1/completions", json=body,
+                                timeout=60).json()["kv_transfer_params"]
+            wait_until(lambda: subscriber.index.num_blocks(server.base_url) > 0,
+                       what="the prompt's blocks in the index")
+            assert not plain_sub.poll(0)  # heartbeats every second went by meanwhile
+            _pull_only_with_the_secret(context, tiny_model_dir, info["block_size"], handle)
+        finally:
+            subscriber.close()
+            plain_sub.close(linger=0)
+    context.term()
+
+
+def _pull_only_with_the_secret(context, model_dir, block_size: int, handle: dict) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    num_blocks = len(handle["remote_block_ids"])
+    page = (2, num_blocks, block_size, config["num_key_value_heads"], config["head_dim"])
+    caches = [torch.zeros(page) for _ in range(config["num_hidden_layers"])]
+    where = ("127.0.0.1", handle["remote_port"], handle["remote_request_id"])
+    with pytest.raises(KVTransferError, match="no answer"):
+        pull_into(context, *where, caches, list(range(num_blocks)), REFUSED_WITHIN,
+                  use_shm=False, secret=None)
+    assert pull_into(context, *where, caches, list(range(num_blocks)), 10, use_shm=False,
+                     secret=SECRET) == num_blocks
+    assert all(cache.abs().sum() > 0 for cache in caches)  # the prompt's K and V arrived

@@ -45,6 +45,7 @@ RAY_ROUTERS = {
     "power-of-two-choices": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
 }
 HEALTH_CHECK_PERIOD_S = 2.0  # a dead engine fails check_health; Serve then replaces it
+DRAIN_POLL_S = 0.5  # how often a stopping replica checks its requests are done (Serve: 2 s)
 
 
 def request_router_config(engine_config: EngineConfig, serve_config: RayServeConfig):
@@ -78,7 +79,17 @@ def replica_cpus(serve_config: RayServeConfig) -> float:
     total = ray.cluster_resources().get("CPU", 0.0) if ray.is_initialized() else 0.0
     if not total:
         return 1.0
-    return min(1.0, total / serve_config.replicas)
+    return min(1.0, total / serve_config.most_replicas)
+
+
+def replica_count(serve_config: RayServeConfig) -> dict:
+    """`serve.deployment`'s replica arguments: a fixed count, or the SLO planner's
+    autoscaling config (autoscaling.py)."""
+    if not serve_config.autoscaling:
+        return {"num_replicas": serve_config.replicas}
+    from kvserve.ray_serve.autoscaling import autoscaling_config
+
+    return {"autoscaling_config": autoscaling_config(serve_config)}
 
 
 def build_deployments(engine_config: EngineConfig, server_config: ServerConfig,
@@ -95,18 +106,23 @@ def build_deployments(engine_config: EngineConfig, server_config: ServerConfig,
     if engine_config.num_threads is None:
         engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(cpus)))
     replica = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=serve_config.replicas,
+        EngineReplica, name=ENGINE_DEPLOYMENT, **replica_count(serve_config),
         max_ongoing_requests=serve_config.max_ongoing_requests,
         ray_actor_options={"num_cpus": cpus},
         request_router_config=request_router_config(engine_config, serve_config),
         health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=logging_config,
-        graceful_shutdown_timeout_s=server_config.shutdown_timeout)
+        # a replica scaled down (or replaced) stops taking requests, then finishes its streams
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
     ingress = serve.deployment(
         serve.ingress()(OpenAIIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
-        max_ongoing_requests=serve_config.replicas * serve_config.max_ongoing_requests,
+        max_ongoing_requests=serve_config.most_replicas * serve_config.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0}, logging_config=logging_config,
         graceful_shutdown_timeout_s=server_config.shutdown_timeout)
-    return ingress.bind(replica.bind(engine_config, server_config, serve_config.kv_events_host),
+    slo_stats = {"slo_window_s": serve_config.autoscale_window_s,
+                 "slo_quantile": serve_config.slo_quantile} if serve_config.autoscaling else {}
+    return ingress.bind(replica.bind(engine_config, server_config, serve_config.kv_events_host,
+                                     **slo_stats),
                         serve_config.request_router, server_config.api_key,
                         server_config.max_request_body_bytes,
                         engine_config.model if serve_config.measure_placement else None)
@@ -188,8 +204,9 @@ def run_replicas(engine_config: EngineConfig, server_config: ServerConfig,
         app = build_deployments(engine_config, server_config, serve_config)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         serving = True
-        logger.info("serving %d replicas of %s on http://%s:%d (request router: %s)",
-                    serve_config.replicas, engine_config.model, server_config.host,
+        logger.info("serving %s replicas of %s on http://%s:%d (request router: %s)",
+                    "%d-%d (SLO planner)" % serve_config.bounds if serve_config.autoscaling
+                    else serve_config.replicas, engine_config.model, server_config.host,
                     server_config.port, serve_config.request_router)
         while not signals:
             time.sleep(0.2)

@@ -25,6 +25,7 @@ from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.kv_events import kv_events_info, with_kv_events
 from kvserve.ray_serve.asgi import call_app, http_scope
 from kvserve.ray_serve.request import OpenAIRequest
+from kvserve.ray_serve.slo_stats import SLOStats
 from kvserve.zmq_security import SECRET_ENV, curve_keys
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class EngineReplica:
     """The deployment class (app.py wraps it with `serve.deployment`)."""
 
     async def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                       kv_events_host: str | None = None):
+                       kv_events_host: str | None = None, slo_window_s: float = 10.0,
+                       slo_quantile: float = 0.9):
         from ray import serve
         from ray.util import get_node_ip_address
 
@@ -49,6 +51,7 @@ class EngineReplica:
                                   restart_on_failure=server_config.restart_engine_on_failure,
                                   max_restarts=server_config.max_engine_restarts)
         self.app = build_app(self.engine, server_config)
+        self.slo_stats = SLOStats(self.engine.metrics.registry, slo_window_s, slo_quantile)
         self.engine.start()
         # Serve routes to a replica once its constructor returns: not before warm-up
         await asyncio.to_thread(self.engine.ready.wait)
@@ -99,6 +102,11 @@ class EngineReplica:
                 "num_waiting": stats.num_waiting if stats else 0,
                 "kv_blocks_used": stats.num_used_blocks if stats else 0,
                 "kv_usage": stats.kv_usage if stats else 0.0}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """For the SLO planner (planner.py), when autoscaling is on (Ray calls it then only):
+        TTFT and ITL quantiles over the window, waiting and running requests, KV usage."""
+        return self.slo_stats.stats(time.monotonic(), self.engine.last_stats())
 
     def check_health(self) -> None:
         if not self.engine.is_alive:

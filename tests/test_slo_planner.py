@@ -1,0 +1,260 @@
+"""The SLO planner (kvserve/ray_serve/planner.py): Ray Serve autoscaling of the engine replicas.
+
+Without a cluster: the replica's windowed latency quantiles from the engine's own Prometheus
+histograms (slo_stats.py); the policy loaded and wrapped exactly as Ray Serve's controller does
+(`AutoscalingPolicy` pickled by value, instantiated with its kwargs, wrapped by Ray's delay
+logic) and called with Ray's `AutoscalingContext` on synthetic replica reports: each signal
+scales up at once, by the ratio over its limit; the hysteresis band holds; a scale-down waits
+for Ray's downscale delay; a move in progress holds; a second move the same way waits a
+window; the bounds hold; stale reports are ignored. The flags and their errors.
+
+End to end (the ramp), on a local Ray: `kvserve serve --autoscale` with tiny-model replicas
+under low, 4x and low load: see the test's docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from kvserve.metrics import EngineMetrics
+from kvserve.ray_serve import slo_stats as keys
+from kvserve.ray_serve.autoscaling import autoscaling_config, planner_kwargs
+from kvserve.ray_serve.config import AutoscalingConfigError, RayServeConfig
+from kvserve.ray_serve.slo_stats import SLOStats, WindowedLatency, bucket_quantile
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve.config", reason="needs kvserve[ray] (ray[serve])")
+
+from ray.serve._private.autoscaling_state import (  # noqa: E402 - after the skip
+    _resolve_policy_callable,
+)
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue  # noqa: E402
+from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
+from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="kvserve")
+TTFT_SLO, ITL_SLO = 0.5, 0.05
+
+
+# ---- the replica's stats ----------------------------------------------------------------------
+def test_bucket_quantile_interpolates_as_prometheus_does():
+    buckets = [(0.1, 2.0), (0.5, 8.0), (1.0, 10.0), (math.inf, 10.0)]
+    # rank 9 of 10 lies in (0.5, 1.0], half way through its 2 counts
+    assert bucket_quantile(0.9, buckets) == pytest.approx(0.75)
+    assert bucket_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 3 / 6)
+    assert bucket_quantile(0.9, [(0.1, 0.0), (math.inf, 0.0)]) is None
+    # beyond the last finite bound: that bound (Prometheus' answer too)
+    assert bucket_quantile(0.9, [(0.1, 1.0), (math.inf, 10.0)]) == 0.1
+
+
+def test_replica_stats_cover_the_window_of_the_engine_histograms():
+    metrics = EngineMetrics("m")
+    stats = SLOStats(metrics.registry, window_s=10.0, quantile=0.9)
+    for _ in range(10):
+        metrics.ttft.observe(0.9)  # slow first tokens, at t=0
+    metrics.itl.observe(0.03)
+    first = stats.stats(0.0, None)
+    assert first[keys.TTFT_COUNT_KEY] == 10 and 0.75 < first[keys.TTFT_KEY] <= 1.0
+    assert first[keys.ITL_COUNT_KEY] == 1 and first[keys.ITL_KEY] <= 0.04
+    for _ in range(10):
+        metrics.ttft.observe(0.015)  # fast ones at t=5: both in the window
+    assert 0.75 < stats.stats(5.0, None)[keys.TTFT_KEY] <= 1.0
+    for _ in range(10):
+        metrics.ttft.observe(0.015)  # at t=12 the slow ones are a window old: out
+    late = stats.stats(12.0, None)
+    assert late[keys.TTFT_COUNT_KEY] == 20 and late[keys.TTFT_KEY] <= 0.02
+    quiet = stats.stats(30.0, None)  # nothing observed in the last window
+    assert quiet[keys.TTFT_COUNT_KEY] == 0 and quiet[keys.TTFT_KEY] == 0.0
+    assert (quiet[keys.WAITING_KEY], quiet[keys.KV_USAGE_KEY]) == (0.0, 0.0)
+
+
+def test_windowed_latency_keeps_one_baseline_beyond_the_window():
+    window = WindowedLatency(window_s=2.0)
+    histogram = "h"
+    for now, count in ((0.0, 0.0), (1.0, 5.0), (2.5, 9.0), (3.0, 10.0)):
+        result = window.sample(now, {histogram: [(1.0, count), (math.inf, count)]})
+    # at t=3 the baseline is t=1 (the newest snapshot at least 2 s old): 5 observations since
+    assert result[histogram][1] == 5.0
+
+
+# ---- the policy, as Ray Serve's controller runs it --------------------------------------------
+def ray_policy(config: RayServeConfig):
+    """The policy exactly as the controller gets it: from the AutoscalingConfig our flags
+    build (pickled by value), instantiated with its kwargs, wrapped with Ray's delays."""
+    autoscaling = AutoscalingConfig(**autoscaling_config(config))
+    return autoscaling, _apply_autoscaling_config(_resolve_policy_callable(autoscaling.policy))
+
+
+def report(ttft: float | None = None, itl: float | None = None, waiting: float = 0.0,
+           kv_usage: float = 0.1, running: float = 1.0) -> dict[str, float]:
+    return {keys.TTFT_KEY: ttft or 0.0, keys.TTFT_COUNT_KEY: 10.0 if ttft else 0.0,
+            keys.ITL_KEY: itl or 0.0, keys.ITL_COUNT_KEY: 50.0 if itl else 0.0,
+            keys.WAITING_KEY: waiting, keys.RUNNING_KEY: running, keys.KV_USAGE_KEY: kv_usage}
+
+
+class Fleet:
+    """Calls the wrapped policy as the controller would: a context per tick, the returned
+    policy state fed back, the target moved to the decision (replicas start at once unless
+    `starting`)."""
+
+    def __init__(self, config: RayServeConfig, target: int = 1):
+        self.config, self.policy = ray_policy(config)
+        self.target = self.running = target
+        self.state: dict = {}
+
+    def tick(self, reports: list[dict], now: float | None = None, queued: float = 0.0,
+             age_s: float = 0.0, starting: bool = False) -> int:
+        now = time.time() if now is None else now
+        replicas = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT)
+                    for i in range(len(reports))]
+        raw = {}
+        for replica, values in zip(replicas, reports):
+            for name, value in values.items():
+                raw.setdefault(name, {})[replica] = [TimeStampedValue(now - age_s, value)]
+        ctx = AutoscalingContext(
+            deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name,
+            app_name=DEPLOYMENT.app_name, current_num_replicas=self.running,
+            target_num_replicas=self.target, running_replicas=replicas,
+            total_num_requests=sum(r[keys.RUNNING_KEY] + r[keys.WAITING_KEY] for r in reports),
+            total_queued_requests=queued, aggregated_metrics=None, raw_metrics=raw,
+            capacity_adjusted_min_replicas=self.config.min_replicas,
+            capacity_adjusted_max_replicas=self.config.max_replicas,
+            policy_state=self.state, last_scale_up_time=None, last_scale_down_time=None,
+            current_time=now, config=self.config)
+        decision, self.state = self.policy(ctx)
+        self.target = decision
+        if not starting:
+            self.running = decision
+        return decision
+
+    @property
+    def reason(self) -> str:
+        return self.state["kvserve_planner"]["reason"]
+
+
+def planner_config(**overrides) -> RayServeConfig:
+    options = dict(min_replicas=1, max_replicas=8, slo_ttft_ms=TTFT_SLO * 1000,
+                   slo_itl_ms=ITL_SLO * 1000, max_waiting_per_replica=4.0, max_kv_usage=0.9,
+                   downscale_delay_s=0.0, autoscale_window_s=2.0)
+    return RayServeConfig(**{**options, **overrides})
+
+
+@pytest.mark.parametrize("signal, over, within", [
+    ("ttft", report(ttft=0.6), report(ttft=0.45)),
+    ("itl", report(itl=0.07), report(itl=0.045)),
+    ("waiting", report(waiting=5.0), report(waiting=4.0)),
+    ("kv", report(kv_usage=0.95), report(kv_usage=0.85)),
+])
+def test_each_signal_over_its_limit_scales_up_at_once(signal, over, within):
+    fleet = Fleet(planner_config())
+    assert fleet.tick([within]) == 1 and "within limits" in fleet.reason
+    assert fleet.tick([over]) == 2 and fleet.reason.startswith(signal)
+
+
+def test_the_step_follows_the_ratio_over_the_limit_and_at_most_doubles():
+    fleet = Fleet(planner_config(), target=4)
+    assert fleet.tick([report(ttft=0.55)] * 4) == 5  # 1.1x: one more (ceil(4 x 0.1))
+    fleet = Fleet(planner_config(), target=4)
+    assert fleet.tick([report(ttft=0.7)] * 4) == 6  # 1.4x: ceil(4 x 0.4) more
+    fleet = Fleet(planner_config(), target=3)
+    assert fleet.tick([report(ttft=5.0)] * 3) == 6  # 10x: doubles, no more
+    fleet = Fleet(planner_config(max_replicas=5), target=3)
+    assert fleet.tick([report(ttft=5.0)] * 3) == 5  # ... within --max-replicas
+    assert fleet.tick([report(ttft=5.0)] * 5) == 5 and "max-replicas" in fleet.reason
+
+
+def test_the_worst_replica_and_the_handles_queue_count():
+    fleet = Fleet(planner_config(), target=2)
+    # one replica over the TTFT SLO is enough, however fast the other is
+    assert fleet.tick([report(ttft=0.6), report(ttft=0.01)]) == 3
+    fleet = Fleet(planner_config(), target=2)
+    # 3 waiting in the engines + 7 queued in the router over 2 replicas: 5 > 4 per replica
+    assert fleet.tick([report(waiting=1.0), report(waiting=2.0)], queued=7.0) == 3
+    assert fleet.reason.startswith("waiting")
+
+
+def test_hysteresis_holds_between_the_limits_and_scales_down_after_the_delay():
+    fleet = Fleet(planner_config(downscale_delay_s=0.4), target=3)
+    # 0.3 s TTFT = 0.6x the SLO: neither over it nor well under it
+    for _ in range(3):
+        assert fleet.tick([report(ttft=0.3)] * 3) == 3
+    assert "within limits" in fleet.reason
+    # well under (0.1 s = 0.2x): wanted at once, but Ray's delay holds it 0.4 s
+    started = time.time()
+    assert fleet.tick([report(ttft=0.1)] * 3) == 3
+    assert fleet.reason.startswith("all signals under")
+    while time.time() - started < 0.35:
+        assert fleet.tick([report(ttft=0.1)] * 3) == 3
+        time.sleep(0.05)
+    time.sleep(0.1)
+    assert fleet.tick([report(ttft=0.1)] * 3) == 2
+    # a request waiting anywhere is not "well under": no further move down
+    fleet = Fleet(planner_config(), target=2)
+    assert fleet.tick([report(waiting=1.0), report()]) == 2
+    # idle (no first token in the window) and nothing waiting: down, never below the minimum
+    fleet = Fleet(planner_config(min_replicas=2), target=3)
+    assert fleet.tick([report()] * 3) == 2
+    assert fleet.tick([report()] * 2) == 2
+
+
+def test_a_calm_blip_does_not_scale_down():
+    fleet = Fleet(planner_config(downscale_delay_s=0.3), target=2)
+    assert fleet.tick([report()] * 2) == 2  # wanted down: the delay starts
+    assert fleet.tick([report(ttft=0.4)] * 2) == 2  # back in the band: the delay resets
+    time.sleep(0.35)
+    assert fleet.tick([report()] * 2) == 2  # wanted again: a new delay
+    assert fleet.reason.startswith("all signals under")
+
+
+def test_a_move_in_progress_holds_and_a_second_move_up_waits_a_window():
+    config = planner_config()
+    settle_s = planner_kwargs(config)["settle_s"]
+    fleet = Fleet(config)
+    now = 1000.0
+    assert fleet.tick([report(ttft=0.6)], now=now, starting=True) == 2
+    # the new replica is starting: the old window still shows the overload, but hold
+    assert fleet.tick([report(ttft=0.9)], now=now + 1, starting=True) == 2
+    assert fleet.reason.startswith("scaling")
+    fleet.running = 2  # it is up at t+2: its window has not seen the new fleet yet
+    assert fleet.tick([report(ttft=0.9)] * 2, now=now + 2) == 2
+    assert "settling after scaling up" in fleet.reason
+    # a window later the overload is still there: it is real, one more
+    assert fleet.tick([report(ttft=0.6)] * 2, now=now + 2.1 + settle_s) == 3
+    # the way back down is not held by the settling
+    fleet.tick([report()] * 3, now=now + 3.1 + settle_s)
+    assert fleet.target == 2
+
+
+def test_stale_or_missing_reports_decide_nothing():
+    config = planner_config()
+    stale_s = planner_kwargs(config)["stale_s"]
+    fleet = Fleet(config, target=2)
+    assert fleet.tick([report(ttft=5.0)] * 2, age_s=stale_s + 1) == 2
+    assert fleet.reason == "no fresh replica reports"
+    assert fleet.tick([]) == 2
+
+
+# ---- the flags ---------------------------------------------------------------------------------
+def test_flags_turn_autoscaling_on_and_contradictions_are_errors(capsys):
+    assert not RayServeConfig(replicas=2).autoscaling
+    assert RayServeConfig(max_replicas=3).autoscaling and RayServeConfig(max_replicas=3).on_ray
+    assert RayServeConfig(autoscale=True).bounds == (1, 2)
+    built = autoscaling_config(RayServeConfig(replicas=3, min_replicas=2, max_replicas=4,
+                                              slo_ttft_ms=800, autoscale_window_s=5))
+    assert (built["min_replicas"], built["initial_replicas"], built["max_replicas"]) == (2, 3, 4)
+    assert built["policy"]["policy_function"] == "kvserve.ray_serve.planner:SLOPlanner"
+    assert built["policy"]["policy_kwargs"]["ttft_slo_s"] == 0.8
+    assert built["look_back_period_s"] == 5 and built["metrics_interval_s"] == 1.0
+    for bad in ({"autoscale": True, "min_replicas": 0}, {"min_replicas": 3, "max_replicas": 2,
+                                                         "autoscale": True},
+                {"autoscale": True, "slo_quantile": 1.5},
+                {"autoscale": True, "slo_ttft_ms": -1}):
+        with pytest.raises(AutoscalingConfigError):
+            RayServeConfig(**bad)
+    from kvserve.cli import main
+
+    assert main(["serve", "--autoscale", "--min-replicas", "3", "--max-replicas", "2"]) == 2
+    assert "--max-replicas (2) is below --min-replicas (3)" in capsys.readouterr().err
