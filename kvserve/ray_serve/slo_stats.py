@@ -78,11 +78,13 @@ class WindowedLatency:
 
     def sample(self, now: float, histograms: dict[str, Buckets]) -> dict[str, tuple]:
         """name -> (quantile or None, observations) over the window ending now. The baseline
-        is the newest snapshot at least a window old (the oldest one while younger)."""
+        is the newest snapshot at least a window old; until one is, nothing (a replica's
+        first window counts everything since it started)."""
         self._snapshots.append((now, histograms))
         while len(self._snapshots) > 1 and now - self._snapshots[1][0] >= self.window_s:
             self._snapshots.popleft()
-        baseline = self._snapshots[0][1] if len(self._snapshots) > 1 else {}
+        oldest_time, oldest = self._snapshots[0]
+        baseline = oldest if now - oldest_time >= self.window_s else {}
         result = {}
         for name, buckets in histograms.items():
             window = subtract(buckets, baseline.get(name, []))
