@@ -207,3 +207,15 @@ def test_validate_the_smallest_candidate(tmp_path):
         assert row[key]["measured"] > 0 and row[key]["predicted"] > 0
         assert row[key]["error"] == pytest.approx(
             (row[key]["predicted"] - row[key]["measured"]) / row[key]["measured"])
+
+
+def test_dp_attention_stops_mla_kv_replication():
+    """Under TP each rank keeps DeepSeek's whole latent KV; DP attention keeps each rank's own
+    sequences (about 8x the tokens on 8 ranks, less the attention weights it replicates)."""
+    config, _ = load_plan_model("deepseek-v3")
+    tp8 = Candidate(8, 1, 1, "aggregated", "fp8", "fp8")
+    plain = predict(config, H200, tp8, CHAT, SLO())
+    dp = predict(config, H200, replace(tp8, dp_attention=True), CHAT, SLO())
+    assert dp.weight_bytes_per_device > plain.weight_bytes_per_device
+    assert 6 * plain.kv_capacity_tokens < dp.kv_capacity_tokens < 8 * plain.kv_capacity_tokens
+    assert dp.candidate.label() == "DP8-attn EP8"

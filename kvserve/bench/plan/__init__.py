@@ -13,16 +13,17 @@ from kvserve.config import ModelConfig
 
 def make_plan(model: str, config: ModelConfig, hardware: Hardware, devices: int,
               workload: Workload, slo: SLO, quantizations: tuple[str, ...] | None = None,
-              kv_dtypes: tuple[str, ...] | None = None) -> dict:
+              kv_dtypes: tuple[str, ...] | None = None, max_num_seqs: int = 256) -> dict:
     """Every candidate predicted at its best SLO-meeting concurrency, and the pick."""
     from kvserve.bench import roofline
     from kvserve.bench.plan.cost import plan_cost
     from kvserve.bench.plan.report import model_shape, plan_dict
 
     quantizations = quantizations or _quantizations(config, hardware)
-    predictions = [predict(config, hardware, cand, workload, slo)
+    predictions = [predict(config, hardware, cand, workload, slo, max_num_seqs=max_num_seqs)
                    for cand in candidates(hardware, devices, quantizations,
-                                          kv_dtypes or hardware.kv_dtypes)]
+                                          kv_dtypes or hardware.kv_dtypes,
+                                          bool(config.kv_lora_rank and config.num_experts))]
     best = recommend(predictions)
     why = reason(best, predictions, workload) if best is not None else ""
     bf16 = plan_cost(config, roofline.weight_format("bfloat16", "none"), "bfloat16")

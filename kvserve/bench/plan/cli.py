@@ -32,6 +32,8 @@ def add_plan_parser(commands) -> None:
                       help="weight formats to consider (repeatable; default: the hardware's)")
     plan.add_argument("--kv-cache-dtype", action="append", default=None,
                       help="KV dtypes to consider (repeatable; default: the hardware's)")
+    plan.add_argument("--max-num-seqs", type=int, default=256,
+                      help="sequences one engine instance batches at most (the engine's flag)")
     plan.add_argument("--recalibrate", action="store_true",
                       help="--hardware this: measure the engine's overheads again")
     plan.add_argument("--validate", action="store_true",
@@ -67,7 +69,8 @@ def run_plan(args) -> int:
     workload = Workload(args.input_len, args.output_len, args.prefix_share, args.arrival)
     slo = SLO(args.ttft_ms, args.tpot_ms)
     plan = make_plan(args.model, config, hardware, devices, workload, slo,
-                     tuple(args.quantization or ()), tuple(args.kv_cache_dtype or ()))
+                     tuple(args.quantization or ()), tuple(args.kv_cache_dtype or ()),
+                     args.max_num_seqs)
     if args.validate:
         from kvserve.bench.plan.validate import validate
 

@@ -61,6 +61,7 @@ class Candidate:
     kv_dtype: str
     prefill_instances: int = 0
     share: float = 1.0
+    dp_attention: bool = False  # MLA + MoE: attention data-parallel, experts split (EP)
 
     @property
     def devices(self) -> int:
@@ -71,7 +72,8 @@ class Candidate:
         return self.instances - self.prefill_instances
 
     def label(self) -> str:
-        layout = f"TP{self.tp}" + (f" PP{self.pp}" if self.pp > 1 else "")
+        layout = (f"DP{self.tp}-attn EP{self.tp}" if self.dp_attention else f"TP{self.tp}") \
+            + (f" PP{self.pp}" if self.pp > 1 else "")
         if self.mode == "disaggregated":
             return f"{self.prefill_instances}P{self.decode_instances}D x {layout}"
         return f"{self.instances} x {layout}" if self.instances > 1 else layout
@@ -107,26 +109,43 @@ class InstanceModel:
             * candidate.tp * share
         self.flops = hardware.gflops[compute_dtype] * 1e9 * hardware.flops_efficiency \
             * candidate.tp * share
-        # MLA's one latent row serves every head: each TP rank keeps (and reads) all of it
-        self.kv_replication = candidate.tp if config.kv_lora_rank else 1
+        # MLA's one latent row serves every head: each TP rank keeps (and reads) all of it,
+        # unless attention is data-parallel (each rank its own sequences, SGLang's DP
+        # attention), which instead keeps every weight but the routed experts on each rank
+        self.kv_replication = candidate.tp if config.kv_lora_rank and \
+            not candidate.dp_attention else 1
+        self.weight_replication = candidate.tp if candidate.dp_attention else 1
+
+    def _routed_bytes(self, experts: float) -> float:
+        return self.cost.moe_layers * self.cost.expert_bytes_per_layer * experts
 
     def weight_bytes_read(self, tokens: float) -> float:
-        """Weights one step of `tokens` tokens reads: a mixture's experts as touched."""
-        cost, config = self.cost, self.config
-        if not config.num_experts:
-            return cost.cost.weight_bytes
-        extra = expected_experts_touched(config, tokens) - config.num_experts_per_tok
-        return min(cost.resident_weight_bytes,
-                   cost.cost.weight_bytes + cost.moe_layers * cost.expert_bytes_per_layer * extra)
+        """Weights one step of `tokens` tokens reads over the instance's devices: a mixture's
+        routed experts as touched; what DP attention replicates, once per device."""
+        config = self.config
+        routed_at_k = self._routed_bytes(config.num_experts_per_tok)
+        routed = self._routed_bytes(expected_experts_touched(config, tokens))
+        return (self.cost.cost.weight_bytes - routed_at_k) * self.weight_replication + routed
+
+    def resident_bytes_per_device(self) -> float:
+        routed = self._routed_bytes(self.config.num_experts)
+        devices = self.cand.tp * self.cand.pp
+        return ((self.cost.resident_weight_bytes - routed) * self.weight_replication
+                + routed) / devices
 
     def _allreduce_s(self, tokens: float) -> float:
-        """Two all-reduces a layer of tokens x hidden bf16 activations over a ring."""
-        tp = self.cand.tp
+        """TP: two all-reduces a layer of tokens x hidden bf16 activations over a ring. DP
+        attention: each MoE layer's dispatch and combine, every token's hidden to its k experts
+        (all but 1/tp of them on other ranks), each rank sending its share of the tokens."""
+        tp, hidden = self.cand.tp, self.config.hidden_size
         if tp == 1:
             return 0.0
-        ring = 2.0 * (tp - 1) / tp * tokens * self.config.hidden_size * 2
-        one = self.hw.collective_latency_s + ring / (self.hw.interconnect_gbps * 1e9)
-        return 2 * self.config.num_hidden_layers * one
+        link = self.hw.interconnect_gbps * 1e9
+        if self.cand.dp_attention:
+            sent = tokens / tp * self.config.num_experts_per_tok * hidden * 2 * (tp - 1) / tp
+            return 2 * self.cost.moe_layers * (self.hw.collective_latency_s + sent / link)
+        ring = 2.0 * (tp - 1) / tp * tokens * hidden * 2
+        return 2 * self.config.num_hidden_layers * (self.hw.collective_latency_s + ring / link)
 
     def _pipeline_s(self, tokens: float) -> float:
         hops = self.cand.pp - 1

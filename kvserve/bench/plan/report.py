@@ -50,6 +50,30 @@ def prediction_dict(prediction: Prediction) -> dict:
     return row
 
 
+def serve_command(model: str, prediction: Prediction) -> str:
+    """The `kvserve serve` line(s) of a candidate (vLLM's flag names). DP attention has no
+    engine switch yet: its line is TP plus expert parallelism."""
+    cand = prediction.candidate
+    flags = [f"kvserve serve --model {model}"]
+    if cand.quantization not in ("none",):
+        flags.append(f"--quantization {cand.quantization}")
+    flags.append(f"--kv-cache-dtype {cand.kv_dtype}")
+    if cand.tp > 1:
+        flags.append(f"--tensor-parallel-size {cand.tp}")
+    if cand.pp > 1:
+        flags.append(f"--pipeline-parallel-size {cand.pp}")
+    if cand.dp_attention:
+        flags.append("--enable-expert-parallel")
+    line = " ".join(flags)
+    if cand.mode == "disaggregated":
+        return (f"{cand.prefill_instances} x `{line} --kv-role prefill`, "
+                f"{cand.decode_instances} x `{line} --kv-role decode`, behind "
+                f"`kvserve router --prefill URL... --decode URL...`")
+    if cand.instances > 1:
+        return f"`{line} --replicas {cand.instances}`"
+    return f"`{line}`"
+
+
 def plan_dict(model: str, shape: dict, hardware: Hardware, devices: int, workload: Workload,
               slo: SLO, predictions: list[Prediction], best: Prediction | None,
               why: str) -> dict:
@@ -57,7 +81,7 @@ def plan_dict(model: str, shape: dict, hardware: Hardware, devices: int, workloa
             "devices": devices, "workload": asdict(workload), "slo": asdict(slo),
             "candidates": [prediction_dict(p) for p in predictions],
             "recommendation": None if best is None else
-            dict(prediction_dict(best), reason=why)}
+            dict(prediction_dict(best), reason=why, command=serve_command(model, best))}
 
 
 def table(plan: dict, limit: int = 25) -> str:
@@ -102,4 +126,4 @@ def summary(plan: dict) -> str:
             f", weights {best['candidate']['quantization']}, KV {best['candidate']['kv_dtype']}"
             f": {best['throughput_tok_s']:.0f} tok/s at concurrency {best['concurrency']}, "
             f"TTFT {best['ttft_ms']:.0f} ms, TPOT {best['tpot_ms']:.1f} ms\nwhy: "
-            f"{best['reason']}")
+            f"{best['reason']}\nrun: {best['command']}")

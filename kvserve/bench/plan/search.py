@@ -61,9 +61,10 @@ def weight_format(config: ModelConfig, hardware: Hardware, quantization: str
 
 
 def candidates(hardware: Hardware, devices: int, quantizations: tuple[str, ...],
-               kv_dtypes: tuple[str, ...]) -> list[Candidate]:
+               kv_dtypes: tuple[str, ...], dp_attention: bool = False) -> list[Candidate]:
     """TP within a node, PP across what is left, instances (replicas, or prefill and decode
-    groups) over the devices; on a single CPU, one or two engines sharing it."""
+    groups) over the devices; on a single CPU, one or two engines sharing it; with
+    `dp_attention` (MLA mixtures), each TP group also as DP attention plus EP."""
     layouts = []
     if hardware.kind == "cpu" and devices == 1:
         layouts = [(1, 1, 1, "aggregated", 0, 1.0), (1, 1, 2, "aggregated", 0, 0.5),
@@ -75,9 +76,12 @@ def candidates(hardware: Hardware, devices: int, quantizations: tuple[str, ...],
                 layouts.append((tp, pp, instances, "aggregated", 0, 1.0))
                 for prefill in range(1, instances):
                     layouts.append((tp, pp, instances, "disaggregated", prefill, 1.0))
-    return [Candidate(tp, pp, n, mode, quant, kv, prefill, share)
-            for tp, pp, n, mode, prefill, share in layouts
-            for quant in quantizations for kv in kv_dtypes]
+    plain = [Candidate(tp, pp, n, mode, quant, kv, prefill, share)
+             for tp, pp, n, mode, prefill, share in layouts
+             for quant in quantizations for kv in kv_dtypes]
+    if not dp_attention:
+        return plain
+    return plain + [replace(c, dp_attention=True) for c in plain if c.tp > 1]
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -89,14 +93,15 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
-            workload: Workload, slo: SLO, batch: int | None = None) -> Prediction:
+            workload: Workload, slo: SLO, batch: int | None = None,
+            max_num_seqs: int = MAX_NUM_SEQS) -> Prediction:
     """The candidate at `batch` sequences per instance, or at the most the SLOs allow."""
     fmt = weight_format(config, hardware, candidate.quantization)
     cost = plan_cost(config, fmt, candidate.kv_dtype)
     model = InstanceModel(config, cost, hardware, candidate,
                           compute_dtype(hardware, candidate.quantization))
     devices = candidate.tp * candidate.pp
-    weights_per_device = cost.resident_weight_bytes / devices
+    weights_per_device = model.resident_bytes_per_device()
     # each device: its share of usable memory, less the engine's overhead and its weights
     usable = devices * (hardware.memory_bytes * hardware.memory_fraction * candidate.share
                         - hardware.engine_overhead_bytes - weights_per_device)
@@ -104,7 +109,10 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
     full = cost.kv_bytes_per_sequence(context) * model.kv_replication
     capacity = max(0, int(usable * context / full))
     kv_batch = max(0, int(usable / full))
-    limit = min(kv_batch, MAX_NUM_SEQS)
+    # pp micro-batches of `batch` sequences each are in flight in one instance's KV
+    # (DP attention: each rank schedules its own up to max_num_seqs)
+    seqs = max_num_seqs * (candidate.tp if candidate.dp_attention else 1)
+    limit = min(kv_batch // candidate.pp, seqs)
     fits = limit >= 1
 
     def run(b: int) -> Latency:
@@ -119,7 +127,7 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
                           if usable <= 0 else "memory: not one sequence's KV", **base)
     if batch is not None:
         return Prediction(batch=batch, latency=run(batch), limited_by="given", **base)
-    best, reason = 0, "KV capacity" if kv_batch <= MAX_NUM_SEQS else "max_num_seqs"
+    best, reason = 0, "KV capacity" if limit < seqs else "max_num_seqs"
     for b in range(1, limit + 1):
         latency = run(b)
         if not slo.met(latency.ttft_s, latency.tpot_s):
