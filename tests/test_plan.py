@@ -211,11 +211,15 @@ def test_validate_the_smallest_candidate(tmp_path):
 
 def test_dp_attention_stops_mla_kv_replication():
     """Under TP each rank keeps DeepSeek's whole latent KV; DP attention keeps each rank's own
-    sequences (about 8x the tokens on 8 ranks, less the attention weights it replicates)."""
+    sequences: 8x the tokens per free byte on 8 ranks, less room for the attention (and dense)
+    weights it replicates."""
     config, _ = load_plan_model("deepseek-v3")
     tp8 = Candidate(8, 1, 1, "aggregated", "fp8", "fp8")
     plain = predict(config, H200, tp8, CHAT, SLO())
     dp = predict(config, H200, replace(tp8, dp_attention=True), CHAT, SLO())
     assert dp.weight_bytes_per_device > plain.weight_bytes_per_device
-    assert 6 * plain.kv_capacity_tokens < dp.kv_capacity_tokens < 8 * plain.kv_capacity_tokens
+    free = H200.memory_bytes * H200.memory_fraction - H200.engine_overhead_bytes
+    assert dp.kv_capacity_tokens / plain.kv_capacity_tokens == pytest.approx(
+        8 * (free - dp.weight_bytes_per_device) / (free - plain.weight_bytes_per_device),
+        rel=1e-4)
     assert dp.candidate.label() == "DP8-attn EP8"
