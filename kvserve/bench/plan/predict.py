@@ -149,7 +149,9 @@ class InstanceModel:
 
     def _pipeline_s(self, tokens: float) -> float:
         hops = self.cand.pp - 1
-        link = self.hw.interconnect_gbps or self.hw.network_gbps
+        within_node = self.cand.tp * self.cand.pp <= self.hw.devices_per_node
+        link = self.hw.interconnect_gbps if within_node and self.hw.interconnect_gbps \
+            else self.hw.network_gbps
         return hops * (self.hw.collective_latency_s
                        + tokens * self.config.hidden_size * 2 / (link * 1e9))
 

@@ -175,15 +175,17 @@ def reason(best: Prediction, predictions: list[Prediction], workload: Workload) 
         if baseline is None or getattr(cand, field) == baseline:
             continue
         other = _twin(predictions, replace(cand, **{field: baseline}))
+        if other is None or not other.meets_slo:  # then the best of any layout
+            other = max((p for p in predictions if p.meets_slo
+                         and getattr(p.candidate, field) == baseline),
+                        key=lambda p: p.latency.throughput, default=None)
         if other is None:
+            parts.append(f"no candidate with {field.replace('_', ' ')} {baseline} meets "
+                         f"the SLOs")
             continue
-        if not other.meets_slo:
-            parts.append(f"with {field.replace('_', ' ')} {baseline} no concurrency meets "
-                         f"the SLOs ({other.limited_by})")
-            continue
-        parts.append(f"{getattr(cand, field)} over {baseline}: {best.concurrency} against "
-                     f"{other.concurrency} sequences, {lat.throughput / other.latency.throughput:.2f}x "
-                     f"the throughput")
+        parts.append(f"{getattr(cand, field)} over {baseline} ({other.candidate.label()}): "
+                     f"{best.concurrency} against {other.concurrency} sequences, "
+                     f"{lat.throughput / other.latency.throughput:.2f}x the throughput")
     return "; ".join(parts)
 
 
