@@ -86,9 +86,20 @@ def configure_threads(num_threads: int | None) -> int:
     return torch.get_num_threads()
 
 
+# Treat every process as on a host of its own: no /dev/shm all-reduce, no /dev/shm KV transfer
+# (what ranks or engines on separate machines must use, exercised on one machine)
+CROSS_HOST_ENV = "KVSERVE_CROSS_HOST"
+# Set in a Ray worker actor (executor/ray_executor.py): its Ray node's id and IP address
+NODE_ID_ENV = "KVSERVE_NODE_ID"
+NODE_IP_ENV = "KVSERVE_NODE_IP"
+
+
 def host_identity() -> str:
     """This machine: host name and kernel boot id (containers may share a host name; two
-    processes share /dev/shm and loopback only when both match)."""
+    processes share /dev/shm and loopback only when both match), plus the Ray node in a Ray
+    actor: two Ray nodes are two machines even when a test starts both on one (Ray's node id
+    decides, as it decides placement). KVSERVE_CROSS_HOST=1 adds the process id, so that no
+    two processes count as one host."""
     import socket
 
     try:
@@ -96,4 +107,27 @@ def host_identity() -> str:
             boot_id = handle.read().strip()
     except OSError:
         boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+    identity = f"{socket.gethostname()}/{boot_id}"
+    if os.environ.get(NODE_ID_ENV):
+        identity += f"/ray-node:{os.environ[NODE_ID_ENV]}"
+    if os.environ.get(CROSS_HOST_ENV, "").lower() in ("1", "true", "yes"):
+        identity += f"/pid:{os.getpid()}"
+    return identity
+
+
+def node_address() -> str:
+    """An address other machines reach this one at: the Ray node's IP in a Ray actor, else the
+    address of the interface that routes outwards (no packet is sent), else the host name's."""
+    import socket
+
+    if os.environ.get(NODE_IP_ENV):
+        return os.environ[NODE_IP_ENV]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"

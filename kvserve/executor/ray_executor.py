@@ -3,7 +3,11 @@ machines of a Ray cluster.
 
 One actor per rank (tensor x pipeline) in a placement group with one bundle per rank, rank i in
 bundle i (strategy PACK unless KVSERVE_RAY_PLACEMENT_STRATEGY says otherwise; bundle 0 on the
-engine core's node). Each actor holds the same `Worker` as an mp worker process; the ranks meet
+engine core's node unless KVSERVE_RAY_RANK_RESOURCES places it: custom resources per rank, e.g.
+a Ray node's own `--resources`). Each actor sets KVSERVE_NODE_ID/IP to its Ray node's, so ranks
+on two Ray nodes never take one-host shortcuts (platform.host_identity: no /dev/shm all-reduce
+or KV) and a rank's KV sender on another node than the engine core's listens on its node's IP.
+Each actor holds the same `Worker` as an mp worker process; the ranks meet
 over torch.distributed at tcp://<rank 0's node IP>:<a free port there>. Each step every actor gets
 the same msgspec-encoded ExecuteStep (Ray runs one caller's calls to an actor in order) and the
 output rank's reply carries the samples; any rank's reply may also carry a KV connector report
@@ -16,6 +20,7 @@ instance started here stops when the last executor using it shuts down.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 CPUS_PER_RANK_ENV = "KVSERVE_RAY_CPUS_PER_RANK"
 STRATEGY_ENV = "KVSERVE_RAY_PLACEMENT_STRATEGY"
+RANK_RESOURCES_ENV = "KVSERVE_RAY_RANK_RESOURCES"
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LIVENESS_POLL_SECONDS = 0.2
 STARTUP_TIMEOUT_SECONDS = 600.0
@@ -60,7 +66,13 @@ class RayWorker:
     imports without Ray."""
 
     def __init__(self, env: dict[str, str], log_level: int):
+        import ray
+
+        from kvserve.platform import NODE_ID_ENV, NODE_IP_ENV
+
         os.environ.update(env)  # the engine's KVSERVE_* settings (read lazily by kvserve)
+        os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()
+        os.environ[NODE_IP_ENV] = ray.util.get_node_ip_address()
         self.log_level = log_level
         self.worker = None
         self.encoder = msgspec.msgpack.Encoder()
@@ -75,6 +87,18 @@ class RayWorker:
 
     def free_port(self) -> int:
         return free_port("")
+
+    def describe(self) -> dict:
+        """How this rank talks to the others (operators, tests): its Ray node, the host it
+        counts as, its all-reduce, and its KV sender's pulls by transport."""
+        from kvserve.platform import NODE_ID_ENV, host_identity
+
+        parallel = getattr(self.worker, "parallel", None)
+        communicator = getattr(parallel, "communicator", None)
+        sender = getattr(getattr(self.worker, "kv_connector", None), "sender", None)
+        return {"node_id": os.environ[NODE_ID_ENV], "host_id": host_identity(),
+                "all_reduce": getattr(communicator, "name", None),
+                "kv_pulls": dict(sender.pulls_by_transport) if sender is not None else None}
 
     def start(self, config: EngineConfig, rank: int, world_size: int,
               init_method: str) -> tuple[bytes, bool]:
@@ -150,9 +174,11 @@ class RayExecutor(PipelinedExecutor):
         self._held.pids = [pid for _, _, _, pid in nodes]
         init_method = _tcp_address(nodes[0][0],
                                    self._gather([actors[0].free_port.remote()], 60.0)[0])
+        core_node = ray.get_runtime_context().get_node_id()
         replies = self._gather(
-            [actor.start.remote(_rank_config(self.config, nodes, rank), rank, self.world_size,
-                                init_method) for rank, actor in enumerate(actors)],
+            [actor.start.remote(_rank_config(self.config, nodes, rank, core_node), rank,
+                                self.world_size, init_method)
+             for rank, actor in enumerate(actors)],
             STARTUP_TIMEOUT_SECONDS)
         ready = [msgspec.msgpack.decode(data, type=WorkerReady) for data, _ in replies]
         self.output_actor = actors[[is_output for _, is_output in replies].index(True)]
@@ -168,6 +194,10 @@ class RayExecutor(PipelinedExecutor):
     def worker_pids(self) -> list[int]:
         """The actors' process ids, rank order (each on its own node: see the logs)."""
         return list(self._held.pids)
+
+    def describe_ranks(self) -> list[dict]:
+        """Each rank's RayWorker.describe(), rank order: its node and how it communicates."""
+        return self._gather([actor.describe.remote() for actor in self._held.actors], 60.0)
 
     # ---- the executor interface ------------------------------------------------------------
     def initialize_kv_cache(self, num_blocks: int, block_size: int,
@@ -294,9 +324,10 @@ def _placement_group(ray, world_size: int, cpus: float):
     strategy = os.environ.get(STRATEGY_ENV, "PACK").upper()
     if strategy not in STRATEGIES:
         raise ValueError(f"{STRATEGY_ENV}={strategy!r}: use one of {', '.join(STRATEGIES)}")
-    bundles = [{"CPU": cpus} for _ in range(world_size)]
+    placed = _rank_resources(world_size)
+    bundles = [{"CPU": cpus, **resources} for resources in placed]
     here = f"node:{ray.util.get_node_ip_address()}"
-    if here in ray.cluster_resources():
+    if here in ray.cluster_resources() and not placed[0]:
         bundles[0][here] = 0.001
     group = ray.util.placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_SECONDS)
@@ -310,15 +341,51 @@ def _placement_group(ray, world_size: int, cpus: float):
     return group
 
 
+def _rank_resources(world_size: int) -> list[dict[str, float]]:
+    """KVSERVE_RAY_RANK_RESOURCES: custom Ray resources each rank's bundle asks for, a JSON
+    object (every rank) or a list of one per rank, e.g. '[{"node_a": 0.01}, {"node_b": 0.01}]'
+    with nodes started with `ray start --resources '{"node_a": 1}'`; none by default."""
+    text = os.environ.get(RANK_RESOURCES_ENV, "").strip()
+    if not text:
+        return [{} for _ in range(world_size)]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{RANK_RESOURCES_ENV} is not JSON: {exc}") from exc
+    per_rank = [value] * world_size if isinstance(value, dict) else value
+    if (not isinstance(per_rank, list) or len(per_rank) != world_size
+            or not all(isinstance(item, dict) for item in per_rank)):
+        raise ValueError(f"{RANK_RESOURCES_ENV} must be a JSON object or a list of "
+                         f"{world_size} objects (one per rank), got {text!r}")
+    return [{str(name): float(amount) for name, amount in item.items()} for item in per_rank]
+
+
 def _rank_config(config: EngineConfig, nodes: list[tuple[str, str, int, int]],
-                 rank: int) -> EngineConfig:
+                 rank: int, core_node: str) -> EngineConfig:
     """The config a rank starts with: unless --num-threads is set, its node's cores shared by
-    the ranks on that node (as mp shares one host's cores by its ranks)."""
+    the ranks on that node (as mp shares one host's cores by its ranks); on another node than
+    the engine core's, its KV sender listens on that node's IP (kv_ip names the core's host,
+    or loopback, neither of which is the rank's)."""
+    node_ip, node_id, node_cpus, _ = nodes[rank]
+    if node_id != core_node:
+        config = _with_kv_host(config, node_ip)
     if config.num_threads:
         return config
-    _, node_id, node_cpus, _ = nodes[rank]
     ranks_here = sum(1 for _, other, _, _ in nodes if other == node_id)
     return dataclasses.replace(config, num_threads=max(1, node_cpus // ranks_here))
+
+
+def _with_kv_host(config: EngineConfig, host: str) -> EngineConfig:
+    """The config with its TCP KV transfer's kv_ip set to `host` (a wildcard kv_ip is kept:
+    it binds every interface and advertises the node's address)."""
+    from kvserve.kv_transfer.factory import DEFAULT_CONNECTOR
+
+    transfer = config.transfer_config()
+    if (transfer is None or transfer.connector != DEFAULT_CONNECTOR
+            or transfer.host in ("0.0.0.0", "*")):
+        return config
+    raw = json.loads(config.kv_transfer_config) if config.kv_transfer_config else {}
+    return dataclasses.replace(config, kv_transfer_config=json.dumps({**raw, "kv_ip": host}))
 
 
 def _log_ready(config: EngineConfig, nodes: list[tuple[str, str, int, int]], cpus: float,

@@ -174,7 +174,7 @@ class TcpConnector(KVConnectorBase):
     def get_handshake_metadata(self) -> dict | None:
         if self.sender is None:
             return None
-        return {"host": self.config.host, "port": self.sender.port}
+        return {"host": _advertised(self.config.host), "port": self.sender.port}
 
     def start_load_kv(self, metadata: TcpConnectorMetadata | None) -> None:
         if metadata is None:
@@ -217,3 +217,11 @@ class TcpConnector(KVConnectorBase):
             self.sender.close()
         if self._context is not None:
             self._context.term()
+
+
+def _advertised(host: str) -> str:
+    """Where decode engines pull from: a wildcard kv_ip binds every interface, so the handle
+    names this node's address instead (a Ray rank's node IP)."""
+    from kvserve.platform import node_address
+
+    return node_address() if host in ("0.0.0.0", "*") else host

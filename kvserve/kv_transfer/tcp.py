@@ -120,6 +120,8 @@ class KVSender:
             self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
         self.park_s = transfer_timeout_s
         self._parked: list[tuple[float, bytes, Pull]] = []  # (give up at, puller, pull)
+        self.pulls_by_transport = {"shm": 0, "frames": 0}  # answered pulls, by how they went
+        self._puller_hosts: set[str] = set()  # logged once each
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-sender", daemon=True)
         self._thread.start()
@@ -172,6 +174,7 @@ class KVSender:
                 try:
                     reply, frames = self._blocks(block_ids[pull.first_block:],
                                                  pull.host_id == self.host_id)
+                    self._count(pull.host_id, reply)
                 finally:
                     self.leases.end_pull(pull.request_id)
         self._socket.send_multipart([identity, encoder.encode(reply), *frames], copy=False)
@@ -190,6 +193,15 @@ class KVSender:
         frames = [cache.index_select(1, index).view(torch.uint8).numpy()
                   for cache in self.kv_caches]
         return PullReply(True, num_blocks=len(block_ids)), frames
+
+    def _count(self, puller_host: str, reply: PullReply) -> None:
+        """Count the pull by transport; say once per puller host how its pulls go."""
+        transport = "shm" if reply.shm_path else "frames"
+        self.pulls_by_transport[transport] += 1
+        if puller_host not in self._puller_hosts:
+            self._puller_hosts.add(puller_host)
+            logger.info("KV pulls from host %r go %s", puller_host or "(not said)",
+                        "through /dev/shm" if reply.shm_path else "as TCP frames")
 
     def close(self) -> None:
         self._stop.set()
