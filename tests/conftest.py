@@ -140,3 +140,18 @@ def mixed_workload_reference():
         return runs[str(model_dir)]
 
     return reference
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """One local Ray instance per test module (Ray Serve's tests), shared by the CLI it starts
+    (as RAY_ADDRESS) and the test's own Ray calls."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        serve.shutdown()
+        ray.shutdown()

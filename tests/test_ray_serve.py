@@ -259,19 +259,6 @@ DEADLINE_SECONDS = 30
 
 
 @pytest.fixture(scope="module")
-def ray_address():
-    """One Ray instance for the module, shared by the CLI (RAY_ADDRESS) and the tests."""
-    from ray import serve
-
-    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def serving(ray_address, tiny_model_dir, tmp_path_factory):
     flags = tiny_server_flags(tiny_model_dir, "--replicas", "2", "--num-cpus-per-replica",
                               "0.5", "--request-router", "kv-aware", "--measure-placement",
