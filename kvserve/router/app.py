@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.entrypoints.openai.disconnect import until_disconnected
 from kvserve.entrypoints.openai.errors import error_body, error_response
+from kvserve.entrypoints.openai.webui import install_webui
 from kvserve.kv_events import ReplayClient
 from kvserve.model_source import DEFAULT_MODEL
 from kvserve.options import option as _opt
@@ -84,6 +85,8 @@ class RouterConfig:
                                          "only prompts it holds whole)")
     seed: int | None = _opt(None, "seed of the tie-breaking random choice")
     disable_log_requests: bool = _opt(False, "do not log each routing decision")
+    webui: bool = _opt(True, "serve the web page (chat through the router, its own metrics) "
+                       "at /; --no-webui: / is a 404")
 
 
 class Router:
@@ -421,6 +424,8 @@ def build_router_app(router: Router) -> FastAPI:
     async def state():
         return router.state()
 
+    if router.config.webui:
+        install_webui(app)
     return app
 
 

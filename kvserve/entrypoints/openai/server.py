@@ -30,6 +30,7 @@ from kvserve.entrypoints.openai.responses.store import ResponseStore
 from kvserve.entrypoints.openai.routes import ROUTERS
 from kvserve.entrypoints.openai.routes.context import TENANT_SCOPE_KEY
 from kvserve.entrypoints.openai.server_config import ServerConfig
+from kvserve.entrypoints.openai.webui import install_webui, is_webui_path
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.lora_request import LoRARequest
 
@@ -47,13 +48,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     _install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if config.webui:
+        install_webui(app)
     return app
 
 
 # ---- middleware ----------------------------------------------------------------------------
 def _install_middleware(app: FastAPI, config: ServerConfig) -> None:
     app.add_middleware(GuardMiddleware, api_key=config.api_key,
-                       max_body_bytes=config.max_request_body_bytes)
+                       max_body_bytes=config.max_request_body_bytes, public_webui=config.webui)
 
 
 class GuardMiddleware:
@@ -66,19 +69,25 @@ class GuardMiddleware:
     compared, and the request's scope names its tenant (TENANT_SCOPE_KEY, a digest of the key):
     tenants never share prefix-cache blocks (routes/context.py `cache_salt`). The body is read
     here, before any route runs, so a limit holds for chunked uploads without a Content-Length
-    too; it is then replayed to the app.
+    too; it is then replayed to the app. /health, and the web page's own files with
+    `public_webui`, need no key: they hold no data.
     """
 
-    def __init__(self, app, api_key: str | tuple[str, ...] | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | tuple[str, ...] | None, max_body_bytes: int,
+                 public_webui: bool = False):
         self.app = app
         self.expected = [_digest(f"Bearer {key}".encode()) for key in api_keys(api_key)]
         self.max_body_bytes = max_body_bytes
+        self.public_webui = public_webui
+
+    def _public(self, path: str) -> bool:
+        return path == "/health" or (self.public_webui and is_webui_path(path))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected and scope.get("path") != "/health":
+        if self.expected and not self._public(scope.get("path", "")):
             tenant = self._tenant(headers.get(b"authorization", b""))
             if tenant is None and b"x-api-key" in headers:  # Anthropic's clients' header
                 tenant = self._tenant(b"Bearer " + headers[b"x-api-key"])

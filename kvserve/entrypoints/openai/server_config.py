@@ -47,3 +47,6 @@ class ServerConfig:
                                            "instead of exiting non-zero")
     max_engine_restarts: int = _opt(3, "with --restart-engine-on-failure: restarts allowed "
                                     "before the server gives up and exits non-zero")
+    webui: bool = _opt(True, "serve the web page (a streaming chat and a live dashboard) at /; "
+                       "it loads without the API key and sends the key the user enters with "
+                       "each call; --no-webui: / is a 404")
