@@ -101,6 +101,8 @@ def test_json_schema():
                 "throughput_tok_s", "throughput_per_device_tok_s", "bound", "reason"):
         assert key in best
     assert best["ttft_ms"] <= 1000 and best["tpot_ms"] <= 40
+    assert "kvserve serve --model llama-3-8b" in best["command"]
+    assert f"--kv-cache-dtype {best['candidate']['kv_dtype']}" in best["command"]
     assert best["throughput_per_device_tok_s"] == pytest.approx(best["throughput_tok_s"] / 2)
 
 

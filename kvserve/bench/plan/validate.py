@@ -113,7 +113,8 @@ def _start(model: str, deployment: Deployment, processes: list) -> str:
     for role in ("prefill", "decode"):
         port = free_port()
         processes.append(_spawn(["serve", "--model", model, "--port", str(port),
-                                 "--kv-role", role, *deployment.serve_args]))
+                                 "--kv-role", role, "--kv-transport", "shm",
+                                 *deployment.serve_args]))
         urls[role] = _healthy(f"http://127.0.0.1:{port}", processes)
     port = free_port()
     processes.append(_spawn(["router", "--port", str(port), "--prefill", urls["prefill"],
