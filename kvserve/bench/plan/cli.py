@@ -24,8 +24,8 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--prefix-share", type=float, default=0.0,
                       help="fraction of each prompt already in the prefix cache")
     plan.add_argument("--arrival", choices=["steady", "burst"], default="steady",
-                      help="burst: all requests at once, as `kvserve bench serve` without "
-                      "--request-rate")
+                      help="steady: spread arrivals (also a closed loop of clients after its "
+                      "first wave); burst: one wave of requests at once")
     plan.add_argument("--ttft-ms", type=float, default=None)
     plan.add_argument("--tpot-ms", type=float, default=None)
     plan.add_argument("--quantization", action="append", default=None,
@@ -39,7 +39,9 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--validate", action="store_true",
                       help="serve and `kvserve bench serve` the candidates this machine runs, "
                       "and report the prediction errors (minutes)")
-    plan.add_argument("--num-prompts", type=int, default=24, help="--validate: per candidate")
+    plan.add_argument("--num-prompts", type=int, default=32,
+                      help="--validate: requests per candidate (8 waves at concurrency 4: "
+                      "the last wave's tail is then a small part of the run)")
     plan.add_argument("--max-concurrency", type=int, default=4,
                       help="--validate: concurrency each candidate is measured at")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -5,9 +5,11 @@ One engine instance spans tp x pp devices. A decode step at batch b reads the we
 (a mixture: the experts its b tokens touch) and each sequence's KV, and does b tokens' FLOPs:
 its time is the larger of the memory and compute times, plus the TP all-reduces, plus the
 engine's fixed and per-sequence costs. A prefill is compute time plus a per-token overhead.
-Arrivals: "burst" is `kvserve bench serve` without a rate: b requests arrive together, are
-prefilled one after another and decode in step (the i-th waits for i prefills); "steady"
-spreads arrivals, so a prefill waits only for those queued ahead (M/D/1)."""
+Arrivals: "steady" spreads them, so a prefill waits only for those queued ahead (M/D/1) and
+the prefills of the others share the decode steps; a closed loop of b clients (`kvserve bench
+serve --max-concurrency b`) settles there after its first wave, since prompts prefilled in
+different steps finish in different steps. "burst" is one wave: b requests arrive together and
+the i-th waits for i prefills."""
 
 from __future__ import annotations
 

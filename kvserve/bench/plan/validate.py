@@ -1,7 +1,7 @@
 """`kvserve plan --validate`: serve the candidates this machine can run, load each with
-`kvserve bench serve` (a burst of --max-concurrency requests at a time, as the plan's "burst"
-arrival models), and set the measured TTFT, TPOT and throughput beside the predictions at the
-same concurrency. Predictions are never adjusted to the measurements."""
+`kvserve bench serve` (a closed loop of --max-concurrency clients: after its first wave the
+plan's "steady" arrivals), and set the measured TTFT, TPOT and throughput beside the
+predictions at the same concurrency. Predictions are never adjusted to the measurements."""
 
 from __future__ import annotations
 
@@ -54,17 +54,16 @@ def deployments(config: ModelConfig) -> list[Deployment]:
 def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
              only: int | None = None) -> dict:
     """Each deployment measured and predicted; `only`: the first that many."""
-    burst = replace(workload, arrival="burst")
     rows = []
     for deployment in deployments(config)[:only]:
-        measured = _measure(args, deployment, burst)
+        measured = _measure(args, deployment, workload)
         cand = deployment.candidate
         serving = cand.decode_instances if cand.mode == "disaggregated" else cand.instances
         batch = max(1, args.max_concurrency // serving)
-        predicted = predict(config, hardware, cand, burst, SLO(), batch=batch).latency
+        predicted = predict(config, hardware, cand, workload, SLO(), batch=batch).latency
         rows.append(_row(deployment, measured, predicted))
     return {"load_average": os.getloadavg(), "num_prompts": args.num_prompts,
-            "max_concurrency": args.max_concurrency, "workload": burst.__dict__,
+            "max_concurrency": args.max_concurrency, "workload": workload.__dict__,
             "deployments": rows,
             "within_20_percent": sum(r["all_within_20_percent"] for r in rows
                                      if "error" not in r)}
