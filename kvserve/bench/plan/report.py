@@ -39,6 +39,7 @@ def prediction_dict(prediction: Prediction) -> dict:
            "meets_slo": prediction.meets_slo,
            "weight_gb_per_device": prediction.weight_bytes_per_device / 1e9,
            "kv_capacity_tokens": prediction.kv_capacity_tokens,
+           "kv_gb_per_instance": prediction.kv_bytes / 1e9,
            "kv_limit_batch": prediction.kv_limit_batch,
            "batch_per_instance": prediction.batch, "concurrency": prediction.concurrency,
            "limited_by": prediction.limited_by}
@@ -50,14 +51,17 @@ def prediction_dict(prediction: Prediction) -> dict:
     return row
 
 
-def serve_command(model: str, prediction: Prediction) -> str:
+def serve_command(model: str, prediction: Prediction, kind: str) -> str:
     """The `kvserve serve` line(s) of a candidate (vLLM's flag names). DP attention has no
-    engine switch yet: its line is TP plus expert parallelism."""
+    engine switch yet: its line is TP plus expert parallelism. On a CPU the KV pool is sized
+    by bytes (the engine's default is 1 GiB), so the line names the planned pool."""
     cand = prediction.candidate
     flags = [f"kvserve serve --model {model}"]
     if cand.quantization not in ("none",):
         flags.append(f"--quantization {cand.quantization}")
     flags.append(f"--kv-cache-dtype {cand.kv_dtype}")
+    if kind == "cpu":
+        flags.append(f"--kv-cache-memory-bytes {int(prediction.kv_bytes)}")
     if cand.tp > 1:
         flags.append(f"--tensor-parallel-size {cand.tp}")
     if cand.pp > 1:
@@ -81,7 +85,7 @@ def plan_dict(model: str, shape: dict, hardware: Hardware, devices: int, workloa
             "devices": devices, "workload": asdict(workload), "slo": asdict(slo),
             "candidates": [prediction_dict(p) for p in predictions],
             "recommendation": None if best is None else
-            dict(prediction_dict(best), reason=why, command=serve_command(model, best))}
+            dict(prediction_dict(best), reason=why, command=serve_command(model, best, hardware.kind))}
 
 
 def table(plan: dict, limit: int = 25) -> str:

@@ -33,6 +33,7 @@ class Prediction:
     candidate: Candidate
     weight_bytes_per_device: float
     kv_capacity_tokens: int  # per instance (a decode instance when disaggregated)
+    kv_bytes: float  # KV memory per instance (on a CPU: its --kv-cache-memory-bytes)
     kv_limit_batch: int  # sequences of the workload's length an instance holds
     batch: int  # per instance at the chosen concurrency (0: nothing meets the SLOs)
     latency: Latency | None
@@ -121,7 +122,8 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
         return aggregated(model, workload, b)
 
     base = dict(candidate=candidate, weight_bytes_per_device=weights_per_device,
-                kv_capacity_tokens=capacity, kv_limit_batch=kv_batch, fits=fits)
+                kv_capacity_tokens=capacity, kv_bytes=max(0.0, usable),
+                kv_limit_batch=kv_batch, fits=fits)
     if not fits:
         return Prediction(batch=0, latency=None, limited_by="memory: weights do not fit"
                           if usable <= 0 else "memory: not one sequence's KV", **base)
