@@ -183,6 +183,17 @@ def tiny_server_flags(model_dir, *extra: str, kv_blocks: int = 1024,
             "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
 
 
+def complete_with_kv(base_url: str, prompt: str, max_tokens: int, kv=None) -> dict:
+    """A greedy /v1/completions answer (asserted 200), with `kv_transfer_params` when given:
+    the disaggregated flow as a proxy drives it."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def read_metrics(base_url: str, headers: dict | None = None) -> dict[str, float]:
     """Sample name -> value (summed over label sets), parsed with prometheus_client."""
     values: dict[str, float] = {}

@@ -14,21 +14,12 @@ import httpx
 import pytest
 
 from kvserve.testing.server import ServerProcess
-from tests.helpers import kill_server_tree, tiny_server_flags, wait_idle
+from tests.helpers import complete_with_kv, kill_server_tree, tiny_server_flags, wait_idle
 
 pytestmark = pytest.mark.multiprocess
 
 PROMPTS = [f"Conversation {i}: tell me about the weather in city number {i}. " * (1 + i % 3)
            for i in range(16)]
-
-
-def _complete(base_url: str, prompt: str, max_tokens: int, kv=None) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    if kv is not None:
-        body["kv_transfer_params"] = kv
-    response = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def _servers(model_dir, tmp_path, decode_extra=()):
@@ -43,11 +34,11 @@ def test_prefill_then_decode_servers_match_one_server(tiny_model_dir, tmp_path):
     prefill, decode = _servers(tiny_model_dir, tmp_path)
     with prefill, decode:
         for prompt in PROMPTS:
-            expected = _complete(prefill.base_url, prompt, 16)  # no kv params: aggregated
-            handed = _complete(prefill.base_url, prompt, 1, {"do_remote_decode": True})
+            expected = complete_with_kv(prefill.base_url, prompt, 16)  # no kv params: aggregated
+            handed = complete_with_kv(prefill.base_url, prompt, 1, {"do_remote_decode": True})
             handle = handed["kv_transfer_params"]
             assert handle["do_remote_prefill"] and handle["remote_block_ids"]
-            got = _complete(decode.base_url, prompt, 16, handle)
+            got = complete_with_kv(decode.base_url, prompt, 16, handle)
             assert got["choices"][0]["text"] == expected["choices"][0]["text"]
             prompt_tokens = got["usage"]["prompt_tokens"]
             assert got["usage"]["prompt_tokens_details"]["transferred_tokens"] == \
@@ -72,13 +63,13 @@ def test_a_killed_prefill_server_makes_the_decode_side_recompute(tiny_model_dir,
     prompt = PROMPTS[5]
     with decode:
         with prefill:
-            expected = _complete(prefill.base_url, prompt, 12)
-            handle = _complete(prefill.base_url, prompt, 1,
-                               {"do_remote_decode": True})["kv_transfer_params"]
+            expected = complete_with_kv(prefill.base_url, prompt, 12)
+            handle = complete_with_kv(prefill.base_url, prompt, 1,
+                                      {"do_remote_decode": True})["kv_transfer_params"]
             # the whole server: its engine core (which serves the held KV) first
             kill_server_tree(prefill)
         started = time.monotonic()
-        got = _complete(decode.base_url, prompt, 12, handle)
+        got = complete_with_kv(decode.base_url, prompt, 12, handle)
         assert time.monotonic() - started < 15
         assert got["choices"][0]["text"] == expected["choices"][0]["text"]
         assert got["usage"]["prompt_tokens_details"]["transferred_tokens"] == 0
