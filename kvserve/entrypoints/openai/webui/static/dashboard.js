@@ -109,9 +109,10 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-// poll again at once (after a key is entered): the next /doctor call too
+// after a key is entered: the next poll asks /doctor too
 export function refreshDashboard() {
   polls = 0;
+  hasDoctor = true;
 }
 
 export function startDashboard() {
