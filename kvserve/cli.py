@@ -77,6 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.plan.cli import add_plan_parser
 
     add_plan_parser(commands)
+    from kvserve.bench.doctor import add_doctor_parser
+
+    add_doctor_parser(commands)
     return parser
 
 
@@ -118,6 +121,12 @@ def _run_plan(args) -> int:
     from kvserve.bench.plan.cli import run_plan
 
     return run_plan(args)
+
+
+def _run_doctor(args) -> int:
+    from kvserve.bench.doctor import run_doctor
+
+    return run_doctor(args)
 
 
 def _run_serve(args) -> int:
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"generate": _run_generate, "chat": _run_chat, "serve": _run_serve,
                     "router": _run_router, "bench": _run_bench, "plan": _run_plan,
-                    "run-batch": _run_batch}
+                    "doctor": _run_doctor, "run-batch": _run_batch}
         return commands[args.command](args)
     except KVServeError as exc:
         print(f"error: {exc}", file=sys.stderr)

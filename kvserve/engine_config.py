@@ -102,6 +102,10 @@ class EngineConfig:
     adaptive_threads: bool = _opt(True, "while other processes keep some of our cores busy, "
                                   "run the kernels on the cores left (checked once a second); "
                                   "--no-adaptive-threads keeps the thread count fixed")
+    step_ledger: bool = _opt(True, "count each step's tokens, FLOPs, bytes and time against "
+                             "this machine's roof (measured once, ~1 s, then cached) for the "
+                             "bottleneck doctor (/doctor, kvserve:bottleneck_regime, kvserve "
+                             "doctor); --no-step-ledger skips the measure and the counting")
     seed: int = _opt(0, "seed for requests that sample without their own seed")
     enable_lora: bool = _opt(False, "serve LoRA adapters (PEFT directories) on the base model: "
                              "requests name one, and requests for different adapters and the "

@@ -7,6 +7,9 @@ the HTTP thread renders without locks of ours.
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,9 +18,17 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvserve.bottleneck import COUNTERS, REGIMES, Diagnosis, Sample, diagnose
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+DOCTOR_WINDOW_S = 5.0  # the bottleneck regime /metrics and /doctor show: over the last 5 s
+_DOCTOR_SAMPLE_S = 0.2  # at most one kept sample per 0.2 s of stats messages
+# the step ledger's totals (SchedulerStats field -> Sample field): counters in /metrics
+_LEDGER_FIELDS = {"step_count": "steps", "step_seconds": "seconds", "step_tokens": "tokens",
+                  "step_prefill_tokens": "prefill_tokens", "step_flops": "flops",
+                  "step_bytes": "bytes", "step_kv_bytes": "kv_bytes"}
 
 
 class EngineMetrics:
@@ -67,6 +78,7 @@ class EngineMetrics:
             "kvserve:moe_expert_routed_tokens", "Tokens routed to each expert, by MoE layer",
             labels + ["layer", "expert"], registry=r)
         self._last_experts: dict[int, list[int]] = {}
+        self._init_doctor(model_name, gauge, counter)
         self._success = Counter("kvserve:request_success", "Finished requests by reason",
                                 labels + ["finished_reason"], registry=r)
         self.model_name = model_name
@@ -83,6 +95,33 @@ class EngineMetrics:
         self._last = {"queries": 0, "hits": 0, "preemptions": 0, "drafts": 0,
                       "draft_tokens": 0, "accepted": 0, "session_queries": 0,
                       "session_hits": 0}
+
+    def _init_doctor(self, model_name: str, gauge, counter) -> None:
+        """The step ledger's counters, the roof, and the doctor's regime (one gauge per
+        regime, 1 for the current one), with the samples of the window it is read over."""
+        docs = {"steps": "Engine steps that ran a batch",
+                "seconds": "Wall time of those steps in the engine core",
+                "tokens": "Tokens those steps computed",
+                "prefill_tokens": "Of those, prompt tokens",
+                "flops": "FLOPs those steps did (estimated from the model's shape)",
+                "bytes": "Bytes those steps read and wrote (weights once per step, K/V)",
+                "kv_bytes": "Of those, K/V bytes"}
+        self._ledger = {key: counter(COUNTERS[key].removeprefix("kvserve:")
+                                     .removesuffix("_total"), doc)
+                        for key, doc in docs.items()}
+        self.roof_gbps = gauge("roofline_memory_gbps", "This machine's measured memory "
+                               "bandwidth (GB/s), the doctor's roof")
+        self.roof_gflops = gauge("roofline_gemm_gflops", "This machine's measured GEMM rate at "
+                                 "the model's shape and dtype (GFLOP/s)")
+        self.max_num_seqs = gauge("scheduler_max_num_seqs", "The scheduler's cap on running "
+                                  "requests (--max-num-seqs)")
+        regime = Gauge("kvserve:bottleneck_regime", "What bounds the engine over the last "
+                       f"{DOCTOR_WINDOW_S:g} s (1: this regime), see /doctor",
+                       ["model_name", "regime"], registry=self.registry)
+        self._regimes = {name: regime.labels(model_name, name)
+                         for name in REGIMES + ("unknown",)}
+        self._samples: deque[Sample] = deque()
+        self._latest = Sample(time.monotonic())
 
     def record_engine_state(self, stats) -> None:
         """Gauges and counter deltas from the core's latest SchedulerStats. A restarted core
@@ -105,10 +144,51 @@ class EngineMetrics:
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
             self._last[key] = value
+        self._record_ledger(stats)
         if stats.spec_accepted_per_position:
             self._record_spec_positions(stats)
         if stats.expert_counts:
             self._record_expert_counts(stats.expert_counts)
+
+    def _record_ledger(self, stats) -> None:
+        """The ledger's counter deltas, the roof, and a sample for the doctor's window."""
+        latest = Sample(time.monotonic(), preemptions=stats.num_preemptions,
+                        running=stats.num_running, waiting=stats.num_waiting,
+                        kv_usage=stats.kv_usage, memory_gbps=stats.roof_memory_gbps,
+                        gemm_gflops=stats.roof_gemm_gflops, max_num_seqs=stats.max_num_seqs,
+                        **{key: getattr(stats, name) for name, key in _LEDGER_FIELDS.items()})
+        if latest.steps < self._latest.steps:  # a restarted core counts from zero
+            self._samples.clear()
+            self._latest = Sample(latest.time)
+        for key, counter in self._ledger.items():
+            delta = getattr(latest, key) - getattr(self._latest, key)
+            if delta > 0:
+                counter.inc(delta)
+        self._latest = latest
+        self.roof_gbps.set(latest.memory_gbps)
+        self.roof_gflops.set(latest.gemm_gflops)
+        self.max_num_seqs.set(latest.max_num_seqs)
+        if not self._samples or latest.time - self._samples[-1].time >= _DOCTOR_SAMPLE_S:
+            self._samples.append(latest)
+        self._prune(latest.time)
+
+    def _prune(self, now: float) -> None:
+        """Drop samples older than the window, but the last of them: it is the baseline of the
+        steps that ended inside the window (a step longer than the window still counts)."""
+        samples = self._samples
+        while len(samples) >= 2 and now - samples[1].time > DOCTOR_WINDOW_S:
+            samples.popleft()
+
+    def diagnosis(self) -> Diagnosis:
+        """The doctor's reading of the last DOCTOR_WINDOW_S seconds (now included: an engine
+        that stopped stepping reads idle once its last step leaves the window)."""
+        now = time.monotonic()
+        self._prune(now)
+        current = Sample(now, **{k: v for k, v in vars(self._latest).items() if k != "time"})
+        diagnosis = diagnose(list(self._samples or [current]) + [current])
+        for name, gauge in self._regimes.items():
+            gauge.set(1.0 if name == diagnosis.regime else 0.0)
+        return diagnosis
 
     def _record_expert_counts(self, counts: dict[int, list[int]]) -> None:
         """Each MoE layer's per-expert routed tokens (cumulative in the core): the increase
@@ -156,4 +236,5 @@ class EngineMetrics:
         self.output_len.observe(num_output_tokens)
 
     def render(self) -> bytes:
+        self.diagnosis()  # the regime gauges, as of this scrape
         return generate_latest(self.registry)

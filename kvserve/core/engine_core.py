@@ -29,6 +29,7 @@ from kvserve.core.kv_cache.spec import (
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.core.step_encoder import StepEncoder, connector_step
+from kvserve.core.step_ledger import make_step_ledger
 from kvserve.core.threads import ThreadGovernor
 from kvserve.core.threads import env_allows as threads_env_allows
 from kvserve.engine_config import EngineConfig
@@ -127,6 +128,12 @@ class EngineCore:
         self._loras: set[int] = set()  # LoRA adapters the workers hold
         self._lora_unloading: set[int] = set()  # removed, waiting for their last requests
         self.drafter = self._make_drafter(spec) if spec is not None else None  # speculation
+        # each step's tokens, FLOPs, bytes and time against the machine's roof (the doctor)
+        self.step_ledger = make_step_ledger(
+            self.model_config, self.executor.dtype, self.executor.quantization,
+            self.executor.kv_page_bytes * self.model_config.num_hidden_layers) \
+            if config.step_ledger else None
+        self._step_started = 0.0  # when the step() now running began
         # batches submitted to a pipelined executor, oldest first, not yet collected
         self._batch_queue: deque[SchedulerOutput] = deque()
         self._failed: list[EngineCoreOutput] = []  # failures since the last step's outputs
@@ -477,7 +484,18 @@ class EngineCore:
             prefix_queries=kv.stats.queries, prefix_hits=kv.stats.hits,
             num_preemptions=scheduler.num_preemptions, session_queries=kv.stats.session_queries,
             session_hits=kv.stats.session_hits, num_pinned_blocks=kv.pool.num_pinned_blocks,
-            **self._spec_stats())
+            max_num_seqs=self.config.max_num_seqs, **self._spec_stats(), **self._ledger_stats())
+
+    def _ledger_stats(self) -> dict:
+        if self.step_ledger is None:
+            return {}
+        totals, roof = self.step_ledger.totals, self.step_ledger.roof
+        return {"step_count": totals.steps, "step_seconds": totals.seconds,
+                "step_tokens": totals.tokens, "step_prefill_tokens": totals.prefill_tokens,
+                "step_flops": totals.flops, "step_bytes": totals.bytes,
+                "step_kv_bytes": totals.kv_bytes,
+                "roof_memory_gbps": roof.memory_gbps,
+                "roof_gemm_gflops": self.step_ledger.gemm_gflops}
 
     def _spec_stats(self) -> dict:
         if self.drafter is None:
@@ -497,6 +515,7 @@ class EngineCore:
         fails (an output with finish_reason "error"). An exception in scheduling or bookkeeping
         is not attributable and propagates to the caller.
         """
+        self._step_started = time.perf_counter()
         self.thread_governor.tick()
         self._take_kv_reports()
         self._admit_grammars()
@@ -600,6 +619,9 @@ class EngineCore:
         sampling = [item.request for item in scheduler_output.scheduled
                     if item.sample and not item.request.is_finished]
         num_before = [request.num_output_tokens for request in sampling]
+        if self.step_ledger is not None:
+            self.step_ledger.record(scheduler_output.scheduled,
+                                    time.perf_counter() - self._step_started)
         if runner_output.prompt_logprobs:
             _keep_prompt_logprobs(scheduler_output, runner_output.prompt_logprobs)
         if self.drafter is not None:

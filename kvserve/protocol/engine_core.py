@@ -109,6 +109,18 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # mixtures of experts, on the steps that collected them (about once a second): per MoE
     # layer, the tokens routed to each expert since the model was loaded
     expert_counts: dict[int, list[int]] = {}
+    # the step ledger's totals since the core started (kvserve.core.step_ledger) and this
+    # machine's roof, for the bottleneck doctor (kvserve.bottleneck); a zero roof: no ledger
+    step_count: int = 0
+    step_seconds: float = 0.0
+    step_tokens: int = 0
+    step_prefill_tokens: int = 0
+    step_flops: float = 0.0
+    step_bytes: float = 0.0
+    step_kv_bytes: float = 0.0
+    roof_memory_gbps: float = 0.0
+    roof_gemm_gflops: float = 0.0
+    max_num_seqs: int = 0  # the scheduler's cap: waiting behind a full batch is queueing
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True, **_WIRE):

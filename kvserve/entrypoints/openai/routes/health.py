@@ -1,5 +1,5 @@
 """Liveness, identity and observability routes: /health, /version, /v1/models, /metrics,
-/kv_events_info. None of them submits work to the engine."""
+/doctor, /kv_events_info. None of them submits work to the engine."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvserve.entrypoints.openai.errors import error_response
 from kvserve.entrypoints.openai.routes.lora import lora_model_cards
 from kvserve.entrypoints.openai.routes.context import engine_of, model_name
 from kvserve.kv_events import kv_events_info
+from kvserve.metrics import DOCTOR_WINDOW_S
 
 router = APIRouter()
 
@@ -47,6 +48,15 @@ async def models(raw: Request):
 @router.get("/metrics")
 async def metrics(raw: Request):
     return Response(engine_of(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/doctor")
+async def doctor(raw: Request):
+    """The bottleneck doctor's reading of the last few seconds (kvserve.bottleneck): regime,
+    summary, advice and the numbers behind them."""
+    metrics = engine_of(raw).metrics
+    return {"model": model_name(raw), "window_s": DOCTOR_WINDOW_S,
+            **metrics.diagnosis().as_dict()}
 
 
 @router.get("/kv_events_info")
