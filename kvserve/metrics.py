@@ -185,7 +185,9 @@ class EngineMetrics:
         now = time.monotonic()
         self._prune(now)
         current = Sample(now, **{k: v for k, v in vars(self._latest).items() if k != "time"})
-        diagnosis = diagnose(list(self._samples or [current]) + [current])
+        baseline = list(self._samples) or [Sample(now - DOCTOR_WINDOW_S, **{
+            k: v for k, v in vars(current).items() if k != "time"})]
+        diagnosis = diagnose(baseline + [current])
         for name, gauge in self._regimes.items():
             gauge.set(1.0 if name == diagnosis.regime else 0.0)
         return diagnosis

@@ -247,3 +247,11 @@ def test_roof_is_measured_once_and_kept(tmp_path, monkeypatch, tiny_model_dir):
     (tmp_path / "roofs.json").write_text(json.dumps(known))
     with pytest.raises(AssertionError, match="measured again"):
         roofline.cached_roof(config)
+
+
+def test_a_fresh_server_reads_idle_over_the_whole_window():
+    from kvserve.metrics import DOCTOR_WINDOW_S, EngineMetrics
+
+    diagnosis = EngineMetrics("m").diagnosis()
+    assert diagnosis.regime == "idle"
+    assert diagnosis.summary == f"no engine step in the last {DOCTOR_WINDOW_S:.1f} s"
