@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from kvserve.ray_serve import slo_stats as keys
 
-logger = logging.getLogger(__name__)
+# it runs in Serve's controller, whose log (logs/serve/controller_*.log) has Serve's logger only
+logger = logging.getLogger("ray.serve")
 
 _STATE_KEY = "kvserve_planner"
 
