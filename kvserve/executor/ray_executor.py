@@ -327,7 +327,7 @@ def _placement_group(ray, world_size: int, cpus: float):
     placed = _rank_resources(world_size)
     bundles = [{"CPU": cpus, **resources} for resources in placed]
     here = f"node:{ray.util.get_node_ip_address()}"
-    if here in ray.cluster_resources() and not placed[0]:
+    if here in ray.cluster_resources() and not placed[0] and _this_node_cpus(ray) >= cpus:
         bundles[0][here] = 0.001
     group = ray.util.placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_SECONDS)
@@ -339,6 +339,16 @@ def _placement_group(ray, world_size: int, cpus: float):
             f"{ray.cluster_resources()}. Lower {CPUS_PER_RANK_ENV} or add nodes "
             f"(`ray status` shows what is free)")
     return group
+
+
+def _this_node_cpus(ray) -> float:
+    """The CPUs Ray counts on the engine core's node: a head started with `--num-cpus 0` (it
+    runs the servers and the router) gets no rank, so bundle 0 is not pinned there."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return float(node.get("Resources", {}).get("CPU", 0.0))
+    return 0.0
 
 
 def _rank_resources(world_size: int) -> list[dict[str, float]]:
