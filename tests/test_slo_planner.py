@@ -41,6 +41,9 @@ from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue 
 from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 from ray.serve.config import AutoscalingConfig, AutoscalingContext  # noqa: E402
 
+# Ray deprecates metrics_interval_s for environment variables that 2.60 does not read yet
+# (autoscaling.py): every config it parses, serve.status() included, warns
+pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="kvserve")
 APP = "kvserve"
 COMPLETIONS = "/v1/completions"
