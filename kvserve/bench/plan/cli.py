@@ -44,6 +44,9 @@ def add_plan_parser(commands) -> None:
                       "the last wave's tail is then a small part of the run)")
     plan.add_argument("--max-concurrency", type=int, default=4,
                       help="--validate: concurrency each candidate is measured at")
+    plan.add_argument("--validate-only", default=None, metavar="NAME",
+                      help="--validate only the deployments whose name contains NAME "
+                      "(weights, KV, replicas, 1P1D)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--output-json", default=None)
 

@@ -216,7 +216,7 @@ def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
         tpot = step.total_s + (batch - 1) / 2 * prefill / out
     else:
         utilization = min(0.99, batch * prefill / cycle)
-        ttft = prefill + utilization * prefill / (2 * (1 - utilization)) + step.total_s / 2
+        ttft = prefill + _queue_s(utilization, prefill, batch - 1) + step.total_s / 2
         tpot = cycle / out
     pipeline = model.cand.pp  # pp micro-batches in flight at the same token latency
     throughput = model.cand.instances * pipeline * batch * out / cycle
@@ -234,14 +234,24 @@ def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
     prefill_rate = cand.prefill_instances / prefill
     rate = min(decode_rate, prefill_rate)  # requests/s
     transfer = prefill_model.kv_transfer_s(workload.input_len)
+    clients = cand.decode_instances * cand.pp * batch
+    ahead = (clients - 1) / cand.prefill_instances  # at most, per prefill instance
     if workload.arrival == "burst":
-        waiting = cand.decode_instances * batch / cand.prefill_instances
-        queue = (waiting + 1) / 2 * prefill
+        queue = (ahead + 2) / 2 * prefill
     else:
         utilization = min(0.99, rate * prefill / cand.prefill_instances)
-        queue = prefill + utilization * prefill / (2 * (1 - utilization))
-    return Latency(queue + transfer + step.total_s, step.total_s, rate * workload.output_len,
-                   step.bound)
+        queue = prefill + _queue_s(utilization, prefill, ahead)
+    ttft = queue + transfer + step.total_s
+    # Little's law: the clients in the system bound the rate too
+    rate = min(rate, clients / (ttft + (workload.output_len - 1) * step.total_s))
+    return Latency(ttft, step.total_s, rate * workload.output_len, step.bound)
+
+
+def _queue_s(utilization: float, service_s: float, most_ahead: float) -> float:
+    """Waiting before a prefill: M/D/1's mean, but never more than the requests that can be
+    ahead of it (B concurrent sequences: B - 1)."""
+    return min(utilization * service_s / (2 * (1 - utilization)),
+               max(0.0, most_ahead) * service_s)
 
 
 def candidate_dict(candidate: Candidate) -> dict:

@@ -55,7 +55,9 @@ def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
              only: int | None = None) -> dict:
     """Each deployment measured and predicted; `only`: the first that many."""
     rows = []
-    for deployment in deployments(config)[:only]:
+    chosen = [d for d in deployments(config)
+              if not getattr(args, "validate_only", None) or args.validate_only in d.name]
+    for deployment in chosen[:only]:
         measured = _measure(args, deployment, workload)
         cand = deployment.candidate
         serving = cand.decode_instances if cand.mode == "disaggregated" else cand.instances
@@ -111,8 +113,10 @@ def _start(model: str, deployment: Deployment, processes: list) -> str:
     urls = {}
     for role in ("prefill", "decode"):
         port = free_port()
+        transfer = {"kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                    "kv_connector_extra_config": {"transport": "shm"}}  # one host
         processes.append(_spawn(["serve", "--model", model, "--port", str(port),
-                                 "--kv-role", role, "--kv-transport", "shm",
+                                 "--kv-transfer-config", json.dumps(transfer),
                                  *deployment.serve_args]))
         urls[role] = _healthy(f"http://127.0.0.1:{port}", processes)
     port = free_port()
