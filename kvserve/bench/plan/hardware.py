@@ -85,8 +85,8 @@ CPU_2CORE = Hardware(
     name="cpu-2core", kind="cpu", memory_bytes=23 * GIB, memory_gbps=20.3,
     gflops={"bfloat16": 728.0, "float32": 188.0}, interconnect_gbps=0.0, network_gbps=1.25,
     devices_per_node=1, bandwidth_efficiency=1.0, flops_efficiency=1.0, memory_fraction=0.8,
-    engine_overhead_bytes=1 * GIB, step_overhead_s=6e-3, seq_overhead_s=0.4e-3,
-    prefill_token_overhead_s=0.2e-3, collective_latency_s=0.0,
+    engine_overhead_bytes=1 * GIB, step_overhead_s=2.5e-3, seq_overhead_s=0.29e-3,
+    prefill_token_overhead_s=0.51e-3, collective_latency_s=0.0,
     kv_dtypes=("bfloat16", "int8"), quantizations=("none", "int8", "int4"),
     sources={"memory_gbps": "median of saved roofline.json runs on this VM type",
              "gflops": "saved roofline.json (bf16 AMX GEMM at a 1B model's MLP shape)",
@@ -95,7 +95,9 @@ CPU_2CORE = Hardware(
              "engine_overhead_bytes": "kvserve RSS minus file size, 0.55-1.07 GiB "
                                       "(benchmarks/results/intel-r-xeon-r-processor-f6-m207/"
                                       "startup-memory-torchfree.md)",
-             "step_overhead_s": "--hardware this calibration on SmolLM2 (docs/planner.md)",
+             "step_overhead_s": "--hardware this calibration on SmolLM2, 2026-11-30 23:08 UTC, "
+                                "load 1.65 (step 2.5 ms, 0.29 ms a sequence, 0.51 ms a "
+                                "prompt token; docs/planner.md)",
              "efficiency": "1.0: the figures are measured achievable rates, not peaks"})
 
 PROFILES = {h.name: h for h in (H100_SXM, H200, MI300X, CPU_2CORE)}
