@@ -413,7 +413,10 @@ def _p90_by_bucket(outcomes: list[Outcome]) -> list[tuple[float, float, int]]:
     return rows
 
 
-@pytest.mark.slow
+# soak (make test-soak): how fast the queue builds, and so when the planner moves, depends on
+# how fast one replica runs; on this 2-core machine the second replica came 10.6-13 s into the
+# 4x phase under other load and 20 s in on a quiet machine, so no reaction bound holds in CI
+@pytest.mark.soak
 @pytest.mark.multiprocess
 def test_a_load_ramp_scales_up_within_the_reaction_time_and_back_down(
         ray_address, tiny_model_dir, tmp_path):
