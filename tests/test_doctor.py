@@ -182,11 +182,17 @@ def test_batch_of_32_prompts_is_compute_bound(smol_fp32):
 
 
 @pytest.fixture(scope="module")
-def tiny_small_pool(tiny_model_dir, tmp_path_factory):
-    """The tiny random model with 12 KV blocks of 16 tokens (192 tokens in all)."""
-    log = tmp_path_factory.mktemp("doctor") / "tiny.log"
-    flags = tiny_server_flags(tiny_model_dir, "--served-model-name", "m", "--block-size", "16",
-                              kv_blocks=12, max_model_len=192)
+def tiny_small_pool(tokenizer, tmp_path_factory):
+    """The tiny random model with a 1,024-token vocabulary (its LM head 256 KB: with SmolLM2's
+    49,152 the head's 12.6 MB read is most of a step, and a quiet machine reads it as
+    bandwidth) and 12 KV blocks of 16 tokens (192 tokens in all)."""
+    from kvserve.testing.tiny import write_tiny_model_dir
+
+    directory = tmp_path_factory.mktemp("doctor-tiny")
+    write_tiny_model_dir(directory / "model", tokenizer, vocab_size=1024)
+    flags = tiny_server_flags(directory / "model", "--served-model-name", "m",
+                              "--block-size", "16", kv_blocks=12, max_model_len=192)
+    log = directory / "tiny.log"
     with ServerProcess(flags, log_path=log, env=fresh_roof(log)) as server:
         yield server.base_url
 
