@@ -7,6 +7,7 @@ the HTTP thread renders without locks of ours.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -122,6 +123,8 @@ class EngineMetrics:
                          for name in REGIMES + ("unknown",)}
         self._samples: deque[Sample] = deque()
         self._latest = Sample(time.monotonic())
+        # the engine's output thread records, the HTTP thread diagnoses: the window is shared
+        self._samples_lock = threading.Lock()
 
     def record_engine_state(self, stats) -> None:
         """Gauges and counter deltas from the core's latest SchedulerStats. A restarted core
@@ -157,20 +160,21 @@ class EngineMetrics:
                         kv_usage=stats.kv_usage, memory_gbps=stats.roof_memory_gbps,
                         gemm_gflops=stats.roof_gemm_gflops, max_num_seqs=stats.max_num_seqs,
                         **{key: getattr(stats, name) for name, key in _LEDGER_FIELDS.items()})
-        if latest.steps < self._latest.steps:  # a restarted core counts from zero
-            self._samples.clear()
-            self._latest = Sample(latest.time)
-        for key, counter in self._ledger.items():
-            delta = getattr(latest, key) - getattr(self._latest, key)
-            if delta > 0:
-                counter.inc(delta)
-        self._latest = latest
+        with self._samples_lock:
+            if latest.steps < self._latest.steps:  # a restarted core counts from zero
+                self._samples.clear()
+                self._latest = Sample(latest.time)
+            for key, counter in self._ledger.items():
+                delta = getattr(latest, key) - getattr(self._latest, key)
+                if delta > 0:
+                    counter.inc(delta)
+            self._latest = latest
+            if not self._samples or latest.time - self._samples[-1].time >= _DOCTOR_SAMPLE_S:
+                self._samples.append(latest)
+            self._prune(latest.time)
         self.roof_gbps.set(latest.memory_gbps)
         self.roof_gflops.set(latest.gemm_gflops)
         self.max_num_seqs.set(latest.max_num_seqs)
-        if not self._samples or latest.time - self._samples[-1].time >= _DOCTOR_SAMPLE_S:
-            self._samples.append(latest)
-        self._prune(latest.time)
 
     def _prune(self, now: float) -> None:
         """Drop samples older than the window, but the last of them: it is the baseline of the
@@ -182,11 +186,13 @@ class EngineMetrics:
     def diagnosis(self) -> Diagnosis:
         """The doctor's reading of the last DOCTOR_WINDOW_S seconds (now included: an engine
         that stopped stepping reads idle once its last step leaves the window)."""
-        now = time.monotonic()
-        self._prune(now)
-        current = Sample(now, **{k: v for k, v in vars(self._latest).items() if k != "time"})
-        baseline = list(self._samples) or [Sample(now - DOCTOR_WINDOW_S, **{
-            k: v for k, v in vars(current).items() if k != "time"})]
+        with self._samples_lock:
+            now = time.monotonic()
+            self._prune(now)
+            current = Sample(now, **{k: v for k, v in vars(self._latest).items()
+                                     if k != "time"})
+            baseline = list(self._samples) or [Sample(now - DOCTOR_WINDOW_S, **{
+                k: v for k, v in vars(current).items() if k != "time"})]
         diagnosis = diagnose(baseline + [current])
         for name, gauge in self._regimes.items():
             gauge.set(1.0 if name == diagnosis.regime else 0.0)
