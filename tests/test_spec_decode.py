@@ -476,36 +476,44 @@ REPETITIVE = ["def add(a, b):\n    return a + b\n\n" * 3 + "Now the same, rename
               "<li>one</li>\n<li>two</li>\n<li>three</li>\n<li>"]
 
 
+ENGINE_CASES = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.3,
+                               repetition_penalty=1.1, ignore_eos=True),
+                SamplingParams(temperature=0, max_tokens=24, logit_bias={28: -5.0},
+                               min_tokens=16),
+                SamplingParams(temperature=0, max_tokens=32, stop=["cherry, apple"]),
+                SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True)]
+ENGINE_PROMPTS = [prompt for prompt in REPETITIVE for _ in ENGINE_CASES]
+ENGINE_PARAMS = ENGINE_CASES * len(REPETITIVE)
+
+
+@pytest.fixture(scope="module")
+def without_drafts():
+    """The engine cases without speculation, run once for every drafting method."""
+    from kvserve import LLM
+
+    return LLM(dtype="float32", engine_core="thread").generate(ENGINE_PROMPTS, ENGINE_PARAMS,
+                                                               use_tqdm=False)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("method", [NGRAM, {"method": "suffix", "num_speculative_tokens": 6}],
                          ids=["ngram", "suffix"])
-def test_engine_greedy_tokens_and_options_equal_no_drafts(method):
+def test_engine_greedy_tokens_and_options_equal_no_drafts(method, without_drafts):
     """SmolLM2 in float32 on text that repeats (drafts are accepted), 24 requests in ragged
     batches: greedy tokens, logprobs, penalties, logit_bias, min_tokens, stop strings and
     n = 2 as without speculation. Drafts every step (`adaptive` off): at 24 requests the cost
     model would give few, and verification, not the allocation, is under test here."""
     from kvserve import LLM
 
-    cases = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.3,
-                            repetition_penalty=1.1, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=24, logit_bias={28: -5.0}, min_tokens=16),
-             SamplingParams(temperature=0, max_tokens=32, stop=["cherry, apple"]),
-             SamplingParams(temperature=0, max_tokens=16, n=2, ignore_eos=True)]
-    prompts = [prompt for prompt in REPETITIVE for _ in cases]
-    params = cases * len(REPETITIVE)
-    results = {}
-    for name, extra in (("plain", {}),
-                        ("spec", {"speculative_config": {**method, "adaptive": False}})):
-        llm = LLM(dtype="float32", engine_core="thread", **extra)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[name] = outputs
-        if name == "spec":
-            stats = llm.llm_engine.engine_core.drafter.stats
-            assert stats.num_accepted_tokens > 50, stats
-    for plain, spec in zip(results["plain"], results["spec"]):
+    llm = LLM(dtype="float32", engine_core="thread",
+              speculative_config={**method, "adaptive": False})
+    with_drafts = llm.generate(ENGINE_PROMPTS, ENGINE_PARAMS, use_tqdm=False)
+    stats = llm.llm_engine.engine_core.drafter.stats
+    assert stats.num_accepted_tokens > 50, stats
+    for plain, spec in zip(without_drafts, with_drafts):
         for a, b in zip(plain.outputs, spec.outputs):
             assert a.token_ids == b.token_ids and a.text == b.text
             if a.logprobs:
