@@ -5,10 +5,12 @@ engine's overheads; `--validate` measures the candidates this machine can run
 
 from __future__ import annotations
 
-from kvserve.bench.plan.hardware import Hardware
-from kvserve.bench.plan.predict import SLO, Workload
-from kvserve.bench.plan.search import candidates, predict, reason, recommend
-from kvserve.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI's parser imports this package: no torch (the roofline) until a plan
+    from kvserve.bench.plan.hardware import Hardware
+    from kvserve.bench.plan.predict import SLO, Workload
+    from kvserve.config import ModelConfig
 
 
 def make_plan(model: str, config: ModelConfig, hardware: Hardware, devices: int,
@@ -18,6 +20,7 @@ def make_plan(model: str, config: ModelConfig, hardware: Hardware, devices: int,
     from kvserve.bench import roofline
     from kvserve.bench.plan.cost import plan_cost
     from kvserve.bench.plan.report import model_shape, plan_dict
+    from kvserve.bench.plan.search import candidates, predict, reason, recommend
 
     quantizations = quantizations or _quantizations(config, hardware)
     predictions = [predict(config, hardware, cand, workload, slo, max_num_seqs=max_num_seqs)
