@@ -7,6 +7,7 @@ prefix-cache blocks, and `cache_salt` separates callers within one.
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
 import psutil
@@ -17,6 +18,7 @@ from kvserve.cli import _build_parser
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine_config import EngineConfig
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
+from kvserve.entrypoints.openai.webui import STATIC_DIR
 from kvserve.testing.server import ServerProcess
 from tests.helpers import tiny_server_flags
 
@@ -35,6 +37,8 @@ EXPECTED_ROUTES = {
     ("DELETE", "/v1/responses/{response_id}"),
     # where the engine publishes its KV events (for a router): endpoints and block size only
     ("GET", "/kv_events_info"),
+    # the bottleneck doctor's reading, and the web page (its files: the one mount, below)
+    ("GET", "/doctor"), ("GET", "/"),
     # FastAPI's generated docs: the schema and two HTML pages, built in memory
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/docs/oauth2-redirect"),
     ("GET", "/redoc"),
@@ -51,8 +55,11 @@ EXPECTED_ROUTES = {
 def _routes() -> set[tuple[str, str]]:
     app = build_app(AsyncEngine(EngineConfig(model="unused")), ServerConfig())
     routes = list(_flat_routes(app.routes))
-    assert not [r for r in routes if isinstance(r, Mount)], "no mounted (static) apps"
-    return {(method, route.path) for route in routes
+    mounts = [r for r in routes if isinstance(r, Mount)]
+    # the web page's own scripts and styles, from the package's static folder, are the only
+    # files served (test_webui_files_stay_in_their_folder)
+    assert [(m.path, Path(m.app.directory)) for m in mounts] == [("/webui", STATIC_DIR)]
+    return {(method, route.path) for route in routes if not isinstance(route, Mount)
             for method in (route.methods or ()) if method != "HEAD"}
 
 
@@ -68,6 +75,18 @@ def _flat_routes(routes):
 
 def test_route_inventory_has_no_file_routes():
     assert _routes() == EXPECTED_ROUTES
+
+
+def test_webui_files_stay_in_their_folder():
+    from fastapi.testclient import TestClient
+
+    app = build_app(AsyncEngine(EngineConfig(model="unused")), ServerConfig())
+    with TestClient(app) as client:
+        assert client.get("/webui/app.js").status_code == 200
+        for escape in ("/webui/../server.py", "/webui/%2e%2e/server.py",
+                       "/webui/..%2f__init__.py", "/webui//etc/passwd"):
+            response = client.get(escape)
+            assert response.status_code == 404 or "def " not in response.text, escape
 
 
 def test_default_bind_is_loopback():
