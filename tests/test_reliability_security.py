@@ -112,7 +112,12 @@ def test_server_listens_on_loopback_only(locked_server):
     assert listening and all(address.ip == "127.0.0.1" for address in listening)
 
 
-@pytest.mark.parametrize("method,path", sorted(EXPECTED_ROUTES - {("GET", "/health")}))
+# public: the liveness probe, and the web page's HTML (static; every data call it makes sends
+# the key, and the page says so on a 401: tests/test_webui.py)
+PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/")}
+
+
+@pytest.mark.parametrize("method,path", sorted(EXPECTED_ROUTES - PUBLIC_ROUTES))
 def test_every_route_but_health_needs_the_key(locked_server, method, path):
     """Refused without the key, however it is mangled; taken as `Authorization: Bearer` or
     as Anthropic's `x-api-key` header. The 401 is in the route's API's shape."""
@@ -134,8 +139,11 @@ def test_every_route_but_health_needs_the_key(locked_server, method, path):
         assert good.status_code < 500
 
 
-def test_health_needs_no_key(locked_server):
+def test_health_and_the_page_need_no_key(locked_server):
     assert httpx.get(locked_server.base_url + "/health").status_code == 200
+    page = httpx.get(locked_server.base_url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "kvserve:" not in page.text  # the page, not the metrics it reads with the key
 
 
 def test_body_limit_with_and_without_content_length(locked_server):
