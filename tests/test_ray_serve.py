@@ -298,8 +298,11 @@ def _until_replicas(base_url: str, count: int, timeout: float = 60.0, gone: str 
 
 
 def _indexed_blocks(base_url: str) -> dict[str, int]:
-    """Blocks the router's index holds, per current replica."""
-    return {replica: info["indexed_blocks"]
+    """Blocks the router's index holds, per current replica; a replica whose events the
+    router does not count as fresh (a late heartbeat on a busy machine: its overlap then
+    counts 0 and its sessions go by load) reads -1, so a wait for a steady index waits it
+    out too."""
+    return {replica: info["indexed_blocks"] if info.get("fresh", True) else -1
             for replica, info in _current_replicas(base_url).items()}
 
 
