@@ -168,18 +168,26 @@ def test_calibration_recovers_known_overheads():
                                           "bfloat16"), base,
                           Candidate(1, 1, 1, "aggregated", quant, "bfloat16"),
                           compute_dtype(base, quant))
-    fixed, per_seq, per_token = 4e-3, 0.3e-3, 0.1e-3
+    fixed, per_seq, per_prefill, per_token = 4e-3, 0.3e-3, 20e-3, 0.1e-3
 
     def roof(times):
         return max(times.memory_s, times.compute_s)
 
+    def ttft(tokens):
+        return roof(model.prefill(tokens, tokens)) + fixed + per_prefill + tokens * per_token
+
     one = roof(model.decode_step(1, 256 + 33 / 2)) + fixed + per_seq
     many = roof(model.decode_step(8, 64 + 33 / 2)) + fixed + 8 * per_seq
-    ttft = roof(model.prefill(256, 256)) + fixed + 256 * per_token
-    fitted = calibrate._fit(config, base, {"ttft_s": ttft, "step_1_s": one, "step_8_s": many})
+    fitted = calibrate._fit(config, base, {"ttft_s": ttft(256), "ttft_long_s": ttft(448),
+                                           "step_1_s": one, "step_8_s": many})
     assert fitted["step_overhead_s"] == pytest.approx(fixed)
     assert fitted["seq_overhead_s"] == pytest.approx(per_seq)
+    assert fitted["prefill_step_overhead_s"] == pytest.approx(per_prefill)
     assert fitted["prefill_token_overhead_s"] == pytest.approx(per_token)
+    # and the model gives the lone prefills back
+    fitted_model = InstanceModel(config, model.cost, replace(base, **fitted), model.cand,
+                                 compute_dtype(base, quant))
+    assert fitted_model.prefill(448, 448).total_s == pytest.approx(ttft(448))
 
 
 def test_bad_input_is_a_clear_error(capsys):
@@ -225,3 +233,80 @@ def test_dp_attention_stops_mla_kv_replication():
         8 * (free - dp.weight_bytes_per_device) / (free - plain.weight_bytes_per_device),
         rel=1e-4)
     assert dp.candidate.label() == "DP8-attn EP8"
+
+
+def test_closed_loop_of_one_client_is_prefill_then_steps():
+    """One client, a prompt inside the budget: TTFT is its prefill step, then a decode step
+    a token; its next request finds the engine idle."""
+    from kvserve.bench.plan.simulate import LoopShape, closed_loop
+
+    def step_s(decodes: int, prompt_tokens: int, context: float) -> float:
+        return 0.010 * decodes + 0.001 * prompt_tokens
+
+    loop = closed_loop(step_s, LoopShape(clients=1, requests=5, prompt_len=100,
+                                         output_len=11, token_budget=512))
+    assert loop.ttft_s == pytest.approx(0.100)
+    assert loop.tpot_s == pytest.approx(0.010)
+    assert loop.throughput == pytest.approx(5 * 11 / (5 * (0.100 + 10 * 0.010)))
+    assert loop.steps == 5 * 11
+
+
+def test_closed_loop_first_arrival_alone_then_the_others_together():
+    """Four requests sent at once: the idle engine prefills the first alone; the other three
+    arrive during that step and share the next one (3 x 128 tokens fit the 512 budget) with
+    the first's decode, which stalls behind them. A 128-token budget queues them instead."""
+    from kvserve.bench.plan.simulate import LoopShape, closed_loop
+
+    def step_s(decodes: int, prompt_tokens: int, context: float) -> float:
+        return 0.001 + 0.002 * decodes + 0.0005 * prompt_tokens
+
+    shape = LoopShape(clients=4, requests=4, prompt_len=128, output_len=8, token_budget=512)
+    wave = closed_loop(step_s, shape)
+    alone, together = 0.001 + 0.0005 * 128, 0.001 + 0.002 + 0.0005 * 384
+    full, three = 0.001 + 0.002 * 4, 0.001 + 0.002 * 3
+    assert wave.ttft_s == pytest.approx(alone + together)  # the three's, the median
+    assert wave.tpot_s == pytest.approx((6 * full + three) / 7)  # theirs, not the first's
+    assert wave.steps == 9
+    queued = closed_loop(step_s, replace(shape, token_budget=128))
+    assert queued.ttft_s > alone + 0.001 + 0.0005 * 127  # behind at least one more prompt
+    assert queued.steps > wave.steps
+
+
+def test_per_format_overheads_are_looked_up_by_weights_and_kv():
+    from kvserve.bench.plan.hardware import OVERHEAD_FIELDS, Overheads
+
+    table = {"int4/bfloat16": dict(zip(OVERHEAD_FIELDS, (1.0, 2.0, 2.5, 3.0))),
+             "int4/int8": dict(zip(OVERHEAD_FIELDS, (4.0, 5.0, 5.5, 6.0)))}
+    hardware = replace(CPU_2CORE, format_overheads=table)
+    assert hardware.overheads("int4", "int8") == Overheads(4.0, 5.0, 5.5, 6.0)
+    assert hardware.overheads("int4", "bfloat16") == Overheads(1.0, 2.0, 2.5, 3.0)
+    assert hardware.overheads("int4", "fp8") == Overheads(1.0, 2.0, 2.5, 3.0)  # the weights'
+    assert hardware.overheads("none", "bfloat16") == Overheads(
+        CPU_2CORE.step_overhead_s, CPU_2CORE.seq_overhead_s, CPU_2CORE.prefill_step_overhead_s,
+        CPU_2CORE.prefill_token_overhead_s)
+
+
+def test_closed_loop_search_bisects_to_the_scan():
+    """Under a closed loop the search bisects over the batch; a step-by-step scan of the
+    same predictions finds the same largest batch."""
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    work = Workload(256, 32, arrival="closed", requests=16)
+    cand = Candidate(1, 1, 1, "aggregated", "none", "bfloat16")
+    slo = SLO(tpot_ms=40.0)
+    found = predict(config, CPU_2CORE, cand, work, slo, max_num_seqs=24)
+    scanned = [b for b in range(1, 25) if predict(config, CPU_2CORE, cand, work, slo,
+                                                   batch=b).latency.tpot_s * 1e3 <= 40.0]
+    assert found.batch == max(scanned) and found.batch < 24
+    assert found.limited_by == "TPOT SLO"
+
+
+def test_validate_repeats_report_each_figures_median():
+    from kvserve.bench.plan.validate import _median_run
+
+    runs = [{"ttft_ms": t, "tpot_ms": p, "throughput_tok_s": r, "load_average": 1.0}
+            for t, p, r in ((300.0, 15.0, 200.0), (250.0, 18.0, 150.0), (500.0, 14.0, 180.0))]
+    merged = _median_run(runs)
+    assert (merged["ttft_ms"], merged["tpot_ms"], merged["throughput_tok_s"]) == (
+        300.0, 15.0, 180.0)
+    assert merged["runs"] == runs
+    assert "runs" not in _median_run(runs[:1])

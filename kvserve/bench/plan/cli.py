@@ -23,9 +23,10 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--output-len", type=int, default=128)
     plan.add_argument("--prefix-share", type=float, default=0.0,
                       help="fraction of each prompt already in the prefix cache")
-    plan.add_argument("--arrival", choices=["steady", "burst"], default="steady",
-                      help="steady: spread arrivals (also a closed loop of clients after its "
-                      "first wave); burst: one wave of requests at once")
+    plan.add_argument("--arrival", choices=["steady", "burst", "closed"], default="steady",
+                      help="steady: spread arrivals; burst: one wave of requests at once; "
+                      "closed: a closed loop of fixed-length requests, as `kvserve bench "
+                      "serve --max-concurrency` runs (simulated step by step)")
     plan.add_argument("--ttft-ms", type=float, default=None)
     plan.add_argument("--tpot-ms", type=float, default=None)
     plan.add_argument("--quantization", action="append", default=None,
@@ -44,6 +45,9 @@ def add_plan_parser(commands) -> None:
                       "the last wave's tail is then a small part of the run)")
     plan.add_argument("--max-concurrency", type=int, default=4,
                       help="--validate: concurrency each candidate is measured at")
+    plan.add_argument("--validate-repeats", type=int, default=1,
+                      help="--validate: bench runs per deployment, the median of each figure "
+                      "reported (a shared VM moves one run by 20-50%%)")
     plan.add_argument("--validate-only", default=None, metavar="NAME",
                       help="--validate only the deployments whose name contains NAME "
                       "(weights, KV, replicas, 1P1D)")

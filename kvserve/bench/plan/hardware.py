@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from kvserve.engine_config import DEFAULT_STEP_TOKENS, DEFAULT_STEP_TOKENS_ELSEWHERE
+
 GIB = 2**30
 
 
@@ -29,10 +31,40 @@ class Hardware:
     collective_latency_s: float  # one all-reduce's fixed latency
     kv_dtypes: tuple[str, ...]
     quantizations: tuple[str, ...]
+    # the engine's default token budget a step (max_num_batched_tokens) on this kind
+    step_tokens: int = DEFAULT_STEP_TOKENS_ELSEWHERE
+    # once per step that computes prompt tokens, beyond step_overhead_s (a prefill's per-layer
+    # work that does not grow with its tokens; the request's HTTP and tokenizing too)
+    prefill_step_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # "weights/kv" -> the three overheads above, measured for that format (`this` machine:
+    # each format runs its own kernels); a format not in it takes the scalars
+    format_overheads: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def overheads(self, quantization: str, kv_dtype: str) -> Overheads:
+        """The engine's overheads for a weight format and KV dtype: measured for exactly that
+        pair, else for the weights with bf16 KV, else the profile's own."""
+        table = self.format_overheads
+        found = table.get(f"{quantization}/{kv_dtype}") or table.get(f"{quantization}/bfloat16")
+        source = found or {name: getattr(self, name) for name in OVERHEAD_FIELDS}
+        return Overheads(*(source.get(name, 0.0) for name in OVERHEAD_FIELDS))
+
+
+OVERHEAD_FIELDS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
+                   "prefill_token_overhead_s")
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds beyond the roofline's time: per step, per decoding sequence, per step with
+    prompt tokens, per prompt token."""
+    step_s: float
+    seq_s: float
+    prefill_step_s: float
+    prefill_token_s: float
 
 
 _NVIDIA_OVERHEADS = dict(
@@ -80,7 +112,7 @@ MI300X = replace(
 # A 2-core VM as this project's machines are (Intel Xeon family 6 model 207, AMX): the median
 # of the saved `kvserve bench roofline` runs on it (benchmarks/results/intel-r-xeon-r-processor-
 # f6-m207/*/roofline.json: 18.7-21.6 GB/s, bf16 728 GFLOP/s at a 1B model's MLP shape); the
-# engine's overheads as `--hardware this` measured them on SmolLM2 (docs/planner.md).
+# engine's overheads as `--hardware this` measured them on SmolLM2 on 2026-11-30 (sources).
 CPU_2CORE = Hardware(
     name="cpu-2core", kind="cpu", memory_bytes=23 * GIB, memory_gbps=20.3,
     gflops={"bfloat16": 728.0, "float32": 188.0}, interconnect_gbps=0.0, network_gbps=1.25,
@@ -88,6 +120,7 @@ CPU_2CORE = Hardware(
     engine_overhead_bytes=1 * GIB, step_overhead_s=2.5e-3, seq_overhead_s=0.29e-3,
     prefill_token_overhead_s=0.51e-3, collective_latency_s=0.0,
     kv_dtypes=("bfloat16", "int8"), quantizations=("none", "int8", "int4"),
+    step_tokens=DEFAULT_STEP_TOKENS["cpu"],
     sources={"memory_gbps": "median of saved roofline.json runs on this VM type",
              "gflops": "saved roofline.json (bf16 AMX GEMM at a 1B model's MLP shape)",
              "memory_bytes": "this VM's RAM (free -g: 23 GiB)",
@@ -97,7 +130,8 @@ CPU_2CORE = Hardware(
                                       "startup-memory-torchfree.md)",
              "step_overhead_s": "--hardware this calibration on SmolLM2, 2026-11-30 23:08 UTC, "
                                 "load 1.65 (step 2.5 ms, 0.29 ms a sequence, 0.51 ms a "
-                                "prompt token; docs/planner.md)",
+                                "prompt token; offline engine steps of the default format, "
+                                "before calibration became per format and served)",
              "efficiency": "1.0: the figures are measured achievable rates, not peaks"})
 
 PROFILES = {h.name: h for h in (H100_SXM, H200, MI300X, CPU_2CORE)}

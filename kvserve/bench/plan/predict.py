@@ -4,12 +4,14 @@ FLOPs per token) on a hardware profile plus the engine's overheads.
 One engine instance spans tp x pp devices. A decode step at batch b reads the weights once
 (a mixture: the experts its b tokens touch) and each sequence's KV, and does b tokens' FLOPs:
 its time is the larger of the memory and compute times, plus the TP all-reduces, plus the
-engine's fixed and per-sequence costs. A prefill is compute time plus a per-token overhead.
+engine's fixed and per-sequence costs. A prefill is compute time plus a fixed and a per-token
+overhead.
 Arrivals: "steady" spreads them, so a prefill waits only for those queued ahead (M/D/1) and
-the prefills of the others share the decode steps; a closed loop of b clients (`kvserve bench
-serve --max-concurrency b`) settles there after its first wave, since prompts prefilled in
-different steps finish in different steps. "burst" is one wave: b requests arrive together and
-the i-th waits for i prefills."""
+the prefills of the others share the decode steps. "burst" is one wave: b requests arrive
+together and the i-th waits for i prefills. "closed" is a closed loop of b clients with fixed
+lengths (what `kvserve bench serve --max-concurrency b` runs), replayed step by step
+(simulate.py; P/D keeps its formula): its clients fall into lockstep, which neither formula
+sees."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ class Workload:
     input_len: int
     output_len: int
     prefix_share: float = 0.0  # fraction of each prompt already cached (shared prefix)
-    arrival: str = "steady"  # "steady" or "burst"
+    arrival: str = "steady"  # "steady", "burst" or "closed"
+    requests: int = 0  # "closed": requests of the run per instance (0: 8 per client)
 
     @property
     def new_prompt_tokens(self) -> int:
@@ -117,6 +120,7 @@ class InstanceModel:
         self.kv_replication = candidate.tp if config.kv_lora_rank and \
             not candidate.dp_attention else 1
         self.weight_replication = candidate.tp if candidate.dp_attention else 1
+        self.overheads = hardware.overheads(candidate.quantization, candidate.kv_dtype)
 
     def _routed_bytes(self, experts: float) -> float:
         return self.cost.moe_layers * self.cost.expert_bytes_per_layer * experts
@@ -166,7 +170,7 @@ class InstanceModel:
             memory_s=(self.weight_bytes_read(batch) + kv) / self.bandwidth,
             compute_s=flops / self.flops,
             comm_s=self._allreduce_s(batch) + self._pipeline_s(batch),
-            overhead_s=self.hw.step_overhead_s + batch * self.hw.seq_overhead_s)
+            overhead_s=self.overheads.step_s + batch * self.overheads.seq_s)
 
     def prefill(self, new_tokens: int, prompt_len: int) -> StepTimes:
         """One prompt's prefill of `new_tokens` (the rest cached): its tokens' FLOPs, and
@@ -179,8 +183,31 @@ class InstanceModel:
             memory_s=self.weight_bytes_read(new_tokens) / self.bandwidth,
             compute_s=flops / self.flops,
             comm_s=self._allreduce_s(new_tokens) + self._pipeline_s(new_tokens),
-            overhead_s=self.hw.step_overhead_s
-            + new_tokens * self.hw.prefill_token_overhead_s)
+            overhead_s=self._overhead_s(0, new_tokens))
+
+    def mixed_step(self, decodes: int, prompt_tokens: int, context: float,
+                   prompt_len: int) -> StepTimes:
+        """One engine step of `decodes` sequences at mean `context` beside `prompt_tokens`
+        tokens of prompts `prompt_len` long: the weights read once for all of its tokens,
+        each decode's KV, every token's FLOPs, and the overheads of both kinds of work."""
+        cost, tokens = self.cost, decodes + prompt_tokens
+        kv = decodes * cost.kv_bytes_per_sequence(int(context)) * self.kv_replication
+        flops = decodes * (cost.cost.layer_flops_per_token + cost.cost.lm_head_flops_per_token
+                           + attention_flops_per_token(self.config, int(context))) \
+            + prompt_tokens * (cost.cost.layer_flops_per_token
+                               + attention_flops_per_token(self.config, prompt_len // 2))
+        return StepTimes(
+            memory_s=(self.weight_bytes_read(tokens) + kv) / self.bandwidth,
+            compute_s=flops / self.flops,
+            comm_s=self._allreduce_s(tokens) + self._pipeline_s(tokens),
+            overhead_s=self._overhead_s(decodes, prompt_tokens))
+
+    def _overhead_s(self, decodes: int, prompt_tokens: int) -> float:
+        """A step's overheads: fixed, per decode, and (with prompt tokens) the prefill's
+        fixed part and its per-token part."""
+        o = self.overheads
+        prefill = o.prefill_step_s + prompt_tokens * o.prefill_token_s if prompt_tokens else 0.0
+        return o.step_s + decodes * o.seq_s + prefill
 
     def kv_transfer_s(self, tokens: int) -> float:
         """A prompt's KV from a prefill to a decode instance: over the node's interconnect,
@@ -208,6 +235,8 @@ class Latency:
 def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
     """`batch` sequences per instance, prefills sharing the steps with decodes."""
     step = model.decode_step(batch, workload.mean_context)
+    if workload.arrival == "closed":
+        return _closed_loop(model, workload, batch, step.bound)
     prefill = model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
     out = workload.output_len
     cycle = out * step.total_s + batch * prefill  # each sequence's life: decode plus prefills
@@ -221,6 +250,23 @@ def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
     pipeline = model.cand.pp  # pp micro-batches in flight at the same token latency
     throughput = model.cand.instances * pipeline * batch * out / cycle
     return Latency(ttft, tpot, throughput, step.bound)
+
+
+def _closed_loop(model: InstanceModel, workload: Workload, batch: int, bound: str) -> Latency:
+    """`batch` clients per instance replayed step by step (simulate.py); the instances
+    (replicas) each run their own loop."""
+    from kvserve.bench.plan.simulate import LoopShape, closed_loop
+
+    prompt = workload.new_prompt_tokens
+
+    def step_s(decodes: int, prompt_tokens: int, context: float) -> float:
+        return model.mixed_step(decodes, prompt_tokens, context, workload.input_len).total_s
+
+    shape = LoopShape(batch, workload.requests or 8 * batch, prompt, workload.output_len,
+                      model.hw.step_tokens, MAX_NUM_SEQS)
+    loop = closed_loop(step_s, shape)
+    return Latency(loop.ttft_s, loop.tpot_s,
+                   model.cand.instances * model.cand.pp * loop.throughput, bound)
 
 
 def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,

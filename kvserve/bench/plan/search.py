@@ -129,16 +129,32 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
                           if usable <= 0 else "memory: not one sequence's KV", **base)
     if batch is not None:
         return Prediction(batch=batch, latency=run(batch), limited_by="given", **base)
-    best, reason = 0, "KV capacity" if limit < seqs else "max_num_seqs"
-    for b in range(1, limit + 1):
-        latency = run(b)
-        if not slo.met(latency.ttft_s, latency.tpot_s):
-            reason = _slo_reason(slo, latency)
-            break
-        best = b
+    best, reason = _largest_batch(run, slo, limit, workload.arrival == "closed")
+    reason = reason or ("KV capacity" if limit < seqs else "max_num_seqs")
     if best == 0:
         return Prediction(batch=0, latency=run(1), limited_by=reason, **base)
     return Prediction(batch=best, latency=run(best), limited_by=reason, **base)
+
+
+def _largest_batch(run, slo: SLO, limit: int, bisect: bool) -> tuple[int, str | None]:
+    """The largest batch up to `limit` whose latency meets the SLOs, and the SLO that stopped
+    it (None: none did). Step by step for the formulas; by bisection for the closed-loop
+    simulation (its cost grows with the batch; its latencies grow with it too)."""
+    if not bisect:
+        for b in range(1, limit + 1):
+            latency = run(b)
+            if not slo.met(latency.ttft_s, latency.tpot_s):
+                return b - 1, _slo_reason(slo, latency)
+        return limit, None
+    low, high, reason = 0, limit, None  # low meets (0: vacuously), above high fails
+    while low < high:
+        middle = (low + high + 1) // 2
+        latency = run(middle)
+        if slo.met(latency.ttft_s, latency.tpot_s):
+            low = middle
+        else:
+            high, reason = middle - 1, _slo_reason(slo, latency)
+    return low, reason
 
 
 def _slo_reason(slo: SLO, latency: Latency) -> str:
