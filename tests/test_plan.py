@@ -173,21 +173,70 @@ def test_calibration_recovers_known_overheads():
     def roof(times):
         return max(times.memory_s, times.compute_s)
 
-    def ttft(tokens):
+    def engine_prefill(tokens):  # one lone prompt's step in the engine core
         return roof(model.prefill(tokens, tokens)) + fixed + per_prefill + tokens * per_token
 
     one = roof(model.decode_step(1, 256 + 33 / 2)) + fixed + per_seq
     many = roof(model.decode_step(8, 64 + 33 / 2)) + fixed + 8 * per_seq
-    fitted = calibrate._fit(config, base, {"ttft_s": ttft(256), "ttft_long_s": ttft(448),
-                                           "step_1_s": one, "step_8_s": many})
+    fitted = calibrate.fit_overheads(config, base, {
+        "prefill_s": {str(n): engine_prefill(n) for n in calibrate.PREFILL_LENGTHS},
+        "request_s": 8e-3, "step_1_s": one, "step_8_s": many})
     assert fitted["step_overhead_s"] == pytest.approx(fixed)
     assert fitted["seq_overhead_s"] == pytest.approx(per_seq)
     assert fitted["prefill_step_overhead_s"] == pytest.approx(per_prefill)
     assert fitted["prefill_token_overhead_s"] == pytest.approx(per_token)
+    assert fitted["request_overhead_s"] == 8e-3
     # and the model gives the lone prefills back
     fitted_model = InstanceModel(config, model.cost, replace(base, **fitted), model.cand,
                                  compute_dtype(base, quant))
-    assert fitted_model.prefill(448, 448).total_s == pytest.approx(ttft(448))
+    assert fitted_model.prefill(448, 448).total_s == pytest.approx(engine_prefill(448))
+
+
+def test_prefill_line_is_least_squares_and_never_negative():
+    from kvserve.bench.plan.calibrate import _line
+
+    # noisy points about 0.02 + 0.001 x: the least-squares line, not the two ends'
+    lengths = [64, 128, 256, 448]
+    intercept, slope = _line(lengths, [0.084, 0.150, 0.270, 0.470])
+    assert slope == pytest.approx(0.001, rel=0.05)
+    assert intercept == pytest.approx(0.02, abs=0.005)
+    # falling points (noise) never give a negative slope, nor a negative intercept
+    assert _line(lengths, [0.3, 0.2, 0.2, 0.1]) == (pytest.approx(0.2), 0.0)
+    intercept, slope = _line(lengths, [0.0, 0.05, 0.25, 0.45])
+    assert intercept == 0.0 and slope > 0
+
+
+def test_only_single_engines_are_calibrated_before_their_bench():
+    """--validate-calibration each: a single engine's own server is calibrated; replicas and
+    P/D (the calibration's lone prompts would measure one of their engines) use the cache."""
+    import argparse
+
+    from kvserve.bench.plan.validate import calibrates_here, deployments
+
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    each, cache = (argparse.Namespace(validate_calibration=c) for c in ("each", "cache"))
+    chosen = {d.name: calibrates_here(each, d) for d in deployments(config)}
+    assert chosen == {"weights gguf": True, "weights none": True, "weights int4": True,
+                      "KV int8": True, "2 replicas (Ray Serve)": False,
+                      "1P1D (router)": False}
+    assert not any(calibrates_here(cache, d) for d in deployments(config))
+
+
+def test_request_overhead_is_paid_once_by_a_lone_request():
+    """The API server's per-request path adds to a lone (steady) request's TTFT and not to
+    its decode steps; the closed loop leaves it out (it schedules a request a step late)."""
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    cand = Candidate(1, 1, 1, "aggregated", "none", "bfloat16")
+    work = Workload(256, 64)
+    without = predict(config, CPU_2CORE, cand, work, SLO(), batch=1).latency
+    paying = predict(config, replace(CPU_2CORE, request_overhead_s=0.05), cand, work, SLO(),
+                     batch=1).latency
+    assert paying.ttft_s == pytest.approx(without.ttft_s + 0.05)
+    assert paying.tpot_s == pytest.approx(without.tpot_s)
+    closed = replace(work, arrival="closed", requests=8)
+    assert predict(config, replace(CPU_2CORE, request_overhead_s=0.05), cand, closed, SLO(),
+                   batch=2).latency == predict(config, CPU_2CORE, cand, closed, SLO(),
+                                               batch=2).latency
 
 
 def test_bad_input_is_a_clear_error(capsys):
@@ -310,3 +359,22 @@ def test_validate_repeats_report_each_figures_median():
         300.0, 15.0, 180.0)
     assert merged["runs"] == runs
     assert "runs" not in _median_run(runs[:1])
+
+
+def test_a_lone_prefill_is_timed_in_the_engine_core(smol_server):
+    """The calibration's prefills read the server's step ledger: one step, timed in the
+    engine core, shorter than the client's TTFT (which adds the API server's path)."""
+    import asyncio
+
+    from kvserve.bench.client import BenchClient
+    from kvserve.bench.plan.calibrate import _lone_prefill
+
+    async def one() -> tuple[float, float]:
+        client = BenchClient(smol_server.base_url, "smol")
+        try:
+            return await _lone_prefill(client, "The history of the printing press " * 12)
+        finally:
+            await client.close()
+
+    engine_s, ttft_s = asyncio.run(one())
+    assert 0.0 < engine_s < ttft_s < 30.0

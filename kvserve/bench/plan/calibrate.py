@@ -1,13 +1,14 @@
 """`--hardware this`: this machine's roof (kvserve.bench.roofline.measure_roof) and the
 engine's overheads, measured once per machine, model and kernel level and cached: a decode
-step's fixed and per-sequence cost and a prefill's per-token cost beyond the roofline's time.
+step's fixed and per-sequence cost, a prefill's per-step and per-token cost beyond the
+roofline's time, and a request's path through the API server.
 
 They are measured for each weight format (and int8 KV) the engine runs here, as
 AIConfigurator keeps a table of kernel times per quantization: the formats run different
 kernels (a GGUF block dequantizes in its GEMM, int4 goes through AMX int8 where the CPU has
 it), which the roofline's bytes and FLOPs alone do not price. Each is fitted on a server in
-that format streaming to one client (a lone prompt, then 8 short prompts at once), so the
-API server's share of the cores is in it; the deployments as the bench loads them (a closed
+that format (lone prompts, then 8 short prompts at once; prefills timed in the engine core),
+so the API server's share of the cores is in it; the deployments as the bench loads them (a closed
 loop of clients whose prompts meet in the token budget, other lengths, replicas, P/D) are
 predicted from these, never fitted on a candidate's own run."""
 
@@ -23,13 +24,15 @@ from kvserve.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_PROMPT = 256  # the single prefill measured, and the batch-1 decode's context
+CALIBRATION_PROMPT = 256  # the batch-1 decode's prompt (its context)
 CALIBRATION_BATCH = 8  # the second decode batch (prompts of 64)
 CALIBRATION_TOKENS = 33
 CALIBRATION_REPEATS = 5
-# a second lone prompt, still one step of the CPU's 512-token budget: two prompt lengths
-# split a prefill's cost into a part per step and a part per token
-CALIBRATION_LONG_PROMPT = 448
+# lone prompts, each one step of the CPU's 512-token budget, timed in the engine core: a line
+# through them splits a prefill's cost into a part per step and a part per token
+PREFILL_LENGTHS = (64, 128, 256, 448)
+LEDGER_STEPS = "kvserve:engine_steps_total"
+LEDGER_SECONDS = "kvserve:engine_step_seconds_total"
 FORMAT_KEYS = "format_overheads"
 
 
@@ -49,7 +52,7 @@ def this_machine(reference: str, config: ModelConfig, recalibrate: bool = False)
     path = _cache_path(reference, header)
     if path.exists() and not recalibrate:
         fields = json.loads(path.read_text())
-        if "prefill_step_overhead_s" in fields:  # an older cache's fields: measured again
+        if "request_overhead_s" in fields:  # an older cache's fields: measured again
             return replace(_base(), **fields)
     fields = measure(reference, config)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,8 +65,8 @@ def _base() -> Hardware:
         "memory_gbps": "measured now (kvserve.bench.roofline.measure_memory_bandwidth)",
         "gflops": "measured now at the model's MLP shape (measure_roof)",
         "overheads": "measured now for each weight format and int8 KV, as served: decode "
-                     "steps at batch 1 and 8, one 256-token prefill "
-                     "(kvserve.bench.plan.calibrate)",
+                     "steps at batch 1 and 8, lone prefills of 64-448 tokens timed in the "
+                     "engine core (kvserve.bench.plan.calibrate)",
         **{k: v for k, v in CPU_2CORE.sources.items()
            if k in ("memory_fraction", "engine_overhead_bytes")}})
 
@@ -99,7 +102,7 @@ def measure(reference: str, config: ModelConfig) -> dict:
     table = {}
     for quant, kv in calibrated_formats(config):
         measured = _engine_times(reference, config, quant, kv)
-        table[f"{quant}/{kv}"] = _fit(config, base, measured, quant, kv)
+        table[f"{quant}/{kv}"] = fit_overheads(config, base, measured, quant, kv)
     default = default_quantization(config)
     fields.update(table[f"{default}/bfloat16"], **{FORMAT_KEYS: table})
     logger.info("calibrated this machine on %s: %s", reference, fields)
@@ -108,13 +111,10 @@ def measure(reference: str, config: ModelConfig) -> dict:
 
 def _engine_times(reference: str, config: ModelConfig, quantization: str,
                   kv_dtype: str) -> dict:
-    """Seconds per decode step at batch 1 and CALIBRATION_BATCH, and one lone prompt's TTFT,
-    in one weight format and KV dtype, as served: `kvserve serve` streaming to a client, so
-    the API server's share of the two cores (tokenizing, detokenizing, SSE) is in them."""
-    import asyncio
-
+    """The calibration's measurements (served_times) on a fresh `kvserve serve` in one
+    weight format and KV dtype."""
     from kvserve.bench.plan.predict import Candidate
-    from kvserve.bench.plan.validate import Deployment, _start, _stop
+    from kvserve.bench.plan.serving import Deployment, start, stop
 
     kv = "auto" if kv_dtype == "bfloat16" else kv_dtype
     deployment = Deployment("calibration", Candidate(1, 1, 1, "aggregated", quantization,
@@ -122,20 +122,28 @@ def _engine_times(reference: str, config: ModelConfig, quantization: str,
                             ("--quantization", quantization, "--kv-cache-dtype", kv))
     processes: list = []
     try:
-        url = _start(reference, deployment, processes)
-        return asyncio.run(_streamed_times(url, reference))
+        return served_times(start(reference, deployment, processes), reference)
     finally:
         for process in reversed(processes):
-            _stop(process)
+            stop(process)
+
+
+def served_times(url: str, reference: str) -> dict:
+    """Measured on a running server, as served: `kvserve serve` streaming to a client, so the
+    API server's share of the two cores (tokenizing, detokenizing, SSE) is in them."""
+    import asyncio
+
+    return asyncio.run(_streamed_times(url, reference))
 
 
 async def _streamed_times(url: str, reference: str) -> dict:
-    """The median of CALIBRATION_REPEATS: a lone 256-token prompt (its TTFT, then its
-    tokens' spacing), a lone CALIBRATION_LONG_PROMPT-token prompt (its TTFT), and
-    CALIBRATION_BATCH prompts of 64 sent at once (the spacing once every one of them has its
-    first token). The median, not the best: the bench it predicts
-    reports medians, and the best of a few runs on a shared VM is a lucky one. Each prompt a
-    different slice of text: no prefix-cache hits."""
+    """The median of CALIBRATION_REPEATS of each: a lone 256-token prompt's tokens' spacing
+    (a decode step at batch 1), lone prompts of each PREFILL_LENGTHS (their step's time in the
+    engine core, from its step ledger, and the client's TTFT beyond it: the API server's path),
+    and CALIBRATION_BATCH prompts of 64 sent at once (the spacing once every one of them has
+    its first token). The median, not the best: the bench it predicts reports medians, and the
+    best of a few runs on a shared VM is a lucky one. Each prompt a different slice of text: no
+    prefix-cache hits."""
     import asyncio
 
     from kvserve.bench.cli import _tokenizer
@@ -149,8 +157,8 @@ async def _streamed_times(url: str, reference: str) -> dict:
         await client.complete(source.take(CALIBRATION_PROMPT), tokens)  # warm
         ones = [await client.complete(source.take(CALIBRATION_PROMPT), tokens)
                 for _ in range(CALIBRATION_REPEATS)]
-        longs = [await client.complete(source.take(CALIBRATION_LONG_PROMPT), 1)
-                 for _ in range(CALIBRATION_REPEATS)]
+        prefills = {n: [await _lone_prefill(client, source.take(n))
+                        for _ in range(CALIBRATION_REPEATS)] for n in PREFILL_LENGTHS}
         waves = [await asyncio.gather(*(client.complete(source.take(64), tokens)
                                         for _ in range(CALIBRATION_BATCH)))
                  for _ in range(CALIBRATION_REPEATS)]
@@ -159,25 +167,55 @@ async def _streamed_times(url: str, reference: str) -> dict:
     for result in [*ones, *(r for wave in waves for r in wave)]:
         if result.error or len(result.chunk_times) < 2:
             raise RuntimeError(f"calibration request failed: {result.error or 'no tokens'}")
-    if any(r.error or r.first_token is None for r in longs):
-        raise RuntimeError("calibration request failed: the long prompt")
-    return {"ttft_s": median(r.first_token - r.sent for r in ones),
-            "ttft_long_s": median(r.first_token - r.sent for r in longs),
-            "step_1_s": median(_spacing(r.chunk_times[0], r.chunk_times[-1]) for r in ones),
+    return {"step_1_s": median(_spacing(r.chunk_times[0], r.chunk_times[-1]) for r in ones),
             f"step_{CALIBRATION_BATCH}_s": median(
                 _spacing(max(r.first_token for r in wave), max(r.chunk_times[-1] for r in wave))
-                for wave in waves)}
+                for wave in waves),
+            "prefill_s": {str(n): median(engine for engine, _ in runs)
+                          for n, runs in prefills.items()},
+            "request_s": median(max(0.0, ttft - engine) for runs in prefills.values()
+                                for engine, ttft in runs)}
+
+
+async def _lone_prefill(client, prompt: str) -> tuple[float, float]:
+    """(seconds of the prompt's one engine step, the client's TTFT) of a one-token request:
+    the step ledger's counters read before and after it."""
+    import asyncio
+
+    before = await _ledger(client)
+    result = await client.complete(prompt, 1)
+    if result.error or result.first_token is None:
+        raise RuntimeError(f"calibration request failed: {result.error or 'no token'}")
+    for _ in range(50):  # the stats come with the step's output; a scrape may race them
+        after = await _ledger(client)
+        if after[0] > before[0]:
+            steps, seconds = after[0] - before[0], after[1] - before[1]
+            return seconds / steps, result.first_token - result.sent
+        await asyncio.sleep(0.02)
+    raise RuntimeError("calibration: the server's step ledger did not count the prefill "
+                       "(is it running with --no-step-ledger?)")
+
+
+async def _ledger(client) -> tuple[float, float]:
+    """(steps, seconds) the engine core has counted: its /metrics counters."""
+    from kvserve.router.replicas import parse_metrics
+
+    response = await client.http.get("/metrics")
+    response.raise_for_status()
+    values = parse_metrics(response.text)
+    return values.get(LEDGER_STEPS, 0.0), values.get(LEDGER_SECONDS, 0.0)
 
 
 def _spacing(first_s: float, last_s: float) -> float:
     return (last_s - first_s) / (CALIBRATION_TOKENS - 1)
 
 
-def _fit(config: ModelConfig, base: Hardware, measured: dict, quant: str | None = None,
-         kv_dtype: str = "bfloat16") -> dict:
+def fit_overheads(config: ModelConfig, base: Hardware, measured: dict,
+                  quant: str | None = None, kv_dtype: str = "bfloat16") -> dict:
     """Overheads = measured minus the roofline's time for the same work in the same format
-    (default: the model's default weights): a line through the two decode batches, and one
-    through the two lone prefills (its slope per token, the rest per step)."""
+    (default: the model's default weights): a line through the two decode batches, and a
+    least-squares line through the lone prefills (its slope per token, the rest, less the
+    decode's fixed part, per step)."""
     from kvserve.bench.plan.cost import plan_cost
     from kvserve.bench.plan.predict import Candidate, InstanceModel, compute_dtype
     from kvserve.bench.plan.search import weight_format
@@ -193,14 +231,25 @@ def _fit(config: ModelConfig, base: Hardware, measured: dict, quant: str | None 
     excess_many = max(excess_one, measured[f"step_{CALIBRATION_BATCH}_s"] - roof_many)
     per_seq = (excess_many - excess_one) / (CALIBRATION_BATCH - 1)
     fixed = max(0.0, excess_one - per_seq)
-    short, long = CALIBRATION_PROMPT, CALIBRATION_LONG_PROMPT
-    excess_short = max(0.0, measured["ttft_s"] - fixed - _roof(model.prefill(short, short)))
-    excess_long = max(excess_short,
-                      measured["ttft_long_s"] - fixed - _roof(model.prefill(long, long)))
-    per_token = (excess_long - excess_short) / (long - short)
+    lengths = [int(n) for n in measured["prefill_s"]]
+    excess = [measured["prefill_s"][str(n)] - _roof(model.prefill(n, n)) for n in lengths]
+    per_step, per_token = _line(lengths, excess)
     return dict(step_overhead_s=fixed, seq_overhead_s=per_seq,
-                prefill_step_overhead_s=max(0.0, excess_short - short * per_token),
-                prefill_token_overhead_s=per_token)
+                prefill_step_overhead_s=max(0.0, per_step - fixed),
+                prefill_token_overhead_s=per_token, request_overhead_s=measured["request_s"])
+
+
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x with a, b >= 0 (an excess is never negative)."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    slope = max(0.0, slope)
+    intercept = mean_y - slope * mean_x
+    if intercept < 0.0:  # through the origin instead
+        slope, intercept = max(0.0, sum(x * y for x, y in zip(xs, ys))
+                               / sum(x * x for x in xs)), 0.0
+    return intercept, slope
 
 
 def _roof(times) -> float:

@@ -48,6 +48,10 @@ def add_plan_parser(commands) -> None:
     plan.add_argument("--validate-repeats", type=int, default=1,
                       help="--validate: bench runs per deployment, the median of each figure "
                       "reported (a shared VM moves one run by 20-50%%)")
+    plan.add_argument("--validate-calibration", choices=["each", "cache"], default="each",
+                      help="--validate: each: calibrate a single engine's overheads on its own "
+                      "server just before its bench (this VM drifts 20%% and more between "
+                      "minutes and processes); cache: this machine's cached calibration")
     plan.add_argument("--validate-only", default=None, metavar="NAME",
                       help="--validate only the deployments whose name contains NAME "
                       "(weights, KV, replicas, 1P1D)")

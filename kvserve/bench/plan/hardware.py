@@ -34,11 +34,14 @@ class Hardware:
     # the engine's default token budget a step (max_num_batched_tokens) on this kind
     step_tokens: int = DEFAULT_STEP_TOKENS_ELSEWHERE
     # once per step that computes prompt tokens, beyond step_overhead_s (a prefill's per-layer
-    # work that does not grow with its tokens; the request's HTTP and tokenizing too)
+    # work that does not grow with its tokens)
     prefill_step_overhead_s: float = 0.0
+    # once per request, outside the engine's steps: the API server's path (HTTP, tokenizing,
+    # detokenizing, the stream), which a lone request's TTFT pays beyond its prefill
+    request_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
-    # "weights/kv" -> the three overheads above, measured for that format (`this` machine:
-    # each format runs its own kernels); a format not in it takes the scalars
+    # "weights/kv" -> the overheads above (OVERHEAD_FIELDS), measured for that format (`this`
+    # machine: each format runs its own kernels); a format not in it takes the scalars
     format_overheads: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict:
@@ -54,17 +57,18 @@ class Hardware:
 
 
 OVERHEAD_FIELDS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
-                   "prefill_token_overhead_s")
+                   "prefill_token_overhead_s", "request_overhead_s")
 
 
 @dataclass(frozen=True)
 class Overheads:
     """Seconds beyond the roofline's time: per step, per decoding sequence, per step with
-    prompt tokens, per prompt token."""
+    prompt tokens, per prompt token, and per request outside the steps (the API server)."""
     step_s: float
     seq_s: float
     prefill_step_s: float
     prefill_token_s: float
+    request_s: float = 0.0
 
 
 _NVIDIA_OVERHEADS = dict(

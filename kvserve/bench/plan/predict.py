@@ -232,11 +232,13 @@ class Latency:
     bound: str  # what dominates the decode step
 
 
-def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
-    """`batch` sequences per instance, prefills sharing the steps with decodes."""
+def aggregated(model: InstanceModel, workload: Workload, batch: int,
+               max_num_seqs: int = MAX_NUM_SEQS) -> Latency:
+    """`batch` sequences per instance, prefills sharing the steps with decodes (at most
+    `max_num_seqs` of them running in the closed loop's simulation)."""
     step = model.decode_step(batch, workload.mean_context)
     if workload.arrival == "closed":
-        return _closed_loop(model, workload, batch, step.bound)
+        return _closed_loop(model, workload, batch, step.bound, max_num_seqs)
     prefill = model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
     out = workload.output_len
     cycle = out * step.total_s + batch * prefill  # each sequence's life: decode plus prefills
@@ -247,14 +249,18 @@ def aggregated(model: InstanceModel, workload: Workload, batch: int) -> Latency:
         utilization = min(0.99, batch * prefill / cycle)
         ttft = prefill + _queue_s(utilization, prefill, batch - 1) + step.total_s / 2
         tpot = cycle / out
+    ttft += model.overheads.request_s
     pipeline = model.cand.pp  # pp micro-batches in flight at the same token latency
     throughput = model.cand.instances * pipeline * batch * out / cycle
     return Latency(ttft, tpot, throughput, step.bound)
 
 
-def _closed_loop(model: InstanceModel, workload: Workload, batch: int, bound: str) -> Latency:
+def _closed_loop(model: InstanceModel, workload: Workload, batch: int, bound: str,
+                 max_num_seqs: int) -> Latency:
     """`batch` clients per instance replayed step by step (simulate.py); the instances
-    (replicas) each run their own loop."""
+    (replicas) each run their own loop. The API server's per-request path is not added: a
+    client's TTFT runs from its previous request's last token, and the simulation already
+    schedules the new request one step late for its way back to the engine."""
     from kvserve.bench.plan.simulate import LoopShape, closed_loop
 
     prompt = workload.new_prompt_tokens
@@ -263,7 +269,7 @@ def _closed_loop(model: InstanceModel, workload: Workload, batch: int, bound: st
         return model.mixed_step(decodes, prompt_tokens, context, workload.input_len).total_s
 
     shape = LoopShape(batch, workload.requests or 8 * batch, prompt, workload.output_len,
-                      model.hw.step_tokens, MAX_NUM_SEQS)
+                      model.hw.step_tokens, max_num_seqs)
     loop = closed_loop(step_s, shape)
     return Latency(loop.ttft_s, loop.tpot_s,
                    model.cand.instances * model.cand.pp * loop.throughput, bound)
@@ -287,7 +293,7 @@ def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
     else:
         utilization = min(0.99, rate * prefill / cand.prefill_instances)
         queue = prefill + _queue_s(utilization, prefill, ahead)
-    ttft = queue + transfer + step.total_s
+    ttft = queue + transfer + step.total_s + decode_model.overheads.request_s
     # Little's law: the clients in the system bound the rate too
     rate = min(rate, clients / (ttft + (workload.output_len - 1) * step.total_s))
     return Latency(ttft, step.total_s, rate * workload.output_len, step.bound)

@@ -119,7 +119,7 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
     def run(b: int) -> Latency:
         if candidate.mode == "disaggregated":
             return disaggregated(model, model, workload, b)
-        return aggregated(model, workload, b)
+        return aggregated(model, workload, b, seqs)
 
     base = dict(candidate=candidate, weight_bytes_per_device=weights_per_device,
                 kv_capacity_tokens=capacity, kv_bytes=max(0.0, usable),

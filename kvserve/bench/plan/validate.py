@@ -1,7 +1,12 @@
 """`kvserve plan --validate`: serve the candidates this machine can run, load each with
-`kvserve bench serve` (a closed loop of --max-concurrency clients: after its first wave the
-plan's "steady" arrivals), and set the measured TTFT, TPOT and throughput beside the
-predictions at the same concurrency. Predictions are never adjusted to the measurements."""
+`kvserve bench serve` (a closed loop of --max-concurrency clients, simulated as one), and set
+the measured TTFT, TPOT and throughput beside the predictions at the same concurrency.
+
+With `--validate-calibration each` (the default) a single engine's overheads are calibrated on
+its own server just before its bench (calibrate.py's lone prompts and short waves, never the
+bench's closed loop): this VM drifts by 20% and more from one minute or process to the next,
+which a cache measured earlier cannot follow, and the error left is then the model's.
+Predictions are never adjusted to the bench's measurements."""
 
 from __future__ import annotations
 
@@ -10,24 +15,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from kvserve.bench.plan.calibrate import default_quantization
+from kvserve.bench.plan.calibrate import default_quantization, fit_overheads, served_times
 from kvserve.bench.plan.hardware import Hardware
 from kvserve.bench.plan.predict import SLO, Candidate, Workload
 from kvserve.bench.plan.search import predict
+from kvserve.bench.plan.serving import Deployment, start, stop
 from kvserve.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """A candidate and how to start it here."""
-    name: str
-    candidate: Candidate
-    serve_args: tuple[str, ...]  # `kvserve serve` options beyond --model and --port
 
 
 def deployments(config: ModelConfig) -> list[Deployment]:
@@ -62,7 +58,7 @@ def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
     chosen = [d for d in deployments(config)
               if not getattr(args, "validate_only", None) or args.validate_only in d.name]
     for deployment in chosen[:only]:
-        measured = _measure(args, deployment, workload)
+        measured, overheads = _measure(args, config, hardware, deployment, workload)
         cand = deployment.candidate
         serving = cand.decode_instances if cand.mode == "disaggregated" else cand.instances
         batch = max(1, args.max_concurrency // serving)
@@ -70,14 +66,34 @@ def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
         # P/D keeps its formula), with each instance's share of the requests
         loop = replace(workload, arrival="closed",
                        requests=max(1, args.num_prompts // serving))
-        predicted = predict(config, hardware, cand, loop, SLO(), batch=batch).latency
-        rows.append(_row(deployment, measured, predicted))
+        priced = _with_overheads(hardware, cand, overheads) if overheads else hardware
+        predicted = predict(config, priced, cand, loop, SLO(), batch=batch,
+                            max_num_seqs=getattr(args, "max_num_seqs", 256)).latency
+        row = _row(deployment, measured, predicted)
+        row["calibration"] = "this server, before its bench" if overheads else "the cache"
+        rows.append(row)
     return {"load_average": os.getloadavg(), "num_prompts": args.num_prompts,
             "max_concurrency": args.max_concurrency, "workload": workload.__dict__,
             "repeats": max(1, getattr(args, "validate_repeats", 1)),
+            "calibration": getattr(args, "validate_calibration", "each"),
             "deployments": rows,
             "within_20_percent": sum(r["all_within_20_percent"] for r in rows
                                      if "error" not in r)}
+
+
+def calibrates_here(args, deployment: Deployment) -> bool:
+    """Whether the deployment's own server is calibrated before its bench: a single engine
+    (the calibration's lone prompts and waves measure one engine; replicas and P/D split
+    them)."""
+    cand = deployment.candidate
+    return getattr(args, "validate_calibration", "each") == "each" and \
+        cand.mode == "aggregated" and cand.instances == 1
+
+
+def _with_overheads(hardware: Hardware, cand: Candidate, overheads: dict) -> Hardware:
+    table = dict(hardware.format_overheads)
+    table[f"{cand.quantization}/{cand.kv_dtype}"] = overheads
+    return replace(hardware, format_overheads=table)
 
 
 def _row(deployment: Deployment, measured: dict, predicted) -> dict:
@@ -98,79 +114,27 @@ def _row(deployment: Deployment, measured: dict, predicted) -> dict:
                 **({"runs": measured["runs"]} if "runs" in measured else {}))
 
 
-def _measure(args, deployment: Deployment, workload: Workload) -> dict:
-    """Start the deployment, run the bench against it, stop it."""
+def _measure(args, config: ModelConfig, hardware: Hardware, deployment: Deployment,
+             workload: Workload) -> tuple[dict, dict | None]:
+    """Start the deployment, calibrate it (calibrates_here), run the bench against it, stop
+    it: (the bench's figures, the overheads fitted on it or None)."""
     processes: list[subprocess.Popen] = []
+    overheads = None
     try:
-        url = _start(args.model, deployment, processes)
+        url = start(args.model, deployment, processes)
+        if calibrates_here(args, deployment):
+            cand = deployment.candidate
+            overheads = fit_overheads(config, hardware, served_times(url, args.model),
+                             cand.quantization, cand.kv_dtype)
         # a new seed a run: the same prompts again would be prefix-cache hits
         runs = [_bench(args, url, workload, seed)
                 for seed in range(max(1, getattr(args, "validate_repeats", 1)))]
-        return _median_run(runs)
+        return _median_run(runs), overheads
     except (RuntimeError, OSError, ValueError, KeyError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {exc}"}, None
     finally:
         for process in reversed(processes):
-            _stop(process)
-
-
-def _start(model: str, deployment: Deployment, processes: list) -> str:
-    """Launch the servers (and router) of one deployment; the URL to load."""
-    from kvserve.ports import free_port
-
-    if deployment.candidate.mode != "disaggregated":
-        port = free_port()
-        processes.append(_spawn(["serve", "--model", model, "--port", str(port),
-                                 *deployment.serve_args]))
-        return _healthy(f"http://127.0.0.1:{port}", processes)
-    urls = {}
-    for role in ("prefill", "decode"):
-        port = free_port()
-        transfer = {"kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                    "kv_connector_extra_config": {"transport": "shm"}}  # one host
-        processes.append(_spawn(["serve", "--model", model, "--port", str(port),
-                                 "--kv-transfer-config", json.dumps(transfer),
-                                 *deployment.serve_args]))
-        urls[role] = _healthy(f"http://127.0.0.1:{port}", processes)
-    port = free_port()
-    processes.append(_spawn(["router", "--port", str(port), "--prefill", urls["prefill"],
-                             "--decode", urls["decode"]]))
-    return _healthy(f"http://127.0.0.1:{port}", processes)
-
-
-def _spawn(argv: list[str]) -> subprocess.Popen:
-    log = tempfile.NamedTemporaryFile(prefix="kvserve-plan-", suffix=".log", delete=False)
-    return subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _healthy(url: str, processes: list, timeout: float = 240.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in processes if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{' '.join(map(str, dead[0].args[2:5]))} exited with "
-                               f"{dead[0].returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return url
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy in {timeout:.0f} s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the server's session (a Ray Serve launch has children), then wait."""
-    from kvserve.processes import stop_process
-
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, 15)
-        except ProcessLookupError:
-            pass
-    stop_process(process, grace=30.0)
+            stop(process)
 
 
 def _bench(args, url: str, workload: Workload, seed: int = 0) -> dict:
