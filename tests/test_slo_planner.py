@@ -27,7 +27,8 @@ from kvserve.metrics import EngineMetrics
 from kvserve.ray_serve import slo_stats as keys
 from kvserve.ray_serve.autoscaling import autoscaling_config, planner_kwargs
 from kvserve.ray_serve.config import AutoscalingConfigError, RayServeConfig
-from kvserve.ray_serve.slo_stats import SLOStats, WindowedLatency, bucket_quantile
+from kvserve.protocol.engine_core import SchedulerStats
+from kvserve.ray_serve.slo_stats import SLOStats, WindowedLatency, WindowedRate, bucket_quantile
 from kvserve.testing.server import ServerProcess
 from tests.helpers import tiny_server_flags, wait_until
 
@@ -91,6 +92,20 @@ def test_windowed_latency_keeps_one_baseline_beyond_the_window():
     assert result[histogram][1] == 5.0
 
 
+def test_busy_fraction_is_the_step_seconds_per_second_of_the_window():
+    rate = WindowedRate(window_s=2.0)
+    assert rate.sample(0.0, 10.0) == 0.0  # one point: no rate yet
+    assert rate.sample(1.0, 10.5) == pytest.approx(0.5)
+    assert rate.sample(3.0, 12.0) == pytest.approx(0.75)  # baseline t=1 (a window old)
+    assert rate.sample(4.0, 0.1) == 0.0  # a restarted core counts from zero
+    # the replica's report: its engine's step ledger, capped at 1 (steps overlap a sample)
+    stats = SLOStats(EngineMetrics("m").registry, window_s=10.0)
+    stats.stats(0.0, SchedulerStats(step_seconds=100.0))
+    assert stats.stats(4.0, SchedulerStats(step_seconds=103.0))[keys.BUSY_KEY] == \
+        pytest.approx(0.75)
+    assert stats.stats(5.0, SchedulerStats(step_seconds=110.0))[keys.BUSY_KEY] == 1.0
+
+
 # ---- the policy, as Ray Serve's controller runs it --------------------------------------------
 def ray_policy(config: RayServeConfig):
     """The policy exactly as the controller gets it: from the AutoscalingConfig our flags
@@ -100,10 +115,13 @@ def ray_policy(config: RayServeConfig):
 
 
 def report(ttft: float | None = None, itl: float | None = None, waiting: float = 0.0,
-           kv_usage: float = 0.1, running: float = 1.0) -> dict[str, float]:
-    return {keys.TTFT_KEY: ttft or 0.0, keys.TTFT_COUNT_KEY: 10.0 if ttft else 0.0,
-            keys.ITL_KEY: itl or 0.0, keys.ITL_COUNT_KEY: 50.0 if itl else 0.0,
-            keys.WAITING_KEY: waiting, keys.RUNNING_KEY: running, keys.KV_USAGE_KEY: kv_usage}
+           kv_usage: float = 0.1, running: float = 1.0,
+           busy: float | None = None) -> dict[str, float]:
+    values = {keys.TTFT_KEY: ttft or 0.0, keys.TTFT_COUNT_KEY: 10.0 if ttft else 0.0,
+              keys.ITL_KEY: itl or 0.0, keys.ITL_COUNT_KEY: 50.0 if itl else 0.0,
+              keys.WAITING_KEY: waiting, keys.RUNNING_KEY: running,
+              keys.KV_USAGE_KEY: kv_usage}
+    return values if busy is None else {**values, keys.BUSY_KEY: busy}
 
 
 class Fleet:
@@ -211,6 +229,25 @@ def test_hysteresis_holds_between_the_limits_and_scales_down_after_the_delay():
     assert fleet.tick([report()] * 2) == 2
 
 
+def test_no_scale_down_while_the_work_would_not_fit_in_one_replica_fewer():
+    """Fast answers from replicas each half busy are not a reason to remove one: the one left
+    would have all the work (the ramp flapped 2 -> 1 -> 2 in its 4x phase without this)."""
+    fleet = Fleet(planner_config(), target=2)
+    # TTFT 0.2x the SLO, nothing waiting, but 0.45 + 0.4 of the window busy: 0.85 for one
+    assert fleet.tick([report(ttft=0.1, busy=0.45), report(ttft=0.1, busy=0.4)]) == 2
+    assert "one replica fewer would be 0.85 busy" in fleet.reason
+    # the same latencies with the work of a quiet phase: down
+    assert fleet.tick([report(ttft=0.1, busy=0.2), report(ttft=0.1, busy=0.15)]) == 1
+    # three replicas, 1.2 of work: 0.6 each for two is within 0.7
+    fleet = Fleet(planner_config(), target=3)
+    assert fleet.tick([report(ttft=0.1, busy=0.4)] * 3) == 2
+    # the check off (--downscale-max-busy 0), or no replica reporting it: latency alone
+    fleet = Fleet(planner_config(downscale_max_busy=0.0), target=2)
+    assert fleet.tick([report(ttft=0.1, busy=0.9)] * 2) == 1
+    fleet = Fleet(planner_config(), target=2)
+    assert fleet.tick([report(ttft=0.1)] * 2) == 1
+
+
 def test_a_calm_blip_does_not_scale_down():
     fleet = Fleet(planner_config(downscale_delay_s=0.3), target=2)
     assert fleet.tick([report()] * 2) == 2  # wanted down: the delay starts
@@ -269,28 +306,32 @@ def test_flags_turn_autoscaling_on_and_contradictions_are_errors(capsys):
 
     assert main(["serve", "--autoscale", "--min-replicas", "3", "--max-replicas", "2"]) == 2
     assert "--max-replicas (2) is below --min-replicas (3)" in capsys.readouterr().err
+    assert main(["serve", "--autoscale", "--downscale-max-busy", "1.5"]) == 2
+    assert "--downscale-max-busy must be between 0 and 1" in capsys.readouterr().err
 
 
 # ---- end to end: a load ramp on a local Ray ----------------------------------------------------
 # Measured on this 2-core machine (docs/performance.md, "The SLO planner on Ray Serve"): one
-# tiny-model replica with --max-num-seqs 1 and 16-token prefill chunks serves about 6 of these
-# requests (1,536 distinct prompt tokens, 4 out) a second on a quiet machine: at 7 a second its
-# TTFT p90 grew past 2 s while two replicas held it near 0.3 s. Other work on the same 2 cores
-# halves both (two replicas then fell behind at 7 a second too), so the test asserts what holds
-# either way: the scaling, no failed stream, the router's view, TTFT within the SLO before the
-# 4x phase and again at the end, after the scale-down.
+# tiny-model replica with --max-num-seqs 1 and 16-token prefill chunks serves about 4-6 of
+# these requests (1,536 distinct prompt tokens, 4 out) a second, two replicas about 7-9: 6 a
+# second at 4x is more than one keeps up with and leaves two the headroom to drain the backlog
+# of the reaction (at 7 two took 30 s to). The 4x phase is minutes long, so the reaction
+# (mostly the new replica's start-up, 8-11 s) is a small part of the ramp. Other work on the
+# same 2 cores halves the capacities; the bar (TTFT p90 within the SLO in RAMP_SLO_SHARE of the
+# ramp) holds on a quiet machine (96%, 2026-12-01).
 RAMP_SEQS = 1
 RAMP_TOKENS = 4
 RAMP_PROMPT_TOKENS = 1536
 RAMP_CHUNK_TOKENS = 16
 RAMP_LOW_RATE = 1.5  # requests per second
-RAMP_PHASES = ((5.0, RAMP_LOW_RATE), (18.0, 4 * RAMP_LOW_RATE), (14.0, RAMP_LOW_RATE))
+RAMP_PHASES = ((10.0, RAMP_LOW_RATE), (150.0, 4 * RAMP_LOW_RATE), (30.0, RAMP_LOW_RATE))
+RAMP_SLO_SHARE = 0.9  # of the ramp's buckets whose client TTFT p90 is within the SLO
 RAMP_SLO_TTFT_MS = 1500.0
 RAMP_MAX_WAITING = 2  # --max-waiting-per-replica: the queue says "overloaded" before TTFT does
 RAMP_WINDOW_S = 3.0  # --autoscale-window-s
 RAMP_DOWNSCALE_DELAY_S = 3.0
-# 4x starts -> the second replica running: measured 13 s on a loaded machine (the planner's
-# decision 2 s after the 4x start, on the queue; the new replica's start-up 11 s)
+# 4x starts -> the second replica running: measured 10.6-14.8 s (the planner's decision 2-4 s
+# after the 4x start, on the queue; the new replica's start-up 8-11 s)
 REACTION_S = 18.0
 RAMP_BUCKET_S = 2.0  # client-side TTFT p90 per bucket of request start times
 
@@ -414,8 +455,7 @@ def _p90_by_bucket(outcomes: list[Outcome]) -> list[tuple[float, float, int]]:
 
 
 # soak (make test-soak): how fast the queue builds, and so when the planner moves, depends on
-# how fast one replica runs; on this 2-core machine the second replica came 10.6-13 s into the
-# 4x phase under other load and 20 s in on a quiet machine, so no reaction bound holds in CI
+# how fast one replica runs, and the SLO share on the machine's load: no such bound holds in CI
 @pytest.mark.soak
 @pytest.mark.multiprocess
 def test_a_load_ramp_scales_up_within_the_reaction_time_and_back_down(
@@ -426,7 +466,8 @@ def test_a_load_ramp_scales_up_within_the_reaction_time_and_back_down(
     gone quiet, then the downscale delay) and the router forgets the other; every request gets
     its whole stream, including those in flight on the replica scaled down (Serve drains it
     before its destructor stops the engine); client TTFT p90 is within the SLO before the 4x
-    phase and at the end. Prints the replica count and TTFT p90 per 2 s (docs/performance.md)."""
+    phase, at the end, and in RAMP_SLO_SHARE of the ramp's buckets. Prints the replica count
+    and TTFT p90 per 2 s (docs/performance.md)."""
     flags = tiny_server_flags(
         tiny_model_dir, "--replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
         "--num-cpus-per-replica", "0.5", "--max-num-seqs", str(RAMP_SEQS),
@@ -447,8 +488,11 @@ def test_a_load_ramp_scales_up_within_the_reaction_time_and_back_down(
                        timeout=RAMP_WINDOW_S + RAMP_DOWNSCALE_DELAY_S + 30, interval=0.2)
         rows = _p90_by_bucket(outcomes)
         scaled_up, scaled_down = timeline.first(2), timeline.first(1, after=high_end)
+        within = {start: p90 * 1000 <= RAMP_SLO_TTFT_MS for start, p90, _ in rows}
+        share = sum(within.values()) / len(within)
         print(f"\nramp: second replica at {scaled_up} s (4x from {high_start} s), one again at "
-              f"{scaled_down} s; TTFT p90 per {RAMP_BUCKET_S} s: "
+              f"{scaled_down} s; TTFT p90 within the SLO in {share:.0%} of the buckets; "
+              f"TTFT p90 per {RAMP_BUCKET_S} s: "
               + ", ".join(f"{start:.0f}s {p90 * 1000:.0f}ms/{n}" for start, p90, n in rows)
               + "; replicas (running/routed/indexed) " + " ".join(
                   f"{t - timeline.began:.1f}s:{n}/{routed}/{indexed}"
@@ -458,10 +502,10 @@ def test_a_load_ramp_scales_up_within_the_reaction_time_and_back_down(
         assert scaled_up is not None and high_start <= scaled_up <= high_start + REACTION_S
         assert scaled_down is not None and scaled_down >= high_end
         # one replica meets the SLO at the low rate, before the 4x phase and after it (the
-        # backlog drained, the fleet back to one)
-        within = {start: p90 * 1000 <= RAMP_SLO_TTFT_MS for start, p90, _ in rows}
+        # backlog drained, the fleet back to one), and the fleet for most of the ramp
         assert all(ok for start, ok in within.items() if start + RAMP_BUCKET_S <= high_start)
         assert all(list(within.values())[-3:]), rows
+        assert share >= RAMP_SLO_SHARE, rows
         # both replicas served, and the one scaled down answered to the end of its streams
         assert len({o.replica for o in outcomes}) == 2
         # the router indexed the new replica's KV events, and forgot it once it was gone

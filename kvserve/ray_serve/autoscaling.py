@@ -27,6 +27,7 @@ def planner_kwargs(config: RayServeConfig) -> dict:
             "max_waiting_per_replica": config.max_waiting_per_replica,
             "max_kv_usage": config.max_kv_usage,
             "downscale_fraction": config.downscale_fraction,
+            "downscale_max_busy": config.downscale_max_busy,
             # the replicas' windows have then seen only the fleet after the move
             "settle_s": config.autoscale_window_s + record_s,
             # a replica silent for three reports is not judged on its last one

@@ -76,6 +76,10 @@ class RayServeConfig:
     downscale_fraction: float = _opt(
         0.5, "autoscaling: scale down only while every signal is under this fraction of its "
         "limit and nothing waits, for --downscale-delay-s")
+    downscale_max_busy: float = _opt(
+        0.7, "autoscaling: and only while the replicas' engines, busy this fraction of the "
+        "window in all, would each be at most this busy with one replica fewer (0: not a "
+        "check)")
     upscale_delay_s: float = _opt(0.0, "autoscaling: Ray Serve's upscale_delay_s (how long "
                                   "a scale-up must be wanted before it happens)")
     downscale_delay_s: float = _opt(30.0, "autoscaling: Ray Serve's downscale_delay_s")
@@ -96,6 +100,8 @@ class RayServeConfig:
         if not 0 < self.slo_quantile < 1 or not 0 < self.downscale_fraction < 1:
             raise AutoscalingConfigError(
                 "--slo-quantile and --downscale-fraction must be between 0 and 1")
+        if not 0 <= self.downscale_max_busy <= 1:
+            raise AutoscalingConfigError("--downscale-max-busy must be between 0 and 1")
         if min(self.slo_ttft_ms, self.slo_itl_ms, self.max_waiting_per_replica,
                self.max_kv_usage, self.upscale_delay_s, self.downscale_delay_s) < 0 \
                 or self.autoscale_window_s <= 0:

@@ -11,8 +11,12 @@ class only says where the fleet should be:
   the waiting requests per replica (engine queues plus the handles' queue) or the KV cache
   usage are over their limits: by the ratio over the limit (at least one replica, at most
   doubling);
-- down by one only when every signal is well under its limit (`downscale_fraction`) and
-  nothing waits (Ray's `downscale_delay_s` makes that last before it happens);
+- down by one only when every signal is well under its limit (`downscale_fraction`), nothing
+  waits, and the work would fit in one replica fewer: the engines' busy fractions over the
+  window, summed, at most `downscale_max_busy` of each remaining replica (latency alone says
+  nothing of that: two replicas each half busy answer fast, and one would then be
+  overloaded; Dynamo's planner sizes from the load for the same reason). Ray's
+  `downscale_delay_s` makes that last before it happens;
 - otherwise, hold. While a move is under way (running != target) it holds, and after a move
   it makes no second move the same way until a window of metrics has seen the first.
 
@@ -45,6 +49,7 @@ class FleetSignals:
     num_running: float
     kv_usage: float  # the fullest replica's
     num_replicas: int  # replicas with a fresh report
+    busy: float | None = None  # the engines' busy fractions summed (None: none reported)
 
 
 def latest_reports(raw_metrics: dict | None, now: float, stale_s: float) -> dict:
@@ -70,7 +75,9 @@ def fleet_signals(reports: dict, queued_at_handles: float = 0.0) -> FleetSignals
         num_waiting=sum(r[keys.WAITING_KEY] for r in reports.values()) + queued_at_handles,
         num_running=sum(r.get(keys.RUNNING_KEY, 0.0) for r in reports.values()),
         kv_usage=max((r.get(keys.KV_USAGE_KEY, 0.0) for r in reports.values()), default=0.0),
-        num_replicas=len(reports))
+        num_replicas=len(reports),
+        busy=sum(r[keys.BUSY_KEY] for r in reports.values() if keys.BUSY_KEY in r)
+        if any(keys.BUSY_KEY in r for r in reports.values()) else None)
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,13 @@ class SLOPlanner:
     def __init__(self, ttft_slo_s: float | None = None, itl_slo_s: float | None = None,
                  max_waiting_per_replica: float | None = 8.0,
                  max_kv_usage: float | None = 0.9, downscale_fraction: float = 0.5,
-                 settle_s: float = 10.0, stale_s: float = 10.0):
+                 downscale_max_busy: float | None = 0.7, settle_s: float = 10.0,
+                 stale_s: float = 10.0):
         self.limits = {"ttft": ttft_slo_s or None, "itl": itl_slo_s or None,
                        "waiting": max_waiting_per_replica or None,
                        "kv": max_kv_usage or None}
         self.downscale_fraction = downscale_fraction
+        self.downscale_max_busy = downscale_max_busy or None
         self.settle_s = settle_s
         self.stale_s = stale_s
 
@@ -147,10 +156,22 @@ class SLOPlanner:
                 return Decision(high, f"{reason}; at --max-replicas")
             step = max(1, math.ceil(target * min(worst - 1, 1)))
             return self._move(target, min(high, target + step), reason, state, now)
+        within = f"within limits ({name or 'no data'} at {worst:.2f}x)"
         if worst < self.downscale_fraction and signals.num_waiting == 0 and target > low:
+            after = self._busy_after_downscale(signals, target)
+            if after is not None and after > self.downscale_max_busy:
+                return Decision(target, f"{within}; one replica fewer would be {after:.2f} "
+                                f"busy (over {self.downscale_max_busy:.2f})")
             return self._move(target, target - 1, f"all signals under "
                               f"{self.downscale_fraction:.2f}x their limits", state, now)
-        return Decision(target, f"within limits ({name or 'no data'} at {worst:.2f}x)")
+        return Decision(target, within)
+
+    def _busy_after_downscale(self, signals: FleetSignals, target: int) -> float | None:
+        """How busy each of `target - 1` replicas would be with the window's work (None:
+        no check, or no replica reported how busy it was)."""
+        if not self.downscale_max_busy or signals.busy is None:
+            return None
+        return signals.busy / (target - 1)
 
     def _move(self, target: int, desired: int, reason: str, state: dict,
               now: float) -> Decision:

@@ -1,6 +1,7 @@
 """What an engine replica tells the SLO planner (planner.py) through Ray Serve's
 `record_autoscaling_stats`: its TTFT and inter-token latency quantiles over a recent window,
-and its queue and KV cache load.
+its queue and KV cache load, and how busy its engine was over the window (the step ledger's
+seconds of steps per second: what one replica fewer would have to absorb).
 
 The latencies come from the engine's own Prometheus histograms (metrics.py), so the planner
 sees what `/metrics` shows: the window's counts are the difference of the cumulative bucket
@@ -24,6 +25,7 @@ ITL_COUNT_KEY = "itl_count"
 WAITING_KEY = "num_waiting"
 RUNNING_KEY = "num_running"
 KV_USAGE_KEY = "kv_usage"
+BUSY_KEY = "busy_fraction"
 
 Buckets = list[tuple[float, float]]  # (upper bound, cumulative count), ascending, +Inf last
 
@@ -93,6 +95,23 @@ class WindowedLatency:
         return result
 
 
+class WindowedRate:
+    """A cumulative counter's growth per second over the last `window_s` seconds, from the
+    points `sample` is given (the baseline as WindowedLatency's: the newest point at least a
+    window old, else the oldest). A counter that went back (a restarted core) reads 0."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._points: deque[tuple[float, float]] = deque()
+
+    def sample(self, now: float, value: float) -> float:
+        self._points.append((now, value))
+        while len(self._points) > 1 and now - self._points[1][0] >= self.window_s:
+            self._points.popleft()
+        then, before = self._points[0]
+        return max(0.0, (value - before) / (now - then)) if now > then else 0.0
+
+
 class SLOStats:
     """The replica's side: `stats(now, scheduler_stats)` is the dict Ray Serve's
     record_autoscaling_stats returns (floats only; a latency without observations is 0 with
@@ -101,12 +120,14 @@ class SLOStats:
     def __init__(self, registry, window_s: float, quantile: float = 0.9):
         self.registry = registry
         self.latency = WindowedLatency(window_s, quantile)
+        self.busy = WindowedRate(window_s)
 
     def stats(self, now: float, scheduler_stats) -> dict[str, float]:
         histograms = read_histograms(self.registry, (TTFT_HISTOGRAM, ITL_HISTOGRAM))
         window = self.latency.sample(now, histograms)
         (ttft, ttft_count), (itl, itl_count) = window[TTFT_HISTOGRAM], window[ITL_HISTOGRAM]
-        return {TTFT_KEY: ttft or 0.0, TTFT_COUNT_KEY: ttft_count,
+        busy = self.busy.sample(now, scheduler_stats.step_seconds if scheduler_stats else 0.0)
+        return {BUSY_KEY: min(1.0, busy),TTFT_KEY: ttft or 0.0, TTFT_COUNT_KEY: ttft_count,
                 ITL_KEY: itl or 0.0, ITL_COUNT_KEY: itl_count,
                 WAITING_KEY: float(scheduler_stats.num_waiting if scheduler_stats else 0),
                 RUNNING_KEY: float(scheduler_stats.num_running if scheduler_stats else 0),
