@@ -321,6 +321,52 @@ def test_closed_loop_first_arrival_alone_then_the_others_together():
     assert queued.steps > wave.steps
 
 
+def test_disaggregated_loop_prefills_on_one_server_and_decodes_on_the_other():
+    """One client: prefill, the handoff, then its first token from the decode server's first
+    step, and a step a token after. Prompts waiting for the prefill server share its next
+    step (2 x 128 within the budget) and are decoded together; a prompt longer than the
+    budget is prefilled alone, chunk by chunk."""
+    from kvserve.bench.plan.simulate import LoopShape, SplitCosts, disaggregated_loop
+
+    costs = SplitCosts(prefill=lambda tokens: 0.01 + 0.001 * tokens,
+                       decode=lambda seqs, context: 0.005 + 0.001 * seqs, transfer_s=0.02)
+    one = disaggregated_loop(costs, LoopShape(clients=1, requests=3, prompt_len=128,
+                                              output_len=5, token_budget=512))
+    assert one.ttft_s == pytest.approx(0.01 + 0.128 + 0.02 + 0.006)
+    assert one.tpot_s == pytest.approx(0.006)
+    assert one.throughput == pytest.approx(15 / (3 * (0.158 + 5 * 0.006)))
+    # three sent together: the idle prefill server takes the first alone (as an idle engine
+    # does), the other two arrive during it and share the next prefill step, then a decode step
+    three = disaggregated_loop(costs, LoopShape(clients=3, requests=3, prompt_len=128,
+                                                output_len=5, token_budget=512))
+    second = 0.138 + 0.01 + 0.256 + 0.02 + 0.007  # after the first's 0.138 s prefill
+    assert three.ttft_s == pytest.approx(second)  # the median: the later two's
+    assert three.tpot_s == pytest.approx(0.007)
+    long = disaggregated_loop(costs, LoopShape(clients=1, requests=1, prompt_len=1000,
+                                               output_len=2, token_budget=512))
+    assert long.ttft_s == pytest.approx(0.01 + 0.512 + 0.01 + 0.488 + 0.02 + 0.006)
+
+
+def test_pd_handoff_is_what_a_lone_prompt_pays_beyond_the_model():
+    from kvserve.bench.plan.validate import deployments, handoff_overheads
+
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    pair = next(d.candidate for d in deployments(config) if d.candidate.mode == "disaggregated")
+    lone = replace(Workload(256, 2), arrival="steady")
+    modelled = predict(config, CPU_2CORE, pair, lone, SLO(), batch=1).latency.ttft_s
+    fitted = handoff_overheads(config, CPU_2CORE, pair, modelled + 0.05, 256)
+    assert fitted["kv_handoff_overhead_s"] == pytest.approx(0.05, abs=0.005)
+    assert fitted["step_overhead_s"] == CPU_2CORE.step_overhead_s
+    faster = handoff_overheads(config, CPU_2CORE, pair, 0.001, 256)
+    assert faster["kv_handoff_overhead_s"] == 0.0  # never negative
+    # and the closed loop charges it to every request's TTFT
+    loop = replace(Workload(256, 16), arrival="closed", requests=4)
+    charged = replace(CPU_2CORE, kv_handoff_overhead_s=0.05)
+    assert predict(config, charged, pair, loop, SLO(), batch=1).latency.ttft_s == \
+        pytest.approx(predict(config, CPU_2CORE, pair, loop, SLO(), batch=1).latency.ttft_s
+                      + 0.05)
+
+
 def test_per_format_overheads_are_looked_up_by_weights_and_kv():
     from kvserve.bench.plan.hardware import OVERHEAD_FIELDS, Overheads
 

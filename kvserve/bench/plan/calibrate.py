@@ -177,6 +177,30 @@ async def _streamed_times(url: str, reference: str) -> dict:
                                 for engine, ttft in runs)}
 
 
+def lone_ttft(url: str, reference: str, prompt_len: int = CALIBRATION_PROMPT) -> float:
+    """The median client TTFT of CALIBRATION_REPEATS lone prompts of `prompt_len` tokens (two
+    tokens asked: a P/D pair's first token comes from its decode side), after one to warm."""
+    import asyncio
+
+    from kvserve.bench.cli import _tokenizer
+    from kvserve.bench.client import BenchClient
+    from kvserve.bench.workloads import TextSource
+
+    async def measure() -> float:
+        source = TextSource(_tokenizer(reference), seed=1)
+        client = BenchClient(url, reference)
+        try:
+            results = [await client.complete(source.take(prompt_len), 2)
+                       for _ in range(CALIBRATION_REPEATS + 1)][1:]
+        finally:
+            await client.close()
+        if any(r.error or r.first_token is None for r in results):
+            raise RuntimeError("calibration request failed: a lone prompt")
+        return median(r.first_token - r.sent for r in results)
+
+    return asyncio.run(measure())
+
+
 async def _lone_prefill(client, prompt: str) -> tuple[float, float]:
     """(seconds of the prompt's one engine step, the client's TTFT) of a one-token request:
     the step ledger's counters read before and after it."""

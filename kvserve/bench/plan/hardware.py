@@ -39,6 +39,10 @@ class Hardware:
     # once per request, outside the engine's steps: the API server's path (HTTP, tokenizing,
     # detokenizing, the stream), which a lone request's TTFT pays beyond its prefill
     request_overhead_s: float = 0.0
+    # once per request of a prefill/decode pair beyond its KV's bytes: the router's second hop
+    # and the connectors' handshake and pull (0: not measured; `plan --validate` measures it on
+    # its P/D pair)
+    kv_handoff_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     # "weights/kv" -> the overheads above (OVERHEAD_FIELDS), measured for that format (`this`
     # machine: each format runs its own kernels); a format not in it takes the scalars
@@ -57,18 +61,20 @@ class Hardware:
 
 
 OVERHEAD_FIELDS = ("step_overhead_s", "seq_overhead_s", "prefill_step_overhead_s",
-                   "prefill_token_overhead_s", "request_overhead_s")
+                   "prefill_token_overhead_s", "request_overhead_s", "kv_handoff_overhead_s")
 
 
 @dataclass(frozen=True)
 class Overheads:
     """Seconds beyond the roofline's time: per step, per decoding sequence, per step with
-    prompt tokens, per prompt token, and per request outside the steps (the API server)."""
+    prompt tokens, per prompt token, per request outside the steps (the API server), and per
+    request handed from a prefill to a decode instance beyond its KV's bytes."""
     step_s: float
     seq_s: float
     prefill_step_s: float
     prefill_token_s: float
     request_s: float = 0.0
+    handoff_s: float = 0.0
 
 
 _NVIDIA_OVERHEADS = dict(

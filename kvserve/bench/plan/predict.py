@@ -281,6 +281,8 @@ def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
     KV then moved to a decode instance (the decode's first step makes the first token)."""
     cand = decode_model.cand
     step = decode_model.decode_step(batch, workload.mean_context)
+    if workload.arrival == "closed":
+        return _disaggregated_loop(prefill_model, decode_model, workload, batch, step.bound)
     prefill = prefill_model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
     decode_rate = cand.decode_instances * cand.pp * batch / (workload.output_len * step.total_s)
     prefill_rate = cand.prefill_instances / prefill
@@ -293,10 +295,35 @@ def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
     else:
         utilization = min(0.99, rate * prefill / cand.prefill_instances)
         queue = prefill + _queue_s(utilization, prefill, ahead)
-    ttft = queue + transfer + step.total_s + decode_model.overheads.request_s
+    ttft = queue + transfer + decode_model.overheads.handoff_s + step.total_s \
+        + decode_model.overheads.request_s
     # Little's law: the clients in the system bound the rate too
     rate = min(rate, clients / (ttft + (workload.output_len - 1) * step.total_s))
     return Latency(ttft, step.total_s, rate * workload.output_len, step.bound)
+
+
+def _disaggregated_loop(prefill_model: InstanceModel, decode_model: InstanceModel,
+                        workload: Workload, batch: int, bound: str) -> Latency:
+    """`batch` clients per decode instance, replayed on a prefill and a decode instance
+    (simulate.py's disaggregated_loop; xPyD gives each decode instance x/y of a prefill one):
+    a closed loop spaces its clients out, where a queueing formula would see a prefill server
+    near saturation queue them."""
+    from kvserve.bench.plan.simulate import LoopShape, SplitCosts, disaggregated_loop
+
+    cand, prompt = decode_model.cand, workload.new_prompt_tokens
+    # xPyD: each decode instance's prompts get x/y of a prefill instance
+    sharing = cand.decode_instances / max(1, cand.prefill_instances)
+    costs = SplitCosts(
+        prefill=lambda tokens: sharing * prefill_model.mixed_step(
+            0, tokens, 0.0, workload.input_len).total_s,
+        decode=lambda seqs, context: decode_model.decode_step(seqs, context).total_s,
+        transfer_s=prefill_model.kv_transfer_s(workload.input_len)
+        + decode_model.overheads.handoff_s)
+    shape = LoopShape(batch, workload.requests or 8 * batch, prompt, workload.output_len,
+                      prefill_model.hw.step_tokens, MAX_NUM_SEQS)
+    loop = disaggregated_loop(costs, shape)
+    return Latency(loop.ttft_s, loop.tpot_s, cand.decode_instances * cand.pp * loop.throughput,
+                   bound)
 
 
 def _queue_s(utilization: float, service_s: float, most_ahead: float) -> float:

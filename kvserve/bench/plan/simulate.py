@@ -129,3 +129,96 @@ def _summary(finished: list[_Request], output_len: int, end_s: float, steps: int
     tpot = statistics.median((r.done_s - r.first_s) / (output_len - 1) for r in finished) \
         if output_len > 1 else 0.0
     return ClosedLoop(ttft, tpot, len(finished) * output_len / end_s, steps)
+
+
+@dataclass(frozen=True)
+class SplitCosts:
+    """A prefill/decode pair's step costs: seconds of a prefill step of that many prompt
+    tokens, of a decode step (sequences, mean context), and of one prompt's KV transfer."""
+    prefill: Callable[[int], float]
+    decode: Callable[[int, float], float]
+    transfer_s: float
+
+
+def disaggregated_loop(costs: SplitCosts, shape: LoopShape) -> ClosedLoop:
+    """The closed loop on a prefill server and a decode server, each stepping on its own
+    clock (events in time order): the prefill server takes waiting prompts whole, as many as
+    its token budget holds (a longer one alone, chunk by chunk), and hands each one's KV over
+    (`transfer_s`); the decode server admits what has arrived at the start of each step and
+    makes a request's first token in its first step there; a client sends again when its
+    last token comes. A server idle when work arrives starts at once: a prefill server on the
+    first of prompts sent together (as simulate's engine does), a decode server on all the
+    prompts of one prefill step."""
+    import heapq
+    import itertools
+
+    order = itertools.count()
+    events: list = []
+
+    def at(time_s: float, kind: str, payload) -> None:
+        heapq.heappush(events, (time_s, next(order), kind, payload))
+
+    first_wave = min(shape.clients, shape.requests)
+    for _ in range(first_wave):
+        at(0.0, "send", _Request(shape.prompt_len, 0.0))
+    sent, steps, end = first_wave, 0, 0.0
+    prompts: deque[_Request] = deque()
+    arrived: list[_Request] = []
+    running: list[_Request] = []
+    finished: list[_Request] = []
+    prefilling = decoding = False
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        end = max(end, now)
+        if kind == "send":
+            prompts.append(payload)
+        elif kind == "prefilled":
+            prefilling = False
+            for request in payload:
+                at(now + costs.transfer_s, "arrived", request)
+        elif kind == "arrived":  # one prefill step's prompts reach the decode server together
+            arrived.append(payload)
+            while events and events[0][0] == now and events[0][2] == "arrived":
+                arrived.append(heapq.heappop(events)[3])
+        else:  # a decode step ended
+            decoding = False
+            for request in payload:
+                request.decoded += 1
+                if request.first_s is None:
+                    request.first_s = now
+                if request.decoded >= shape.output_len:
+                    request.done_s = now
+                    running.remove(request)
+                    finished.append(request)
+                    if sent < shape.requests:
+                        at(now, "send", _Request(shape.prompt_len, now))
+                        sent += 1
+        if not prefilling and prompts:
+            batch = _whole_prompts(prompts, shape.token_budget)
+            at(now + _prefill_s(costs, batch, shape.token_budget), "prefilled", batch)
+            prefilling, steps = True, steps + 1
+        if not decoding and (running or arrived):
+            room = max(0, shape.max_num_seqs - len(running))
+            running.extend(arrived[:room])
+            del arrived[:room]
+            context = sum(shape.prompt_len + r.decoded for r in running) / len(running)
+            at(now + costs.decode(len(running), context), "decoded", list(running))
+            decoding, steps = True, steps + 1
+    return _summary(finished, shape.output_len, end, steps)
+
+
+def _whole_prompts(prompts: deque, budget: int) -> list[_Request]:
+    batch = [prompts.popleft()]
+    tokens = batch[0].prompt_left
+    while prompts and tokens + prompts[0].prompt_left <= budget:
+        tokens += prompts[0].prompt_left
+        batch.append(prompts.popleft())
+    return batch
+
+
+def _prefill_s(costs: SplitCosts, batch: list[_Request], budget: int) -> float:
+    """A batch of whole prompts in one step, or one prompt longer than the budget in
+    chunks of it."""
+    tokens = sum(r.prompt_left for r in batch)
+    full, rest = divmod(tokens, budget) if len(batch) == 1 else (0, tokens)
+    return full * costs.prefill(budget) + (costs.prefill(rest) if rest else 0.0)

@@ -15,11 +15,16 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 
-from kvserve.bench.plan.calibrate import default_quantization, fit_overheads, served_times
-from kvserve.bench.plan.hardware import Hardware
+from kvserve.bench.plan.calibrate import (
+    default_quantization,
+    fit_overheads,
+    lone_ttft,
+    served_times,
+)
+from kvserve.bench.plan.hardware import OVERHEAD_FIELDS, Hardware
 from kvserve.bench.plan.predict import SLO, Candidate, Workload
 from kvserve.bench.plan.search import predict
 from kvserve.bench.plan.serving import Deployment, start, stop
@@ -70,7 +75,11 @@ def validate(args, config: ModelConfig, hardware: Hardware, workload: Workload,
         predicted = predict(config, priced, cand, loop, SLO(), batch=batch,
                             max_num_seqs=getattr(args, "max_num_seqs", 256)).latency
         row = _row(deployment, measured, predicted)
-        row["calibration"] = "this server, before its bench" if overheads else "the cache"
+        row["calibration"] = ("the cache" if not overheads else "the cache and the pair's "
+                              "handoff, before its bench" if cand.mode == "disaggregated"
+                              else "this server, before its bench")
+        if overheads:
+            row["overheads"] = overheads
         rows.append(row)
     return {"load_average": os.getloadavg(), "num_prompts": args.num_prompts,
             "max_concurrency": args.max_concurrency, "workload": workload.__dict__,
@@ -88,6 +97,33 @@ def calibrates_here(args, deployment: Deployment) -> bool:
     cand = deployment.candidate
     return getattr(args, "validate_calibration", "each") == "each" and \
         cand.mode == "aggregated" and cand.instances == 1
+
+
+def _measures_handoff(args, deployment: Deployment) -> bool:
+    return getattr(args, "validate_calibration", "each") == "each" and \
+        deployment.candidate.mode == "disaggregated"
+
+
+def handoff_overheads(config: ModelConfig, hardware: Hardware, cand: Candidate,
+                      measured_ttft_s: float, prompt_len: int) -> dict:
+    """A P/D pair's per-request handoff (the router's second hop, the connectors' handshake
+    and pull beyond the KV's bytes): a lone prompt's TTFT through the pair less what the
+    model gives it without one. The rest are the cache's overheads of the pair's format."""
+    from kvserve.bench.plan.cost import plan_cost
+    from kvserve.bench.plan.predict import InstanceModel, compute_dtype
+    from kvserve.bench.plan.search import weight_format
+
+    base = dict(zip(OVERHEAD_FIELDS, astuple(hardware.overheads(cand.quantization,
+                                                                 cand.kv_dtype))))
+    base["kv_handoff_overhead_s"] = 0.0
+    model = InstanceModel(config, plan_cost(config, weight_format(config, hardware,
+                                                                  cand.quantization),
+                                            cand.kv_dtype),
+                          hardware, cand, compute_dtype(hardware, cand.quantization))
+    without = (model.mixed_step(0, prompt_len, 0.0, prompt_len).total_s
+               + model.kv_transfer_s(prompt_len) + model.decode_step(1, prompt_len).total_s
+               + model.overheads.request_s)
+    return dict(base, kv_handoff_overhead_s=max(0.0, measured_ttft_s - without))
 
 
 def _with_overheads(hardware: Hardware, cand: Candidate, overheads: dict) -> Hardware:
@@ -116,16 +152,20 @@ def _row(deployment: Deployment, measured: dict, predicted) -> dict:
 
 def _measure(args, config: ModelConfig, hardware: Hardware, deployment: Deployment,
              workload: Workload) -> tuple[dict, dict | None]:
-    """Start the deployment, calibrate it (calibrates_here), run the bench against it, stop
-    it: (the bench's figures, the overheads fitted on it or None)."""
+    """Start the deployment, calibrate it (calibrates_here; a P/D pair: its handoff), run the
+    bench against it, stop it: (the bench's figures, the overheads fitted on it or None)."""
     processes: list[subprocess.Popen] = []
     overheads = None
     try:
         url = start(args.model, deployment, processes)
+        cand = deployment.candidate
         if calibrates_here(args, deployment):
-            cand = deployment.candidate
             overheads = fit_overheads(config, hardware, served_times(url, args.model),
-                             cand.quantization, cand.kv_dtype)
+                                      cand.quantization, cand.kv_dtype)
+        elif _measures_handoff(args, deployment):
+            overheads = handoff_overheads(config, hardware, cand,
+                                          lone_ttft(url, args.model, workload.input_len),
+                                          workload.input_len)
         # a new seed a run: the same prompts again would be prefix-cache hits
         runs = [_bench(args, url, workload, seed)
                 for seed in range(max(1, getattr(args, "validate_repeats", 1)))]
