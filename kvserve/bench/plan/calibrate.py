@@ -240,15 +240,11 @@ def fit_overheads(config: ModelConfig, base: Hardware, measured: dict,
     (default: the model's default weights): a line through the two decode batches, and a
     least-squares line through the lone prefills (its slope per token, the rest, less the
     decode's fixed part, per step)."""
-    from kvserve.bench.plan.cost import plan_cost
-    from kvserve.bench.plan.predict import Candidate, InstanceModel, compute_dtype
-    from kvserve.bench.plan.search import weight_format
+    from kvserve.bench.plan.predict import Candidate
+    from kvserve.bench.plan.search import instance_model
 
     quant = quant or default_quantization(config)
-    model = InstanceModel(config, plan_cost(config, weight_format(config, base, quant),
-                                            kv_dtype), base,
-                          Candidate(1, 1, 1, "aggregated", quant, kv_dtype),
-                          compute_dtype(base, quant))
+    model = instance_model(config, base, Candidate(1, 1, 1, "aggregated", quant, kv_dtype))
     roof_one = _roof(model.decode_step(1, CALIBRATION_PROMPT + CALIBRATION_TOKENS / 2))
     roof_many = _roof(model.decode_step(CALIBRATION_BATCH, 64 + CALIBRATION_TOKENS / 2))
     excess_one = max(0.0, measured["step_1_s"] - roof_one)

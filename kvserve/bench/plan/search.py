@@ -93,14 +93,20 @@ def _powers_of_two(limit: int) -> list[int]:
     return values
 
 
+def instance_model(config: ModelConfig, hardware: Hardware,
+                   candidate: Candidate) -> InstanceModel:
+    """One engine instance of the candidate on the hardware, in its weight and KV formats."""
+    fmt = weight_format(config, hardware, candidate.quantization)
+    return InstanceModel(config, plan_cost(config, fmt, candidate.kv_dtype), hardware,
+                         candidate, compute_dtype(hardware, candidate.quantization))
+
+
 def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
             workload: Workload, slo: SLO, batch: int | None = None,
             max_num_seqs: int = MAX_NUM_SEQS) -> Prediction:
     """The candidate at `batch` sequences per instance, or at the most the SLOs allow."""
-    fmt = weight_format(config, hardware, candidate.quantization)
-    cost = plan_cost(config, fmt, candidate.kv_dtype)
-    model = InstanceModel(config, cost, hardware, candidate,
-                          compute_dtype(hardware, candidate.quantization))
+    model = instance_model(config, hardware, candidate)
+    cost = model.cost
     devices = candidate.tp * candidate.pp
     weights_per_device = model.resident_bytes_per_device()
     # each device: its share of usable memory, less the engine's overhead and its weights

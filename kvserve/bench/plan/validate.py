@@ -26,7 +26,7 @@ from kvserve.bench.plan.calibrate import (
 )
 from kvserve.bench.plan.hardware import OVERHEAD_FIELDS, Hardware
 from kvserve.bench.plan.predict import SLO, Candidate, Workload
-from kvserve.bench.plan.search import predict
+from kvserve.bench.plan.search import instance_model, predict
 from kvserve.bench.plan.serving import Deployment, start, stop
 from kvserve.config import ModelConfig
 
@@ -109,17 +109,10 @@ def handoff_overheads(config: ModelConfig, hardware: Hardware, cand: Candidate,
     """A P/D pair's per-request handoff (the router's second hop, the connectors' handshake
     and pull beyond the KV's bytes): a lone prompt's TTFT through the pair less what the
     model gives it without one. The rest are the cache's overheads of the pair's format."""
-    from kvserve.bench.plan.cost import plan_cost
-    from kvserve.bench.plan.predict import InstanceModel, compute_dtype
-    from kvserve.bench.plan.search import weight_format
-
     base = dict(zip(OVERHEAD_FIELDS, astuple(hardware.overheads(cand.quantization,
                                                                  cand.kv_dtype))))
     base["kv_handoff_overhead_s"] = 0.0
-    model = InstanceModel(config, plan_cost(config, weight_format(config, hardware,
-                                                                  cand.quantization),
-                                            cand.kv_dtype),
-                          hardware, cand, compute_dtype(hardware, cand.quantization))
+    model = instance_model(config, hardware, cand)
     without = (model.mixed_step(0, prompt_len, 0.0, prompt_len).total_s
                + model.kv_transfer_s(prompt_len) + model.decode_step(1, prompt_len).total_s
                + model.overheads.request_s)
