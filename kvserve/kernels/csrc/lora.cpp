@@ -1,14 +1,16 @@
 // lora_add_ (lora.h). The rows are sorted by slot and cut into tiles of up to kTileRows rows of
-// one adapter; both products then run over (tile, output block) tasks in parallel:
-//   shrink: h[r, w] = a[s, w, :] . x[r, :]  (each A row loaded once for the tile's rows),
+// one adapter; both products then run as small tasks in parallel:
+//   shrink: h[r, w] = a[s, w, :] . x[r, :]  (register-blocked: a tile's rows x a few rows of A),
 //   expand: out[r, n0:n1] += sum_w h[r, w] * b[s, w, n0:n1]  (register-blocked: a tile's rows
-//           x a few vectors of outputs accumulate across w, then are added to out once).
+//           x a few vectors of outputs accumulate across w, then are added to out once; a task
+//           runs up to kRunTiles tiles of one slot, bf16 columns of B converted once for them).
 // The adapters' weights are small (rank x hidden per part), so the cost is the call overhead
 // the torch path paid per adapter and projection; here one parallel region does each product.
 #include "lora.h"
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -17,10 +19,13 @@ namespace kvserve {
 namespace {
 
 constexpr int64_t kTileRows = 4;
+constexpr int64_t kRunTiles = 8;  // tiles of one slot per expand task
 #if KVSERVE_VEC
 constexpr int64_t kColumnVectors = kVecRegisters >= 32 ? 4 : 2;  // accumulators fit registers
 constexpr int64_t kBlock = kColumnVectors * kLanes;
+constexpr int64_t kShrinkRows = kVecRegisters >= 32 ? 4 : 2;  // A rows per x load in the shrink
 #else
+constexpr int64_t kShrinkRows = 1;
 constexpr int64_t kBlock = 16;
 #endif
 
@@ -49,58 +54,85 @@ std::vector<Tile> tiles_by_slot(const int32_t* slots, int64_t rows, int64_t num_
   return tiles;
 }
 
-// sums[r] = w . x_rows[r] over k values, for kTileRows rows (spare rows repeat row 0).
+// sums[r][j] = w_rows[j] . x_rows[r] over k values, for kTileRows rows and kShrinkRows rows of
+// A (spare rows of either repeat a valid one): each loaded vector of x serves kShrinkRows rows
+// of A and each of A kTileRows rows of x.
 template <typename TX, typename TW>
-void dot_tile(const TW* w, const TX* const* x_rows, int64_t k, float* sums) {
+void dot_block(const TW* const* w_rows, const TX* const* x_rows, int64_t k,
+               float (*sums)[kShrinkRows]) {
   int64_t i = 0;
-  for (int64_t r = 0; r < kTileRows; ++r) sums[r] = 0.f;
+  for (int64_t r = 0; r < kTileRows; ++r)
+    for (int64_t j = 0; j < kShrinkRows; ++j) sums[r][j] = 0.f;
 #if KVSERVE_VEC
-  vf acc[kTileRows];
-  for (auto& a : acc) a = vzero();
+  vf acc[kTileRows][kShrinkRows];
+  for (auto& row : acc)
+    for (auto& v : row) v = vzero();
   for (; i + kLanes <= k; i += kLanes) {
-    const vf wv = vload(w + i);
-    for (int64_t r = 0; r < kTileRows; ++r) acc[r] = vfma(wv, vload(x_rows[r] + i), acc[r]);
+    vf xv[kTileRows];
+    for (int64_t r = 0; r < kTileRows; ++r) xv[r] = vload(x_rows[r] + i);
+    for (int64_t j = 0; j < kShrinkRows; ++j) {
+      const vf wv = vload(w_rows[j] + i);
+      for (int64_t r = 0; r < kTileRows; ++r) acc[r][j] = vfma(wv, xv[r], acc[r][j]);
+    }
   }
-  for (int64_t r = 0; r < kTileRows; ++r) sums[r] = vsum(acc[r]);
+  for (int64_t r = 0; r < kTileRows; ++r)
+    for (int64_t j = 0; j < kShrinkRows; ++j) sums[r][j] = vsum(acc[r][j]);
 #endif
   for (; i < k; ++i)
     for (int64_t r = 0; r < kTileRows; ++r)
-      sums[r] += static_cast<float>(w[i]) * static_cast<float>(x_rows[r][i]);
+      for (int64_t j = 0; j < kShrinkRows; ++j)
+        sums[r][j] += static_cast<float>(w_rows[j][i]) * static_cast<float>(x_rows[r][i]);
 }
 
-// h[i, :] = a[slot] @ x[order[i]] for every sorted row i.
+// h[i, :] = a[slot] @ x[order[i]] for every sorted row i, over (tile, group of kShrinkRows rows
+// of A) tasks.
 template <typename TX, typename TW>
 void shrink(const TX* x, int64_t k, const TW* a, int64_t width,
             const std::vector<Tile>& tiles, const std::vector<int64_t>& order, float* h) {
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * width, 1,
+  const int64_t groups = (width + kShrinkRows - 1) / kShrinkRows;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * groups, 1,
                    [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task / width];
-      const int64_t w = task % width;
+      const Tile& tile = tiles[task / groups];
+      const int64_t w0 = (task % groups) * kShrinkRows;
+      const int64_t count = std::min(kShrinkRows, width - w0);
       const TX* rows[kTileRows];
       for (int64_t r = 0; r < kTileRows; ++r)
         rows[r] = x + order[tile.begin + (r < tile.count ? r : 0)] * k;
-      float sums[kTileRows];
-      dot_tile(a + (tile.slot * width + w) * k, rows, k, sums);
-      for (int64_t r = 0; r < tile.count; ++r) h[(tile.begin + r) * width + w] = sums[r];
+      const TW* w_rows[kShrinkRows];
+      for (int64_t j = 0; j < kShrinkRows; ++j)
+        w_rows[j] = a + (tile.slot * width + w0 + (j < count ? j : 0)) * k;
+      float sums[kTileRows][kShrinkRows];
+      dot_block(w_rows, rows, k, sums);
+      for (int64_t r = 0; r < tile.count; ++r)
+        for (int64_t j = 0; j < count; ++j) h[(tile.begin + r) * width + w0 + j] = sums[r][j];
     }
   });
 }
 
 inline void add_to(float* out, const float* values, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] += values[i];
+  int64_t i = 0;
+#if KVSERVE_VEC
+  for (; i + kLanes <= n; i += kLanes) vstore(out + i, vadd(vload(out + i), vload(values + i)));
+#endif
+  for (; i < n; ++i) out[i] += values[i];
 }
 
 inline void add_to(c10::BFloat16* out, const float* values, int64_t n) {
   float sums[kBlock];
-  for (int64_t i = 0; i < n; ++i) sums[i] = static_cast<float>(out[i]) + values[i];
+  int64_t i = 0;
+#if KVSERVE_VEC
+  for (; i + kLanes <= n; i += kLanes) vstore(sums + i, vadd(vload(out + i), vload(values + i)));
+#endif
+  for (; i < n; ++i) sums[i] = static_cast<float>(out[i]) + values[i];
   to_bf16_bits(sums, reinterpret_cast<uint16_t*>(out), n);
 }
 
-// acc[r, :] = sum_w h[r, w] * b[w, n0:n0 + n] for the tile's rows (n <= kBlock).
+// acc[r, :] = sum_w h[r, w] * panel[w * stride : w * stride + n] for the tile's rows
+// (n <= kBlock).
 template <typename TW>
-void expand_block(const float* h, int64_t width, const TW* b, int64_t n_out, int64_t n0,
-                  int64_t n, float (*acc)[kBlock]) {
+void expand_block(const float* h, int64_t width, const TW* panel, int64_t stride, int64_t n,
+                  float (*acc)[kBlock]) {
 #if KVSERVE_VEC
   if (n == kBlock) {
     vf sums[kTileRows][kColumnVectors];
@@ -108,7 +140,7 @@ void expand_block(const float* h, int64_t width, const TW* b, int64_t n_out, int
       for (auto& v : row) v = vzero();
     for (int64_t w = 0; w < width; ++w) {
       vf bv[kColumnVectors];
-      for (int64_t v = 0; v < kColumnVectors; ++v) bv[v] = vload(b + w * n_out + n0 + v * kLanes);
+      for (int64_t v = 0; v < kColumnVectors; ++v) bv[v] = vload(panel + w * stride + v * kLanes);
       for (int64_t r = 0; r < kTileRows; ++r) {
         const vf coefficient = vset1(h[r * width + w]);
         for (int64_t v = 0; v < kColumnVectors; ++v)
@@ -125,25 +157,57 @@ void expand_block(const float* h, int64_t width, const TW* b, int64_t n_out, int
   for (int64_t w = 0; w < width; ++w)
     for (int64_t r = 0; r < kTileRows; ++r)
       for (int64_t j = 0; j < n; ++j)
-        acc[r][j] += h[r * width + w] * static_cast<float>(b[w * n_out + n0 + j]);
+        acc[r][j] += h[r * width + w] * static_cast<float>(panel[w * stride + j]);
 }
 
-// out[order[i], :] += h[i, :] @ b[slot] for every sorted row i.
+// Consecutive tiles of one slot, at most kRunTiles: an expand task's rows, which share the
+// columns of B it converts (bf16) once.
+struct Run {
+  int64_t slot, first_tile, tiles;
+};
+
+std::vector<Run> runs_of(const std::vector<Tile>& tiles) {
+  std::vector<Run> runs;
+  for (int64_t t = 0; t < static_cast<int64_t>(tiles.size()); ++t) {
+    if (runs.empty() || runs.back().slot != tiles[t].slot || runs.back().tiles == kRunTiles)
+      runs.push_back({tiles[t].slot, t, 0});
+    ++runs.back().tiles;
+  }
+  return runs;
+}
+
+// out[order[i], :] += h[i, :] @ b[slot] for every sorted row i, over (run, output block) tasks.
 template <typename TO, typename TW>
 void expand(TO* out, int64_t n_out, const TW* b, int64_t width, const std::vector<Tile>& tiles,
             const std::vector<int64_t>& order, const float* h) {
   const int64_t blocks = (n_out + kBlock - 1) / kBlock;
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * blocks, 1,
+  const std::vector<Run> runs = runs_of(tiles);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * blocks, 1,
                    [&](int64_t begin, int64_t end) {
     float acc[kTileRows][kBlock];
+    std::vector<float> panel;  // a bf16 run's columns of B as float32
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task / blocks];
+      const Run& run = runs[task / blocks];
       const int64_t n0 = (task % blocks) * kBlock, n = std::min(kBlock, n_out - n0);
-      // h has kTileRows spare rows at its end, so a short tile reads (and drops) valid memory
-      expand_block(h + tile.begin * width, width, b + tile.slot * width * n_out, n_out, n0, n,
-                   acc);
-      for (int64_t r = 0; r < tile.count; ++r)
-        add_to(out + order[tile.begin + r] * n_out + n0, acc[r], n);
+      const TW* columns = b + run.slot * width * n_out + n0;
+      const bool convert = !std::is_same<TW, float>::value && run.tiles > 1;
+      if (convert) {
+        panel.resize(width * kBlock);
+        for (int64_t w = 0; w < width; ++w)
+          for (int64_t j = 0; j < n; ++j)
+            panel[w * kBlock + j] = static_cast<float>(columns[w * n_out + j]);
+      }
+      for (int64_t t = run.first_tile; t < run.first_tile + run.tiles; ++t) {
+        const Tile& tile = tiles[t];
+        // h has kTileRows spare rows at its end, so a short tile reads (and drops) valid memory
+        const float* rows = h + tile.begin * width;
+        if (convert)
+          expand_block(rows, width, panel.data(), kBlock, n, acc);
+        else
+          expand_block(rows, width, columns, n_out, n, acc);
+        for (int64_t r = 0; r < tile.count; ++r)
+          add_to(out + order[tile.begin + r] * n_out + n0, acc[r], n);
+      }
     }
   });
 }
