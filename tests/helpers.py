@@ -4,11 +4,14 @@ helpers from here only, never from one another or from conftest (tests/test_laye
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
+import json
 import os
 import textwrap
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
@@ -618,7 +621,6 @@ def _llama_cpp_sdist():
     """The llama-cpp-python source distribution (the peers' download, else pip's, cached)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from kvserve.paths import cache_dir
 
@@ -656,17 +658,96 @@ def llama_cpp_chat_template(name: str) -> str:
 
 
 def convert_hf_to_gguf(model_dir, outfile, outtype: str = "f32"):
-    """`outfile`: the HF directory as llama.cpp's own converter writes it."""
-    import subprocess
-    import sys
-
-    tree = llama_cpp_converter_tree()
-    env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-    done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(model_dir),
-                           "--outfile", str(outfile), "--outtype", outtype],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """`outfile`: the HF directory as llama.cpp's own converter writes it (its `main()` as the
+    script runs it, each time in a fresh fork of one process that imported it once)."""
+    log = Path(f"{outfile}.convert.log")
+    code = _converter().convert([str(model_dir), "--outfile", str(outfile),
+                                 "--outtype", outtype], log)
+    assert code == 0, log.read_text()[-3000:]
     return outfile
+
+
+# The converter's child: imports the converter (torch, transformers' tokenizers, gguf-py) once,
+# then forks a child per conversion, whose state dies with it. Why: the import is ~5 s of
+# the ~10 s a tiny conversion took as a fresh `python convert_hf_to_gguf.py`, paid by every one
+# of the suite's conversions. A job is a JSON line {argv, log}; the answer is the exit code.
+_CONVERTER_SERVER = """
+import importlib.util, json, os, sys, traceback
+tree = sys.argv[1]
+sys.path.insert(0, tree)
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf",
+                                              os.path.join(tree, "convert_hf_to_gguf.py"))
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+from transformers import AutoTokenizer  # noqa: F401  (what the converter's vocabulary reads)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        code = 0
+        try:
+            sys.argv = ["convert_hf_to_gguf.py", *job["argv"]]
+            module.main()
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+CONVERSION_TIMEOUT_S = 600
+
+
+class _ConverterProcess:
+    """The converter's child (_CONVERTER_SERVER), started on the first conversion and ended
+    with the test session (its stdin closes)."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        tree = llama_cpp_converter_tree()
+        env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
+        self.process = subprocess.Popen([sys.executable, "-c", _CONVERTER_SERVER, str(tree)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env=env, text=True)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def convert(self, argv: list[str], log: Path) -> int:
+        import select
+
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], CONVERSION_TIMEOUT_S)
+        answer = self.process.stdout.readline() if ready else ""
+        if not answer:
+            self.process.kill()
+            raise AssertionError(f"llama.cpp's converter gave no answer ({argv})")
+        return int(answer)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+_converter_process: _ConverterProcess | None = None
+
+
+def _converter() -> _ConverterProcess:
+    global _converter_process
+    if _converter_process is None or not _converter_process.alive():
+        _converter_process = _ConverterProcess()
+        atexit.register(_converter_process.close)
+    return _converter_process
 
 
 # ---- tiny checkpoints saved by HF transformers ------------------------------------------------
@@ -802,8 +883,6 @@ def assert_greedy_batched_and_alone(model, prompts: list[list[int]], expected: l
 def edited_checkpoint(directory, destination, edit: Callable[[dict], None]):
     """`directory`'s checkpoint with its config.json changed by `edit` (the weights and
     tokenizer files linked, not copied)."""
-    import json
-
     destination.mkdir(parents=True, exist_ok=True)
     for path in directory.iterdir():
         if path.name != "config.json":
@@ -1292,7 +1371,6 @@ def write_fp8_checkpoint(source, target, block=(128, 128), drop_scale: str | Non
     """`source`'s float checkpoint as a block-scaled fp8 one in `target` (optionally with one
     scale missing or of the wrong shape, or the projections named with `keep_float` left
     float)."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
