@@ -395,6 +395,20 @@ def test_closed_loop_search_bisects_to_the_scan():
     assert found.limited_by == "TPOT SLO"
 
 
+def test_disaggregated_closed_loop_runs_at_most_max_num_seqs():
+    """`kvserve plan --max-num-seqs` caps a P/D pair's decode server as it caps one engine: 8
+    clients on a server that runs 2 at a time wait for each other's decodes."""
+    config, _ = load_plan_model("smollm2-135m-instruct")
+    work = Workload(256, 32, arrival="closed", requests=16)
+    pair = Candidate(1, 1, 2, "disaggregated", "none", "bfloat16", prefill_instances=1,
+                     share=0.5)
+    slo = SLO()
+    roomy = predict(config, CPU_2CORE, pair, work, slo, batch=8).latency
+    capped = predict(config, CPU_2CORE, pair, work, slo, batch=8, max_num_seqs=2).latency
+    assert capped.ttft_s > 1.5 * roomy.ttft_s
+    assert capped.throughput < roomy.throughput
+
+
 def test_validate_repeats_report_each_figures_median():
     from kvserve.bench.plan.validate import _median_run
 

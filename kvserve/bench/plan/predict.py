@@ -276,13 +276,15 @@ def _closed_loop(model: InstanceModel, workload: Workload, batch: int, bound: st
 
 
 def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
-                  workload: Workload, batch: int) -> Latency:
+                  workload: Workload, batch: int, max_num_seqs: int = MAX_NUM_SEQS) -> Latency:
     """`batch` sequences per decode instance; prefills on their own instances, each prompt's
-    KV then moved to a decode instance (the decode's first step makes the first token)."""
+    KV then moved to a decode instance (the decode's first step makes the first token;
+    `max_num_seqs` of them running in the closed loop's simulation)."""
     cand = decode_model.cand
     step = decode_model.decode_step(batch, workload.mean_context)
     if workload.arrival == "closed":
-        return _disaggregated_loop(prefill_model, decode_model, workload, batch, step.bound)
+        return _disaggregated_loop(prefill_model, decode_model, workload, batch, step.bound,
+                                   max_num_seqs)
     prefill = prefill_model.prefill(workload.new_prompt_tokens, workload.input_len).total_s
     decode_rate = cand.decode_instances * cand.pp * batch / (workload.output_len * step.total_s)
     prefill_rate = cand.prefill_instances / prefill
@@ -303,7 +305,8 @@ def disaggregated(prefill_model: InstanceModel, decode_model: InstanceModel,
 
 
 def _disaggregated_loop(prefill_model: InstanceModel, decode_model: InstanceModel,
-                        workload: Workload, batch: int, bound: str) -> Latency:
+                        workload: Workload, batch: int, bound: str,
+                        max_num_seqs: int) -> Latency:
     """`batch` clients per decode instance, replayed on a prefill and a decode instance
     (simulate.py's disaggregated_loop; xPyD gives each decode instance x/y of a prefill one):
     a closed loop spaces its clients out, where a queueing formula would see a prefill server
@@ -320,7 +323,7 @@ def _disaggregated_loop(prefill_model: InstanceModel, decode_model: InstanceMode
         transfer_s=prefill_model.kv_transfer_s(workload.input_len)
         + decode_model.overheads.handoff_s)
     shape = LoopShape(batch, workload.requests or 8 * batch, prompt, workload.output_len,
-                      prefill_model.hw.step_tokens, MAX_NUM_SEQS)
+                      prefill_model.hw.step_tokens, max_num_seqs)
     loop = disaggregated_loop(costs, shape)
     return Latency(loop.ttft_s, loop.tpot_s, cand.decode_instances * cand.pp * loop.throughput,
                    bound)

@@ -124,7 +124,7 @@ def predict(config: ModelConfig, hardware: Hardware, candidate: Candidate,
 
     def run(b: int) -> Latency:
         if candidate.mode == "disaggregated":
-            return disaggregated(model, model, workload, b)
+            return disaggregated(model, model, workload, b, seqs)
         return aggregated(model, workload, b, seqs)
 
     base = dict(candidate=candidate, weight_bytes_per_device=weights_per_device,
