@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from statistics import median
+from contextlib import asynccontextmanager
 from dataclasses import replace
+from statistics import median
 
 from kvserve.bench.plan.hardware import CPU_2CORE, Hardware
 from kvserve.config import ModelConfig
@@ -136,6 +137,22 @@ def served_times(url: str, reference: str) -> dict:
     return asyncio.run(_streamed_times(url, reference))
 
 
+@asynccontextmanager
+async def _calibration_client(url: str, reference: str, seed: int):
+    """A bench client of the server at `url` and a source of text slices in `reference`'s
+    tokens (each slice different, so no prompt hits the prefix cache); the client closed
+    after."""
+    from kvserve.bench.cli import _tokenizer
+    from kvserve.bench.client import BenchClient
+    from kvserve.bench.workloads import TextSource
+
+    client = BenchClient(url, reference)
+    try:
+        yield client, TextSource(_tokenizer(reference), seed=seed)
+    finally:
+        await client.close()
+
+
 async def _streamed_times(url: str, reference: str) -> dict:
     """The median of CALIBRATION_REPEATS of each: a lone 256-token prompt's tokens' spacing
     (a decode step at batch 1), lone prompts of each PREFILL_LENGTHS (their step's time in the
@@ -146,14 +163,8 @@ async def _streamed_times(url: str, reference: str) -> dict:
     prefix-cache hits."""
     import asyncio
 
-    from kvserve.bench.cli import _tokenizer
-    from kvserve.bench.client import BenchClient
-    from kvserve.bench.workloads import TextSource
-
-    source = TextSource(_tokenizer(reference), seed=0)
-    client = BenchClient(url, reference)
     tokens = CALIBRATION_TOKENS
-    try:
+    async with _calibration_client(url, reference, seed=0) as (client, source):
         await client.complete(source.take(CALIBRATION_PROMPT), tokens)  # warm
         ones = [await client.complete(source.take(CALIBRATION_PROMPT), tokens)
                 for _ in range(CALIBRATION_REPEATS)]
@@ -162,8 +173,6 @@ async def _streamed_times(url: str, reference: str) -> dict:
         waves = [await asyncio.gather(*(client.complete(source.take(64), tokens)
                                         for _ in range(CALIBRATION_BATCH)))
                  for _ in range(CALIBRATION_REPEATS)]
-    finally:
-        await client.close()
     for result in [*ones, *(r for wave in waves for r in wave)]:
         if result.error or len(result.chunk_times) < 2:
             raise RuntimeError(f"calibration request failed: {result.error or 'no tokens'}")
@@ -182,18 +191,10 @@ def lone_ttft(url: str, reference: str, prompt_len: int = CALIBRATION_PROMPT) ->
     tokens asked: a P/D pair's first token comes from its decode side), after one to warm."""
     import asyncio
 
-    from kvserve.bench.cli import _tokenizer
-    from kvserve.bench.client import BenchClient
-    from kvserve.bench.workloads import TextSource
-
     async def measure() -> float:
-        source = TextSource(_tokenizer(reference), seed=1)
-        client = BenchClient(url, reference)
-        try:
+        async with _calibration_client(url, reference, seed=1) as (client, source):
             results = [await client.complete(source.take(prompt_len), 2)
                        for _ in range(CALIBRATION_REPEATS + 1)][1:]
-        finally:
-            await client.close()
         if any(r.error or r.first_token is None for r in results):
             raise RuntimeError("calibration request failed: a lone prompt")
         return median(r.first_token - r.sent for r in results)
