@@ -313,3 +313,28 @@ def test_the_background_measurement_leaves_no_openmp_team(background, monkeypatc
     while len(set(os.listdir("/proc/self/task")) - before) > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(set(os.listdir("/proc/self/task")) - before) == 1  # the tuner's own thread
+
+
+def test_lora_slots_take_the_measured_limit_of_their_gemms(tuning):
+    """Each LoRA projection's tiles are timed against its own GEMM path (lora_add_ with
+    gemm_rows 0) once per shape and rank width; every projection of that shape takes the
+    table's limit (and the decode stack records it)."""
+    from kvserve.models import random_model
+    from kvserve.models.lora import ModelLoRA
+    from kvserve.models.lora.slots import LinearLoRA
+    from kvserve.testing.tiny import tiny_config
+
+    model = random_model(tiny_config(), "float32", seed=4, attention_backend="paged")
+    ops = model.model.ops
+    if not ops.compiled:
+        pytest.skip("the torch reference has no GEMM switch to tune")
+    model.lora = ModelLoRA(model, 2, 8, model.activation_dtype)
+    table = json.loads(autotune.table_path().read_text())
+    layers = {id(m.lora): m.lora for m in model.modules()
+              if isinstance(getattr(m, "lora", None), LinearLoRA)}
+    assert layers
+    for lora in layers.values():
+        width, columns = lora.a.shape[1], lora.a.shape[2]
+        key = autotune._key(f"lora{width}", lora.b.shape[2], columns, torch.float32, ops.isa)
+        assert lora.max_rows == table[key]["max_rows"]
+        assert table[key]["rows"][0] == 1 and len(table[key]["rows"]) >= 2

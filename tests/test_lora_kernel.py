@@ -37,6 +37,29 @@ def test_grouped_lora_equals_the_reference(kernels, rows, k, n, width, dtype, we
     assert torch.equal(out[base], _case(rows, k, n, 4, width, dtype, weight_dtype)[1][base])
 
 
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.bfloat16)])
+def test_long_runs_of_one_adapter_through_gemms(kernels, dtype, weight_dtype):
+    """Runs of more than gemm_rows consecutive rows of one slot (a prompt's chunk) take two
+    GEMMs, the rest the tiles: the reference's sums (bf16: the GEMMs round the [rows, W]
+    product once, as PEFT's bf16 layers do), the base rows untouched, whatever the limit."""
+    x, out, a, b, _ = _case(90, 576, 160, 3, 48, dtype, weight_dtype, seed=2)
+    slots = torch.tensor([0] * 40 + [1] * 3 + [-1] * 5 + [2] * 20 + [0] * 2 + [1] * 20,
+                         dtype=torch.int32)
+    expected = out.clone()
+    reference.lora_add_(x, expected, a, b, slots)
+    for gemm_rows in (0, 10, 20, 1 << 30):
+        got = _case(90, 576, 160, 3, 48, dtype, weight_dtype, seed=2)[1]
+        kernels.lora_add_(x, got, a, b, slots, gemm_rows)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        else:  # the [rows, 48] product rounded to bf16 (2^-9 relative) times B's ~N(0, 1)
+            # values summed over 48: ~0.05 at most, beside out's own rounding (values ~10)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=0.1)
+        assert torch.equal(got[43:48], out[43:48])
+
+
 def test_base_rows_only_and_a_view_input(kernels):
     x, out, a, b, _ = _case(5, 64, 32, 2, 16, torch.float32, torch.float32)
     before = out.clone()
@@ -72,15 +95,18 @@ def _random_adapters(model, ids, rank: int = 8) -> None:
         model.lora.add(adapter_id, LoRAAdapter(rank, weights))
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("bfloat16", "none"),
-                                                ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype,quantization,gemm_rows", [
+    ("float32", "none", None), ("bfloat16", "none", None), ("bfloat16", "int4", None),
+    ("bfloat16", "none", 4)])
 def test_decode_stack_runs_adapters_as_the_python_loop(monkeypatch, isa_level, dtype,
-                                                      quantization):
+                                                      quantization, gemm_rows):
     """Steps whose rows run adapters take the decode stack, which adds each projection's
     adapters with the same kernel after the same base product: logits equal to the Python
-    loop's to the bit, and not the base model's."""
+    loop's to the bit, and not the base model's; also with prompts' runs over the GEMM limit
+    (`gemm_rows`, the autotuner's per shape)."""
     from kvserve.models import random_model
     from kvserve.models.lora import ModelLoRA
+    from kvserve.models.lora.slots import LinearLoRA
     from kvserve.models.paged_loop import PagedLoop
     from kvserve.testing.tiny import tiny_config
     from tests.helpers import decode_logits
@@ -89,6 +115,10 @@ def test_decode_stack_runs_adapters_as_the_python_loop(monkeypatch, isa_level, d
                          quantization=quantization)
     model.lora = ModelLoRA(model, 2, 8, model.activation_dtype)
     _random_adapters(model, (1, 2))
+    if gemm_rows is not None:
+        for lora in {id(m.lora): m.lora for m in model.modules()
+                     if isinstance(getattr(m, "lora", None), LinearLoRA)}.values():
+            lora.max_rows = gemm_rows
     prompts = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((3, 11, 20))]
     adapter_of = {0: 0, 1: 1, 2: 2}  # the first sequence runs the base model
     step = PagedLoop.step

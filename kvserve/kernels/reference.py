@@ -336,9 +336,10 @@ def dequantize_int32(acc, token_scale, weight_scale, bias, dtype) -> torch.Tenso
 
 
 def lora_add_(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              slots: torch.Tensor) -> None:
+              slots: torch.Tensor, gemm_rows: int | None = None) -> None:
     """out[t] += (x[t] @ a[s].T) @ b[s] for each row t of slot s = slots[t] >= 0, in float32
-    (csrc/lora.cpp): each slot's rows gathered, two matmuls, the sum scattered back."""
+    (csrc/lora.cpp): each slot's rows gathered, two matmuls, the sum scattered back (every row
+    alike: `gemm_rows`, the kernel's switch to GEMMs for long runs, changes nothing here)."""
     for slot in slots.unique().tolist():
         if slot < 0:
             continue

@@ -129,7 +129,7 @@ def _lora_settings(layer: nn.Module) -> dict:
         return {}
     if not lora.compiled:
         raise Unsupported(f"LoRA slots in {lora.a.dtype} (the torch reference's)")
-    return {"lora_a": lora.a, "lora_b": lora.b}
+    return {"lora_a": lora.a, "lora_b": lora.b, "lora_gemm_rows": lora.max_rows}
 
 
 def _norm_settings(norm: nn.Module) -> dict:

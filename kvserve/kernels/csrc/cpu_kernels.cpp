@@ -1228,7 +1228,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add_", &kvserve::lora_add_,
         "out[t] += (x[t] @ a[s].T) @ b[s] for each row t of slot s = slots[t] >= 0 (grouped LoRA)",
         py::arg("x"), py::arg("out"), py::arg("a"), py::arg("b"), py::arg("slots"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("gemm_rows") = kvserve::kNoGemm, py::call_guard<py::gil_scoped_release>());
   m.def("int4_linear_fast", &kvserve::int4_linear_fast,
         "whether int4_linear is vectorised on this build");
   m.def("q8_dot_wide", &kvserve::q8_dot_wide,
@@ -1306,7 +1306,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t sliding_window, double scale, double softcap, double limit,
                        std::shared_ptr<kvserve::MoeLayer> moe, c10::optional<at::Tensor> sinks,
-                       c10::optional<at::Tensor> lora_a, c10::optional<at::Tensor> lora_b) {
+                       c10::optional<at::Tensor> lora_a, c10::optional<at::Tensor> lora_b,
+                       int64_t lora_gemm_rows) {
              TORCH_CHECK(op >= 0 && op <= static_cast<int64_t>(kvserve::StackOp::kMoe),
                          "decode stack: unknown op ", op);
              kvserve::StackInstruction in;
@@ -1325,6 +1326,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              TORCH_CHECK(lora_a.has_value() == lora_b.has_value(),
                          "decode stack: a LoRA needs both a and b");
              if (lora_a) in.lora_a = *lora_a, in.lora_b = *lora_b;
+             in.lora_gemm_rows = lora_gemm_rows;
              return in;
            }),
            "one op of a recorded layer program (models/decode_stack.py)", py::arg("op"),
@@ -1336,7 +1338,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
            py::arg("sliding_window") = 0, py::arg("scale") = 1.0, py::arg("softcap") = 0.0,
            py::arg("limit") = 0.0, py::arg("moe") = py::none(), py::arg("sinks") = py::none(),
-           py::arg("lora_a") = py::none(), py::arg("lora_b") = py::none());
+           py::arg("lora_a") = py::none(), py::arg("lora_b") = py::none(),
+           py::arg("lora_gemm_rows") = kvserve::kNoGemm);
   py::class_<kvserve::DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<kvserve::StackInstruction>, int64_t, int64_t>(),
            py::arg("program"), py::arg("num_registers"), py::arg("output"))

@@ -96,7 +96,7 @@ at::Tensor DecodeStack::run(at::Tensor residual, const at::Tensor& positions,
         const at::Tensor x = regs[in.src];  // dst may reuse src's register
         regs[in.dst] = in.linear(x);
         if (lora_slots && in.lora_a.defined())
-          lora_add_(x, regs[in.dst], in.lora_a, in.lora_b, *lora_slots);
+          lora_add_(x, regs[in.dst], in.lora_a, in.lora_b, *lora_slots, in.lora_gemm_rows);
         break;
       }
       case StackOp::kSiluAndMul:

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "lora.h"
 #include "moe.h"
 #include "stack_linear.h"
 
@@ -36,8 +37,10 @@ struct StackInstruction {
   double eps = 0.0, weight_offset = 0.0;
   StackLinear linear;
   // kLinear's LoRA slots (models/lora/slots.py), undefined without --enable-lora: a [S, W, K]
-  // and b [S, W, N], filled in place as adapters load
+  // and b [S, W, N], filled in place as adapters load; runs of more rows of one adapter than
+  // lora_gemm_rows take the GEMMs (lora.h)
   at::Tensor lora_a, lora_b;
+  int64_t lora_gemm_rows = kNoGemm;
   // attention: the layer's cache and RoPE table, heads, scale, window, soft cap
   at::Tensor kv_cache, cos_sin;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, sliding_window = 0;

@@ -234,8 +234,30 @@ void lora_add_weights(const at::Tensor& x, at::Tensor& out, const at::Tensor& a,
 
 }  // namespace
 
+// Runs of more than gemm_rows consecutive rows of one slot through two GEMMs; returns the
+// slots the tiles still take (those runs' rows -1), or `slots` itself when no run is that long.
+at::Tensor gemm_long_runs(const at::Tensor& x, at::Tensor& out, const at::Tensor& a,
+                          const at::Tensor& b, const at::Tensor& slots, int64_t gemm_rows) {
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  const int64_t rows = slots.numel();
+  at::Tensor rest = slots;
+  for (int64_t start = 0, end; start < rows; start = end) {
+    for (end = start + 1; end < rows && slot[end] == slot[start];) ++end;
+    if (slot[start] < 0 || end - start <= gemm_rows) continue;
+    TORCH_CHECK(slot[start] < a.size(0), "lora_add_: row ", start, " has slot ", slot[start],
+                " of ", a.size(0));
+    const at::Tensor a_slot = a[slot[start]].to(x.scalar_type());
+    const at::Tensor b_slot = b[slot[start]].to(x.scalar_type());
+    at::Tensor target = out.narrow(0, start, end - start);
+    target.addmm_(x.narrow(0, start, end - start).mm(a_slot.t()), b_slot);
+    if (rest.data_ptr() == slots.data_ptr()) rest = slots.clone();
+    rest.narrow(0, start, end - start).fill_(-1);
+  }
+  return rest;
+}
+
 void lora_add_(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& slots) {
+               const at::Tensor& slots, int64_t gemm_rows) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && a.dim() == 3 && b.dim() == 3,
               "lora_add_: x [T, K], out [T, N], a [S, W, K], b [S, W, N]");
   TORCH_CHECK(out.is_contiguous() && a.is_contiguous() &&
@@ -253,10 +275,13 @@ void lora_add_(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, const 
                   a.size(2) == x.size(1) && b.size(2) == out.size(1),
               "lora_add_: shapes x ", x.sizes(), ", out ", out.sizes(), ", a ", a.sizes(),
               ", b ", b.sizes());
+  TORCH_CHECK(gemm_rows >= 0, "lora_add_: gemm_rows >= 0");
   const at::Tensor xc = x.contiguous();  // a projection's input may be a view
+  const at::Tensor rest = gemm_rows < x.size(0) ? gemm_long_runs(xc, out, a, b, slots, gemm_rows)
+                                                : slots;
   std::vector<int64_t> order;
   const std::vector<Tile> tiles =
-      tiles_by_slot(slots.data_ptr<int32_t>(), x.size(0), a.size(0), order);
+      tiles_by_slot(rest.data_ptr<int32_t>(), x.size(0), a.size(0), order);
   if (tiles.empty() || a.size(1) == 0) return;
   if (x.scalar_type() == at::kFloat)
     lora_add_weights<float>(xc, out, a, b, tiles, order);

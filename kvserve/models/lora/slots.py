@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.distributed.sharding import ShardRule, take_shard
+from kvserve.kernels import autotune
 
 # the dtypes the compiled kernel takes; others (float16) run the torch reference
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -52,6 +53,12 @@ class LinearLoRA:
         self.b = torch.zeros(num_slots, width, layer.out_features, dtype=dtype)
         self.compiled = ops is not None and ops.compiled and dtype in KERNEL_DTYPES
         self._lora_add = ops.lora_add_ if self.compiled else reference.lora_add_
+        # rows of one adapter's run the kernel's tiles take; a longer run (a prompt's chunk)
+        # takes two GEMMs: measured per shape on this CPU, set later by the background tuner
+        self.max_rows = autotune.NO_LIMIT
+        if self.compiled and autotune.enabled():
+            self.max_rows = _tuned_max_rows(ops, width, layer.in_features, layer.out_features,
+                                            dtype, self)
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """One part's adapter (the whole model's A [rank, in] and B [rows, rank]), cut to this
@@ -75,4 +82,32 @@ class LinearLoRA:
 
     def add_(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter's x @ A.T @ B.T (the rows of no adapter unchanged)."""
-        self._lora_add(x, out, self.a, self.b, self.batch.slots)
+        if self.compiled:
+            self._lora_add(x, out, self.a, self.b, self.batch.slots, self.max_rows)
+        else:
+            self._lora_add(x, out, self.a, self.b, self.batch.slots)
+
+
+def _tuned_max_rows(ops, width: int, in_features: int, out_features: int, dtype: torch.dtype,
+                    owner: LinearLoRA) -> int:
+    """The most rows of one adapter for which the kernel's tiles beat its GEMMs (oneDNN: AMX
+    where the CPU has it) on this shape, from the autotuner (kernels/autotune.py: the table,
+    else NO_LIMIT until the background tuner has measured it). Why measured: on a Xeon with AMX
+    the GEMMs won from ~100 rows of QKV's shape at bf16 and never at float32 on 1,536 inputs;
+    another CPU moves both."""
+    split = width * in_features
+
+    def call(gemm_rows: int):
+        def run(x: torch.Tensor, packed: torch.Tensor, *_):
+            a = packed[:split].view(1, width, in_features)
+            b = packed[split:].view(1, width, out_features)
+            out = torch.zeros(x.shape[0], out_features, dtype=x.dtype)
+            ops.lora_add_(x, out, a, b, torch.zeros(x.shape[0], dtype=torch.int32), gemm_rows)
+            return out
+        return run
+
+    packed = (torch.randn(width * (in_features + out_features)) * 0.02).to(dtype)
+    return autotune.max_rows(f"lora{width}", call(autotune.NO_LIMIT), packed,
+                             torch.empty(out_features, in_features, device="meta"), dtype,
+                             ops.isa, autotune.NO_LIMIT, prefill=True, owner=owner,
+                             rival=call(0))
