@@ -6,8 +6,9 @@ transposed ([parts * max_rank, out]), so one pair of products applies every part
 its own output rows. The step's rows carry their slot (-1: the base model) and one call per
 projection applies every adapter of the step (the segmented, punica-style batching): the
 compiled kernel `lora_add_` (kernels/csrc/lora.cpp, every ISA level) groups the rows by slot
-itself, and the decode stack calls it after the same projection; the torch reference groups
-them with a gather and a scatter per adapter. The product is added before a row-parallel
+itself, and the decode stack calls it after the same projection; a prompt's chunk, a run of
+more rows of one adapter than the autotuner's limit for the shape, takes two dense GEMMs inside
+the same call. The torch reference groups them with a gather and a scatter per adapter. The product is added before a row-parallel
 layer's all-reduce (the partial sums of the delta add up like the base's).
 """
 
